@@ -1,0 +1,189 @@
+"""``load()``: a registry name, a local HF model directory, a ``.gguf`` file or a hub id
+becomes a ``LoadedModel`` (decoder + tokenizer) on the native or the HF backend."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidParameterError, ModelFileError, UnknownModelError
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matmuls run natively (and cost ~1 token for up to ~32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise InvalidParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+@dataclass
+class LoadedModel:
+    """A decoder (native or HF backend, same interface) with its tokenizer."""
+
+    name: str
+    model: Any  # NativeCausalLM or HFCausalLM: forward(tokens, cache, parents, logits_for), new_cache()
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    path: Path | None = None
+    eos_token_ids: set[int] = field(default_factory=set)
+    draft_name: str | None = None  # registered same-tokenizer draft, if any
+
+    @property
+    def backend(self) -> str:
+        return self.model.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    def __repr__(self) -> str:
+        return f"LoadedModel({self.name!r}, backend={self.backend}, dtype={self.dtype}, device={self.device})"
+
+
+def _eos_ids(path: Path, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for fname in ("generation_config.json", "config.json"):
+        f = path / fname
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    # chat models end turns with these even when the config names another EOS
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            if tok in tokenizer.get_vocab():
+                ids.add(tid)
+    return ids
+
+
+def _local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
+    """Map the user's argument to (display name, HF-format directory, registered draft)."""
+    from . import registry
+
+    if name_or_path in registry.REGISTRY:
+        entry = registry.REGISTRY[name_or_path]
+        return name_or_path, registry.ensure_converted(name_or_path), entry.draft
+    p = Path(name_or_path).expanduser()
+    if p.suffix == ".gguf" or (p.exists() and p.is_file()):
+        if not p.exists():
+            raise ModelFileError(f"model file not found: {p}")
+        return p.name, registry.convert_gguf_file(p), None
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelFileError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return p.name, p, None
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+    if looks_like_path or name_or_path.count("/") != 1:
+        known = ", ".join(sorted(registry.REGISTRY))
+        raise UnknownModelError(
+            f"unknown model {name_or_path!r}: not a registered name ({known}), "
+            "an existing directory or a .gguf file"
+        )
+    return name_or_path, _download_from_hub(name_or_path), None
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """Fetch a hub model; fails fast with a clear message where no hub is reachable."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise UnknownModelError(f"cannot fetch {repo_id!r}: huggingface_hub is not installed") from e
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    try:
+        return Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        )
+    except Exception as e:
+        raise UnknownModelError(
+            f"model {repo_id!r} is not registered and could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}); use a registered name (`leapdecode models list`), "
+            "a local model directory or a .gguf file"
+        ) from None
+
+
+def load(
+    name_or_path: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    backend: str = "auto",
+    max_seq_len: int | None = None,
+) -> LoadedModel:
+    """Load a model by registry name, local HF directory, ``.gguf`` path or hub id.
+
+    ``backend="auto"`` uses the native decoder for Llama/Qwen2/Mistral and the
+    transformers fallback for everything else; ``"native"`` or ``"hf"`` force one.
+    ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
+    """
+    from transformers import AutoTokenizer
+
+    from .native import ModelConfig, NativeCausalLM
+
+    if backend not in ("auto", "native", "hf"):
+        raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    name, path, draft = _local_model_dir(name_or_path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"cannot read {path / 'config.json'}: {e}") from None
+    if backend == "auto":
+        try:
+            ModelConfig.from_hf(config)
+            backend = "native"
+        except (NotImplementedError, KeyError):
+            backend = "hf"
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if max_seq_len is None:
+        max_seq_len = min(int(config.get("max_position_embeddings", 4096)), 8192)
+    if backend == "native":
+        try:
+            model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
+        except NotImplementedError as e:
+            raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
+    else:
+        from .hf_backend import HFCausalLM
+
+        model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path,
+                       eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft)

@@ -1,0 +1,301 @@
+"""Native PyTorch decoder for the Llama / Qwen2 family (SmolLM2, Qwen2.5, Llama 2/3, Mistral).
+
+In the spirit of gpt-fast: one file, plain modules, a static KV cache
+(``kv_cache.KVCache``).  Differences that matter for speed on CPU: the q/k/v
+projections and the gate/up projections are fused into one matrix each, so a
+decode step runs 4 matrix products per layer instead of 7.
+
+``forward(tokens, cache, parents)`` appends the tokens to the cache as pending
+tree nodes (see ``KVCache.plan_append``): every token attends to the committed
+sequence plus its ancestors, at position ``committed length + depth``.  This is
+the single entry point for prefill, plain decoding and tree verification.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if archs and not set(archs) & SUPPORTED_ARCHITECTURES:
+            raise NotImplementedError(f"native backend does not implement {archs}")
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
+            "default",
+            "llama3",
+            None,
+        ):
+            raise NotImplementedError(f"native backend does not implement rope_scaling {rope_scaling}")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
+            raise NotImplementedError("native backend does not implement sliding-window attention")
+        n_heads = cfg["num_attention_heads"]
+        model_type = cfg.get("model_type", "")
+        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=rope_scaling,
+        )
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # Llama 3.1 frequency-dependent scaling, as in transformers' _compute_llama3_parameters
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    t = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # computed in fp32 and cast back, exactly as the HF Llama/Qwen2 RMSNorm does
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_out = cfg.n_heads * cfg.head_dim
+        kv_out = cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        qkv = self.wqkv(h)
+        q_out = cfg.n_heads * cfg.head_dim
+        kv_out = cfg.n_kv_heads * cfg.head_dim
+        q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
+        q = q.view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        keys, values = cache.write(layer, k, v)
+        attn = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            enable_gqa=cfg.n_heads != cfg.n_kv_heads,
+        )
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, q_out))
+        h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class NativeCausalLM(nn.Module):
+    """Llama/Qwen2 decoder with a tree-aware static KV cache."""
+
+    backend = "native"
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg, self.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        return KVCache(
+            self.cfg.n_layers,
+            self.cfg.n_kv_heads,
+            self.cfg.head_dim,
+            min(max_len or self.max_seq_len, self.max_seq_len),
+            batch_size=batch_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        parents: list[int] | None = None,
+        logits_for: slice | list[int] | None = None,
+        layers: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Append ``tokens`` ([B, T]) as pending nodes and return fp32 logits.
+
+        ``logits_for`` selects which of the T positions get logits (all by
+        default; ``slice(-1, None)`` for a prefill).  ``layers`` runs only those
+        decoder layers (self-speculation by layer skipping); skipped layers
+        leave their cache slots unwritten, so such a forward must be rolled back
+        before a full forward reuses the slots.
+        """
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        t = tokens.shape[1]
+        positions, mask = cache.plan_append(parents, t)
+        if mask is None and t > 1:
+            # causal chain after `past` slots: token i sees slots <= past + i
+            total = cache.total
+            past = total - t
+            mask = torch.ones(t, total, dtype=torch.bool, device=tokens.device).tril(past)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        x = self.embed(tokens)
+        for i in layers if layers is not None else range(self.cfg.n_layers):
+            x = self.layers[i](x, cos, sin, cache, i, mask)
+        if logits_for is not None:
+            x = x[:, logits_for]
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    # ------------------------------------------------------------- loading
+    @classmethod
+    def from_state_dict(
+        cls,
+        cfg: ModelConfig,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_seq_len: int | None = None,
+    ) -> "NativeCausalLM":
+        """Build from a Hugging Face-format (Llama/Qwen2 naming) state dict."""
+        with torch.device("meta"):
+            model = cls(cfg, max_seq_len=max_seq_len)
+        get = state.__getitem__
+        own: dict[str, torch.Tensor] = {"embed.weight": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+        if not cfg.tie_word_embeddings:
+            own["lm_head.weight"] = get("lm_head.weight")
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            own[f"layers.{i}.wqkv.weight"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            if cfg.attention_bias:
+                own[f"layers.{i}.wqkv.bias"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            own[f"layers.{i}.wo.weight"] = get(a + "o_proj.weight")
+            own[f"layers.{i}.w_gate_up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            own[f"layers.{i}.w_down.weight"] = get(p + "mlp.down_proj.weight")
+            own[f"layers.{i}.attn_norm"] = get(p + "input_layernorm.weight")
+            own[f"layers.{i}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
+        own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
+        model.load_state_dict(own, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+        cos, sin = rope_tables(cfg, model.max_seq_len)
+        model.rope_cos = cos.to(device)
+        model.rope_sin = sin.to(device)
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_seq_len: int | None = None,
+    ) -> "NativeCausalLM":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        state: dict[str, torch.Tensor] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {path}")
+        for f in files:
+            state.update(load_file(str(f)))
+        return cls.from_state_dict(cfg, state, dtype=dtype, device=device, max_seq_len=max_seq_len)
