@@ -150,6 +150,8 @@ def load(
 ) -> LoadedModel:
     """Load a model by registry name, local HF directory, ``.gguf`` path or hub id.
 
+    ``"tiny-random"`` / ``"tiny-random:SEED"`` build a tiny random model in-process (tests, CI).
+
     ``backend="auto"`` uses the native decoder for Llama/Qwen2/Mistral and the
     transformers fallback for everything else; ``"native"`` or ``"hf"`` force one.
     ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
@@ -158,6 +160,12 @@ def load(
 
     from .native import ModelConfig, NativeCausalLM
 
+    if name_or_path.startswith("tiny-random"):
+        from .tiny import tiny_loaded
+
+        seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
+        return tiny_loaded(name_or_path, seed=seed, dtype=resolve_dtype(dtype, resolve_device(device)),
+                           device=resolve_device(device))
     if backend not in ("auto", "native", "hf"):
         raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
     dev = resolve_device(device)

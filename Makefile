@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned to the local CPU build; an unpinned torch pulls gigabytes of CUDA wheels
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install install-dev demo test test-fast bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH)
+	$(BIN)/pip install -q -e ".[gguf,bench,server]"
+	@touch $@
+
+install: $(STAMP)
+
+$(VENV)/.installed-dev: $(STAMP)
+	$(BIN)/pip install -q -e ".[gguf,bench,server,dev]"
+	@touch $@
+
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(BIN)/leapdecode bench --demo
+
+test: install-dev
+	$(BIN)/python -m pytest tests
+
+test-fast: install-dev
+	$(BIN)/python -m pytest tests -m "not integration"
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,131 @@
+"""Sampling parameters and the logits -> distribution transform.
+
+One function, ``target_probs``, turns raw logits into the distribution a token
+is drawn from; the verifier applies it to the target and stochastic drafters
+apply the same to their own logits, so target and draft see identical
+temperature / top-k / top-p / min-p / typical-p processing.  The order follows
+transformers' ``generate``: repetition penalty, temperature, top-k, top-p,
+min-p, typical-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidParameterError(msg)
+
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            bad(f"min_p must be in [0, 1), got {self.min_p}")
+        if not 0 < self.typical_p <= 1:
+            bad(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, penalty: float, history: torch.Tensor, extra: list[list[int]] | None = None
+) -> torch.Tensor:
+    """CTRL-style penalty (as transformers): divide positive, multiply negative logits.
+
+    ``history`` (1-D ids) applies to every row; ``extra[i]`` adds tokens for row i only
+    (a tree node's ancestors).
+    """
+    if penalty == 1.0:
+        return logits
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    if history.numel():
+        seen[:, history.to(logits.device)] = True
+    if extra:
+        for i, toks in enumerate(extra):
+            if toks:
+                seen[i, toks] = True
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature and truncation filters; returns logits with -inf outside the kept set."""
+    logits = logits / p.temperature
+    neg_inf = torch.finfo(logits.dtype).min
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=False, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= (1 - p.top_p)
+        remove_sorted[..., -1] = False  # keep at least one token
+        remove = remove_sorted.scatter(-1, idx, remove_sorted)
+        logits = logits.masked_fill(remove, neg_inf)
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        threshold = p.min_p * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    if p.typical_p < 1.0:
+        logp = logits.log_softmax(-1)
+        probs = logp.exp()
+        ent = -(torch.nan_to_num(logp * probs)).sum(-1, keepdim=True)
+        shifted = (-logp - ent).abs()
+        sorted_shift, idx = torch.sort(shifted, dim=-1)
+        cum = logits.gather(-1, idx).softmax(-1).cumsum(-1)
+        last = (cum < p.typical_p).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+        remove_sorted = sorted_shift > sorted_shift.gather(-1, last)
+        remove = remove_sorted.scatter(-1, idx, remove_sorted)
+        logits = logits.masked_fill(remove, neg_inf)
+    return logits
+
+
+def target_probs(
+    logits: torch.Tensor,
+    p: SamplingParams,
+    history: torch.Tensor | None = None,
+    extra: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """Distribution (rows sum to 1) that sampling draws from; for greedy, a one-hot of the argmax."""
+    logits = logits.float()
+    if history is not None and p.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, p.repetition_penalty, history, extra)
+    if p.greedy:
+        out = torch.zeros_like(logits)
+        out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return out
+    return filter_logits(logits, p).softmax(-1)
+
+
+def greedy_tokens(
+    logits: torch.Tensor, p: SamplingParams, history: torch.Tensor | None = None,
+    extra: list[list[int]] | None = None,
+) -> torch.Tensor:
+    if history is not None and p.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits.float(), p.repetition_penalty, history, extra)
+    return logits.argmax(-1)

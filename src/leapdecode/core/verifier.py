@@ -1,0 +1,117 @@
+"""The one verifier: decides which drafted tokens the target accepts.
+
+Given the target's logits at every node of a flattened token tree (row 0 = the
+root), it walks down from the root:
+
+* **greedy** (temperature 0): descend into the child whose token is the
+  target's argmax; stop when none matches.  The emitted tokens are exactly
+  those vanilla greedy decoding produces.
+* **sampling**: at each node, first the children that were *drawn from a draft
+  distribution q* (without replacement, in order) go through recursive
+  rejection sampling: accept child x with probability min(1, p(x)/q(x)); on
+  rejection the target distribution becomes the residual norm(max(p - q, 0))
+  and x is removed from q (renormalised).  This is speculative sampling
+  (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative
+  Decoding"; Chen et al., 2023, "Accelerating Large Language Model Decoding
+  with Speculative Sampling") for one child, SpecInfer's multi-step
+  speculative sampling for several ("SpecInfer", Miao et al., 2024;
+  "Multi-Candidate Speculative Decoding", Yang et al., 2024) in its
+  without-replacement form ("Recursive Speculative Decoding: Accelerating LLM
+  Inference via Sampling Without Replacement", Jeon et al., 2024).  If all are
+  rejected, a token is drawn from the (residual) target distribution; if it
+  equals a *deterministic* child (model-free drafters), the walk descends
+  there, otherwise that token is emitted and the step ends.  Each stage leaves
+  the emitted token distributed exactly as the target's p.
+
+``allowed`` (a bool vocabulary mask per row, optional) is the hook for
+constrained decoding: tokens outside it get probability 0 for the target, so
+drafts outside the constraint are never accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams, greedy_tokens, target_probs
+from .tree import TokenTree
+
+
+@dataclass
+class Verdict:
+    accepted: list[int]  # tree node indices on the accepted path, root's child first
+    next_token: int  # the target's own token after the accepted path
+    tokens: list[int]  # accepted draft tokens + next_token: what this step emits
+
+
+def _ancestor_tokens(tree: TokenTree) -> list[list[int]]:
+    """Per flattened row (root first), the draft tokens on the path to that row."""
+    rows: list[list[int]] = [[]]
+    for i, p in enumerate(tree.parents):
+        rows.append(rows[p + 1] + [tree.tokens[i]])
+    return rows
+
+
+def verify(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    allowed: torch.Tensor | None = None,
+) -> Verdict:
+    """Accept a path of ``tree`` given target ``logits`` ``[1 + len(tree), V]`` (row 0 = root).
+
+    ``history`` holds the token ids decided so far (prompt + generated, root
+    included); it only matters for the repetition penalty.
+    """
+    extra = _ancestor_tokens(tree) if params.repetition_penalty != 1.0 else None
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    children = tree.child_map()
+    if params.greedy:
+        best = greedy_tokens(logits, params, history, extra).tolist()
+        node, path = -1, []
+        while True:
+            token = best[node + 1]
+            nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), -1)
+            if nxt < 0:
+                return Verdict(path, token, [tree.tokens[c] for c in path] + [token])
+            path.append(nxt)
+            node = nxt
+
+    probs = target_probs(logits, params, history, extra)
+    node, path = -1, []
+    while True:
+        p = probs[node + 1]
+        kids = children.get(node, [])
+        sampled = [c for c in kids if tree.sampled[c]]
+        descended = -1
+        if sampled:
+            q = tree.q[node].to(p.device, torch.float32).clone()
+            for c in sampled:
+                x = tree.tokens[c]
+                qx, px = q[x].item(), p[x].item()
+                if qx <= 0.0:
+                    raise ValueError(f"draft token {x} has zero probability under its own draft distribution")
+                u = torch.rand((), generator=generator, device=p.device).item()
+                if u * qx < px:  # u < min(1, p/q)
+                    descended = c
+                    break
+                residual = (p - q).clamp_min(0.0)
+                total = residual.sum()
+                # total == 0 means p == q up to rounding, where rejection has probability 0
+                p = residual / total if total > 0 else p
+                q[x] = 0.0
+                q_total = q.sum()
+                if q_total <= 0:
+                    break
+                q = q / q_total
+        if descended < 0:
+            token = int(torch.multinomial(p, 1, generator=generator).item())
+            descended = next((c for c in kids if not tree.sampled[c] and tree.tokens[c] == token), -1)
+            if descended < 0:
+                return Verdict(path, token, [tree.tokens[c] for c in path] + [token])
+        path.append(descended)
+        node = descended
