@@ -187,6 +187,7 @@ def load(
     if backend == "native":
         try:
             model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
+            model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
         except NotImplementedError as e:
             raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
     else:
