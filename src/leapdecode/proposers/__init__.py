@@ -7,7 +7,29 @@ from typing import Any
 from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer
 
-METHODS = ["vanilla", "draft"]
+METHODS = ["vanilla", "draft", "pld", "sam", "recycling"]
+
+# model-free drafters: method -> (module, class)
+_MODEL_FREE = {
+    "pld": ("pld", "PromptLookupProposer"),
+    "sam": ("sam", "SuffixAutomatonProposer"),
+    "recycling": ("recycling", "TokenRecyclingProposer"),
+}
+
+
+def _model_free(method: str, tree_budget: int | None, options: dict[str, Any]) -> Proposer:
+    import importlib
+    import inspect
+
+    module, cls_name = _MODEL_FREE[method]
+    cls = getattr(importlib.import_module(f".{module}", __name__), cls_name)
+    accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "tree_budget")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise InvalidParameterError(
+            f"method {method!r} does not take option(s) {', '.join(unknown)}; it takes: {', '.join(accepted)}"
+        )
+    return cls(tree_budget=tree_budget, **options)
 
 
 def _load_draft(target, draft: str | None):
@@ -40,6 +62,8 @@ def make_proposer(method: str, target, draft=None, tree_budget: int | None = Non
 
             return UniversalDraftProposer(dm, tree_budget=tree_budget, **options)
         return DraftModelProposer(dm, tree_budget=tree_budget, **options)
+    if method in _MODEL_FREE:
+        return _model_free(method, tree_budget, options)
     raise InvalidParameterError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
