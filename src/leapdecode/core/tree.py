@@ -14,6 +14,10 @@ deterministic-draft rule for the other children, which keeps the target
 distribution exact.  A proposer must not drop sampled children after looking
 at later draws (that would bias the test); deterministic children can be pruned
 freely.
+
+*Auxiliary* nodes (``aux[i]``) ride along in the verification forward but are
+never accepted: lookahead decoding uses them for its Jacobi branch, whose
+logits the proposer reads back in ``observe``.
 """
 
 from __future__ import annotations
@@ -30,17 +34,20 @@ class TokenTree:
     sampled: list[bool] = field(default_factory=list)
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
+    aux: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int = -1, sampled: bool = False, source: str = "") -> int:
+    def add(self, token: int, parent: int = -1, sampled: bool = False, source: str = "",
+            aux: bool = False) -> int:
         if not -1 <= parent < len(self.tokens):
             raise ValueError(f"parent {parent} is not an existing node")
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.sampled.append(sampled)
         self.sources.append(source)
+        self.aux.append(aux)
         return len(self.tokens) - 1
 
     @classmethod
@@ -54,12 +61,15 @@ class TokenTree:
         return tree
 
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        return self.child_map().get(node, [])
 
     def child_map(self) -> dict[int, list[int]]:
+        """Candidate children of each node (auxiliary nodes excluded)."""
         out: dict[int, list[int]] = {}
+        aux = self.aux or [False] * len(self.parents)
         for i, p in enumerate(self.parents):
-            out.setdefault(p, []).append(i)
+            if not aux[i]:
+                out.setdefault(p, []).append(i)
         return out
 
     def depths(self) -> list[int]:
@@ -77,10 +87,7 @@ class TokenTree:
         return path[::-1]
 
     def find_child(self, parent: int, token: int) -> int:
-        for i, p in enumerate(self.parents):
-            if p == parent and self.tokens[i] == token:
-                return i
-        return -1
+        return next((c for c in self.children(parent) if self.tokens[c] == token), -1)
 
     def flattened_parents(self) -> list[int]:
         """Parents in the verification forward, where index 0 is the root."""
@@ -94,12 +101,13 @@ class TokenTree:
         """
         if n >= len(self):
             return self
-        t = TokenTree(self.tokens[:n], self.parents[:n], self.sampled[:n],
-                      {k: v for k, v in self.q.items() if k < n}, self.sources[:n])
-        return t
+        return TokenTree(self.tokens[:n], self.parents[:n], self.sampled[:n],
+                         {k: v for k, v in self.q.items() if k < n}, self.sources[:n], self.aux[:n])
 
     def validate(self) -> None:
-        if not (len(self.tokens) == len(self.parents) == len(self.sampled)):
+        if not (len(self.tokens) == len(self.parents) == len(self.sampled)) or (
+            self.aux and len(self.aux) != len(self.tokens)
+        ):
             raise ValueError("token tree fields differ in length")
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
