@@ -10,6 +10,8 @@ min-p, typical-p.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,7 +33,11 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidParameterError(msg)
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
+                bad(f"{name} must be a finite number, got {v!r}")
+        if self.temperature < 0:
             bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")

@@ -93,10 +93,10 @@ class KVCache:
             chain = all(p == i - 1 for i, p in enumerate(self._parents))
         elif len(parents) != n_new:
             raise ValueError(f"{len(parents)} parents for {n_new} tokens")
-        for i, p in enumerate(parents):
-            node = start + i
-            if not -1 <= p < node:
-                raise ValueError(f"parent {p} of pending node {node} is not an earlier node")
+        for i, p in enumerate(parents):  # validate all before registering any
+            if not -1 <= p < start + i:
+                raise ValueError(f"parent {p} of pending node {start + i} is not an earlier node")
+        for p in parents:
             self._parents.append(p)
             self._depths.append(0 if p < 0 else self._depths[p] + 1)
         # ancestor rows of the new nodes, built on CPU then moved in one copy

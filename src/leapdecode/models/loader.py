@@ -74,6 +74,17 @@ class LoadedModel:
         return f"LoadedModel({self.name!r}, backend={self.backend}, dtype={self.dtype}, device={self.device})"
 
 
+# Gemma's turn format (a system message is folded into the first user turn, as Gemma does)
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\\n\\n' %}"
+    "{% set msgs = messages[1:] %}{% else %}{% set first = '' %}{% set msgs = messages %}{% endif %}"
+    "{% for m in msgs %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ (first if loop.first else '') + (m['content'] | trim) }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 def _eos_ids(path: Path, tokenizer) -> set[int]:
     ids: set[int] = set()
     for fname in ("generation_config.json", "config.json"):
@@ -182,6 +193,8 @@ def load(
         except (NotImplementedError, KeyError):
             backend = "hf"
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "chat_template", None) and str(config.get("model_type", "")).startswith("gemma"):
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE  # some Gemma GGUFs ship without one
     if max_seq_len is None:
         max_seq_len = min(int(config.get("max_position_embeddings", 4096)), 8192)
     if backend == "native":

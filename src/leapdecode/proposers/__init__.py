@@ -8,12 +8,16 @@ from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer
 
 METHODS = ["vanilla", "draft", "pld", "sam", "recycling"]
+METHODS += ["lookahead", "jacobi"]
+METHODS += ["rest"]
 
 # model-free drafters: method -> (module, class)
 _MODEL_FREE = {
     "pld": ("pld", "PromptLookupProposer"),
     "sam": ("sam", "SuffixAutomatonProposer"),
     "recycling": ("recycling", "TokenRecyclingProposer"),
+    "lookahead": ("lookahead", "LookaheadProposer"),
+    "jacobi": ("jacobi", "JacobiProposer"),
 }
 
 
@@ -62,6 +66,10 @@ def make_proposer(method: str, target, draft=None, tree_budget: int | None = Non
 
             return UniversalDraftProposer(dm, tree_budget=tree_budget, **options)
         return DraftModelProposer(dm, tree_budget=tree_budget, **options)
+    if method == "rest":
+        from .rest import make_rest_proposer
+
+        return make_rest_proposer(target, tree_budget, options)
     if method in _MODEL_FREE:
         return _model_free(method, tree_budget, options)
     raise InvalidParameterError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

@@ -1,0 +1,124 @@
+"""``leapdecode bench``: Spec-Bench-style speed and losslessness benchmark, with peers.
+
+``leapdecode bench --demo`` (what ``make demo`` runs) fetches and converts the embedded
+models on first use, then runs a quick bench on the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# --demo: kept small so that it finishes in a few minutes on a 2-core CPU (first-time
+# model conversion included); tune here.
+DEMO_MODEL = "qwen2.5-coder-1.5b"
+DEMO_PROMPTS = 4
+DEMO_MAX_NEW_TOKENS = 128
+DEMO_PEERS = ["hf"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
+DEMO_OUT = Path("bench_out") / "demo"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import add_model_args
+
+    p = subparsers.add_parser(
+        "bench", help="benchmark decoding methods (and peer systems) on Spec-Bench or HumanEval",
+        description="Greedy, batch-1 benchmark in the Spec-Bench protocol: speedup = mean tokens/s of a "
+                    "method / mean tokens/s of vanilla decoding of the same model and dtype, per task "
+                    "group; mean accepted tokens per target forward; token identity with vanilla.")
+    add_model_args(p)
+    p.add_argument("--methods", default="vanilla",
+                   help="comma-separated leapdecode methods (vanilla is always included as the reference); "
+                        "`all` = every method")
+    p.add_argument("--draft", help="draft model for draft-based methods and hf-assisted "
+                                   "(default: the model's registered pair)")
+    p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step")
+    p.add_argument("--peers", default="",
+                   help="comma-separated peers: hf (= hf, hf-assisted, hf-pld), llamacpp (= llamacpp, "
+                        "llamacpp-pld), or single rows")
+    p.add_argument("--workload", help="Spec-Bench-format jsonl, or `humaneval` "
+                                      "(default: shared/data/spec_bench/questions_dev.jsonl)")
+    p.add_argument("--limit", type=int, help="number of questions, sampled stratified by category")
+    p.add_argument("--categories", help="comma-separated categories to keep")
+    p.add_argument("--seed", type=int, default=0, help="sampling of questions (and of tokens with --temperature)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples (no identity column)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per prompt and runner; medians are reported")
+    p.add_argument("--out", type=Path, help="output directory (default: bench_out/MODEL, or bench_out/demo)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--demo", action="store_true",
+                   help=f"quick showcase: {DEMO_MODEL}, vanilla vs the best method vs installed peers, "
+                        f"{DEMO_PROMPTS} prompts, {DEMO_MAX_NEW_TOKENS} new tokens")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _csv(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def config_from_args(a: argparse.Namespace):
+    from ..proposers import METHODS
+    from .suite import BenchConfig
+
+    methods = list(METHODS) if a.methods.strip() == "all" else _csv(a.methods)
+    cfg = BenchConfig(
+        model=a.model, methods=methods, peers=_csv(a.peers), draft=a.draft, tree_budget=a.tree_budget,
+        dtype=a.dtype, device=a.device, backend=a.backend, workload=a.workload, limit=a.limit,
+        categories=_csv(a.categories) or None, seed=a.seed, max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature, repeats=a.repeats, plots=not a.no_plots, progress=not a.no_progress,
+    )
+    if a.demo:
+        from ..models.registry import DEFAULT_MODEL
+
+        best = "auto" if "auto" in METHODS else "draft"
+        cfg.model = a.model if a.model != DEFAULT_MODEL else DEMO_MODEL
+        if a.methods == "vanilla":
+            cfg.methods = ["vanilla", best]
+        if not cfg.peers:
+            cfg.peers = list(DEMO_PEERS)
+            try:
+                import llama_cpp  # noqa: F401
+
+                cfg.peers.append("llamacpp")
+            except ImportError:
+                pass
+        if cfg.limit is None:
+            cfg.limit = DEMO_PROMPTS
+        if a.max_new_tokens == 256:
+            cfg.max_new_tokens = DEMO_MAX_NEW_TOKENS
+    safe = cfg.model.replace("/", "_").replace(":", "_").strip("._") or "model"
+    cfg.out = a.out or (DEMO_OUT if a.demo else Path("bench_out") / safe)
+    return cfg
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .report import print_table
+    from .suite import run_bench
+
+    console = Console(stderr=True)
+    cfg = config_from_args(a)
+    if a.demo:
+        console.print(f"leapdecode demo: {cfg.model}, methods {', '.join(cfg.methods)}, peers "
+                      f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts x {cfg.max_new_tokens} tokens "
+                      "(models are fetched and converted on first use)", markup=False, highlight=False)
+    summary = run_bench(cfg, console=console)
+    out = Console(stderr=a.json)
+    if not out.is_terminal:  # a pipe or file: do not squeeze the table into 80 columns
+        out = Console(stderr=a.json, width=200)
+    print_table(summary, out)
+    where = out
+    where.print(f"report: {summary['files']['report']}", markup=False, highlight=False)
+    for p in summary["plots"]:
+        where.print(f"plot: {p}", markup=False, highlight=False)
+    if a.json:
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,432 @@
+"""Runners: leapdecode's methods and the peer systems behind one interface.
+
+``runner.run(prompt_ids, max_new_tokens, temperature, seed) -> RunOutput``: decode from
+the given prompt token ids (every runner gets the same ids, so token ids can be compared
+with vanilla's) and report the generated ids without the end-of-sequence token, the wall
+time of the whole call, the target's forward passes where known, and the peak resident
+memory sampled during the call.
+
+Peers:
+
+* ``hf``, ``hf-assisted``, ``hf-pld``: transformers ``generate`` on the same converted
+  weights, dtype and device (greedy; with ``assistant_model`` = the draft; with
+  ``prompt_lookup_num_tokens=10``);
+* ``llamacpp``, ``llamacpp-pld``: llama-cpp-python on the model's GGUF (quantized weights,
+  so its tokens may differ from vanilla's), greedy and with ``LlamaPromptLookupDecoding``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PEER_FAMILIES = {
+    "hf": ["hf", "hf-assisted", "hf-pld"],
+    "llamacpp": ["llamacpp", "llamacpp-pld"],
+}
+PEER_NAMES = [n for names in PEER_FAMILIES.values() for n in names]
+PEERS_INSTALL_HINT = (
+    "pip install 'leapdecode[peers]' (builds llama.cpp; on x86 CPUs set "
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" first)'
+)
+PLD_TOKENS = 10  # prompt-lookup draft length of the HF and llama.cpp peers
+RSS_INTERVAL_S = 0.005
+
+
+@dataclass
+class RunOutput:
+    tokens: list[int]
+    wall_s: float
+    target_forwards: int | None = None
+    text: str = ""
+    finish_reason: str = ""
+    peak_rss_mb: float | None = None
+    peak_gpu_mb: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class SkipPeer(Exception):
+    """A peer that cannot run here; the message says why (and how to add it)."""
+
+
+# --------------------------------------------------------------------------- memory
+def _rss_reader() -> Callable[[], int] | None:
+    """A cheap function giving this process's resident set size in bytes."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+
+        def read_statm() -> int:
+            return int(os.pread(fd, 128, 0).split()[1]) * page
+
+        read_statm()
+        return read_statm
+    except (OSError, AttributeError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        proc = psutil.Process()
+        return lambda: proc.memory_info().rss
+    except ImportError:
+        return None
+
+
+_READ_RSS = _rss_reader()
+
+
+class PeakMemory:
+    """Peak resident set size of this process while the ``with`` block runs.
+
+    A thread samples RSS every ``RSS_INTERVAL_S`` (``/proc/self/statm``, else psutil):
+    ``getrusage``'s ``ru_maxrss`` is a high-water mark for the whole process, so it
+    cannot tell the runs apart.  Where neither is available, ``ru_maxrss`` is reported.
+    The figure is the whole process's (all loaded models included), not the run's
+    increment.  On CUDA the peak allocated GPU memory of the run is recorded too."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.peak_rss_mb: float | None = None
+        self.peak_gpu_mb: float | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        self._stop = threading.Event()
+        self._peak = _READ_RSS() if _READ_RSS else 0
+        if _READ_RSS is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RSS_INTERVAL_S):
+            try:
+                self._peak = max(self._peak, _READ_RSS())
+            except Exception:  # pragma: no cover - keep the bench running
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if _READ_RSS is not None:
+            self._thread.join()
+            self._peak = max(self._peak, _READ_RSS())
+            self.peak_rss_mb = round(self._peak / 2**20, 1)
+        else:
+            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.peak_rss_mb = round((kb if sys.platform != "darwin" else kb / 1024) / 1024, 1)
+        if self.device is not None and self.device.type == "cuda":
+            self.peak_gpu_mb = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- runners
+class Runner:
+    name = "runner"
+    system = "leapdecode"
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+            seed: int | None = None) -> RunOutput:
+        with PeakMemory(self.device) as mem:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = self._run(prompt_ids, max_new_tokens, temperature, seed)
+            _sync(self.device)
+            out.wall_s = time.perf_counter() - t0
+        out.peak_rss_mb, out.peak_gpu_mb = mem.peak_rss_mb, mem.peak_gpu_mb
+        return out
+
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LeapdecodeRunner(Runner):
+    """One of leapdecode's methods on the loaded target."""
+
+    system = "leapdecode"
+
+    def __init__(self, loaded, method: str, draft: str | None = None, tree_budget: int | None = None) -> None:
+        super().__init__(loaded.device)
+        self.loaded, self.name, self.method = loaded, method, method
+        self.draft, self.tree_budget = draft, tree_budget
+
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
+        from ..core.generate import Generation
+
+        gen = Generation(self.loaded, None, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                         temperature=temperature, seed=seed, method=self.method, draft=self.draft,
+                         tree_budget=self.tree_budget)
+        res = gen.run()
+        return RunOutput(tokens=list(res.tokens), wall_s=0.0, target_forwards=res.stats.get("target_forwards"),
+                         text=res.text, finish_reason=res.finish_reason, extra={"stats": res.stats})
+
+
+def _strip_eos(ids: list[int], eos: set[int]) -> tuple[list[int], str]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i], "stop"
+    return ids, "length"
+
+
+def model_dir(name_or_path: str) -> Path | None:
+    """The HF-format directory of a model argument (registry name, directory, .gguf); None for
+    the in-process tiny models."""
+    if name_or_path.startswith("tiny-random"):
+        return None
+    from ..models.loader import _local_model_dir
+
+    return _local_model_dir(name_or_path)[1]
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No weight-loading progress bars or deprecation chatter inside the bench's progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+class _HFShared:
+    """The transformers copy of the target (and draft), loaded once for the hf-* rows."""
+
+    def __init__(self, loaded, draft_arg: str | None) -> None:
+        self.loaded = loaded
+        self.draft_arg = draft_arg if draft_arg is not None else loaded.draft_name
+        self._model = None
+        self._assistant = None
+        self.forwards = 0
+
+    def _load(self, path: Path):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        with _quiet_transformers():
+            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.loaded.dtype)
+        # plain defaults: no sampling or penalties a checkpoint's generation_config might carry
+        old = m.generation_config
+        m.generation_config = GenerationConfig(bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
+                                               pad_token_id=old.pad_token_id)
+        return m.to(self.loaded.device).eval()
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = self._load(self.loaded.path)
+
+            def count(*_args, **_kwargs):
+                self.forwards += 1
+
+            self._model.register_forward_pre_hook(count)
+        return self._model
+
+    @property
+    def assistant(self):
+        if self._assistant is None:
+            if self.draft_arg is None:
+                raise SkipPeer(f"hf-assisted: {self.loaded.name} has no registered draft; pass --draft NAME")
+            path = model_dir(self.draft_arg)
+            if path is None:
+                raise SkipPeer(f"hf-assisted: the draft {self.draft_arg} has no model directory for transformers")
+            self._assistant = self._load(path)
+        return self._assistant
+
+
+class HFRunner(Runner):
+    system = "hf"
+
+    def __init__(self, shared: _HFShared, name: str) -> None:
+        super().__init__(shared.loaded.device)
+        self.shared, self.name = shared, name
+        self.eos = set(shared.loaded.eos_token_ids)
+
+    def prepare(self) -> None:
+        """Load the weights now (outside the timed runs); SkipPeer when impossible."""
+        self.shared.model
+        if self.name == "hf-assisted":
+            self.shared.assistant
+
+    @torch.inference_mode()
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
+        eos = sorted(self.eos)
+        # the same end-of-sequence set as leapdecode (chat models end turns with <|im_end|> etc.)
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                      pad_token_id=eos[0] if eos else None, do_sample=temperature > 0)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+            if seed is not None:
+                torch.manual_seed(seed)
+        if self.name == "hf-assisted":
+            kwargs["assistant_model"] = self.shared.assistant
+        elif self.name == "hf-pld":
+            kwargs["prompt_lookup_num_tokens"] = PLD_TOKENS
+        model = self.shared.model
+        ids = torch.tensor([prompt_ids], device=self.device)
+        self.shared.forwards = 0
+        with _quiet_transformers():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        new = out[0, len(prompt_ids):].tolist()
+        tokens, finish = _strip_eos(new, self.eos)
+        return RunOutput(tokens=tokens, wall_s=0.0, target_forwards=self.shared.forwards, finish_reason=finish)
+
+
+class LlamaCppRunner(Runner):
+    system = "llama.cpp"
+
+    def __init__(self, gguf: Path, name: str, n_ctx: int, eos: set[int]) -> None:
+        super().__init__(torch.device("cpu"))
+        from llama_cpp import Llama  # guarded by the caller
+
+        kwargs: dict[str, Any] = {}
+        if name == "llamacpp-pld":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS)
+        self.name = name
+        self.eos = set(eos)
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count() or 1,
+                         n_gpu_layers=-1 if torch.cuda.is_available() else 0, verbose=False,
+                         seed=0, **kwargs)
+        self.eos.add(int(self.llm.token_eos()))
+
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
+        self.llm.reset()
+        if seed is not None and hasattr(self.llm, "set_seed"):
+            self.llm.set_seed(seed)
+        tokens: list[int] = []
+        finish = "length"
+        sampling = dict(temp=temperature, top_k=1 if temperature <= 0 else 0, top_p=1.0, min_p=0.0,
+                        repeat_penalty=1.0)
+        for t in self.llm.generate(list(prompt_ids), reset=True, **sampling):
+            if t in self.eos:
+                finish = "stop"
+                break
+            tokens.append(int(t))
+            if len(tokens) >= max_new_tokens:
+                break
+        return RunOutput(tokens=tokens, wall_s=0.0, target_forwards=None, finish_reason=finish)
+
+    def close(self) -> None:
+        try:
+            self.llm.close()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- peers
+def expand_peers(spec: list[str]) -> list[str]:
+    """``hf`` -> hf, hf-assisted, hf-pld; ``llamacpp`` -> llamacpp, llamacpp-pld; row names
+    pass through.  Unknown names raise ValueError."""
+    out: list[str] = []
+    for p in spec:
+        p = p.strip().lower().replace("llama.cpp", "llamacpp").replace("llama-cpp", "llamacpp")
+        if not p:
+            continue
+        names = PEER_FAMILIES.get(p, [p] if p in PEER_NAMES else None)
+        if names is None:
+            raise ValueError(f"unknown peer {p!r}; choose from {', '.join([*PEER_FAMILIES, *PEER_NAMES[1:]])}")
+        out.extend(n for n in names if n not in out)
+    return out
+
+
+def gguf_path(model_arg: str, loaded) -> Path | None:
+    """The GGUF file behind the model: the ``-m`` argument itself, the registry's
+    ``gguf_path(name)`` when it exposes one, or a registered model kept as a single GGUF
+    file inside its wheel.  None when unknown."""
+    p = Path(model_arg).expanduser()
+    if p.suffix == ".gguf" and p.is_file():
+        return p
+    from ..models import registry
+
+    if model_arg not in registry.REGISTRY:
+        return None
+    fn = getattr(registry, "gguf_path", None)
+    if callable(fn):
+        try:
+            got = fn(model_arg)
+            return Path(got) if got else None
+        except Exception:
+            return None
+    entry = registry.REGISTRY[model_arg]
+    if len(entry.files) == 1 and registry.is_installed(model_arg):
+        try:
+            return Path(registry._data_files(entry)[0][2])
+        except Exception:
+            return None
+    return None
+
+
+def make_peers(names: list[str], loaded, model_arg: str, draft_arg: str | None, n_ctx: int,
+               say: Callable[[str], None]) -> list[Runner]:
+    """Peer runners for ``names`` (expanded); those that cannot run are skipped with one line each."""
+    runners: list[Runner] = []
+    hf_names = [n for n in names if n.startswith("hf")]
+    if hf_names:
+        if loaded.path is None:
+            say(f"skipping {', '.join(hf_names)}: {loaded.name} has no model directory for transformers "
+                "(in-process test model)")
+        else:
+            shared = _HFShared(loaded, draft_arg)
+            for n in hf_names:
+                r = HFRunner(shared, n)
+                try:
+                    r.prepare()
+                except SkipPeer as e:
+                    say(f"skipping {e}")
+                    continue
+                except Exception as e:
+                    say(f"skipping {n}: transformers could not load the model ({type(e).__name__}: {e})")
+                    continue
+                runners.append(r)
+    cpp_names = [n for n in names if n.startswith("llamacpp")]
+    if cpp_names:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            say(f"skipping {', '.join(cpp_names)}: llama-cpp-python is not installed; add it with "
+                f"{PEERS_INSTALL_HINT}")
+            return runners
+        gguf = gguf_path(model_arg, loaded)
+        if gguf is None:
+            say(f"skipping {', '.join(cpp_names)}: no GGUF file is known for {model_arg} "
+                "(the registry assembles multi-part GGUFs only to convert them); pass -m FILE.gguf")
+            return runners
+        for n in cpp_names:
+            try:
+                runners.append(LlamaCppRunner(gguf, n, n_ctx=n_ctx, eos=set(loaded.eos_token_ids)))
+            except Exception as e:
+                say(f"skipping {n}: llama.cpp could not load {gguf} ({type(e).__name__}: {e})")
+    return runners

@@ -1,0 +1,242 @@
+"""The bench protocol: load, warm up, run every runner on every prompt (interleaved), report.
+
+Greedy and batch 1 by default.  For each prompt the runners run one after another
+(vanilla first: it is the reference for speedup and token identity, and its answer to a
+first turn is the history every runner gets for the second turn), ``repeats`` times.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InvalidParameterError, LeapdecodeError
+from . import report, stats
+from .runners import LeapdecodeRunner, Runner, expand_peers, make_peers
+from .workloads import Question, load_workload, select
+
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: list[str] = field(default_factory=lambda: ["vanilla"])
+    peers: list[str] = field(default_factory=list)
+    draft: str | None = None
+    tree_budget: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    backend: str = "auto"
+    workload: str | None = None
+    limit: int | None = None
+    categories: list[str] | None = None
+    seed: int = 0
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    repeats: int = 1
+    out: Path = Path("bench_out")
+    plots: bool = True
+    progress: bool = True
+
+
+def validate_methods(methods: list[str]) -> list[str]:
+    from ..proposers import METHODS
+
+    out = ["vanilla"]
+    for m in methods:
+        m = m.strip()
+        if not m or m in out:
+            continue
+        if m not in METHODS:
+            raise InvalidParameterError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        out.append(m)
+    return out
+
+
+def _machine(loaded) -> str:
+    import torch
+
+    if loaded.device.type == "cuda":
+        return f"{torch.cuda.get_device_name(loaded.device)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def encode_turn(loaded, q: Question, history: list[dict], turn: str) -> list[int]:
+    """Token ids of one turn: through the chat template (with the history) for chat
+    workloads, the plain text for completion workloads or models without a template."""
+    from ..core.generate import encode_prompt
+
+    if q.chat and getattr(loaded.tokenizer, "chat_template", None):
+        return encode_prompt(loaded, [*history, {"role": "user", "content": turn}])
+    text = "\n\n".join([*(m["content"] for m in history), turn])
+    return encode_prompt(loaded, text, chat=False)
+
+
+def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None = None) -> dict:
+    """Run the bench; writes results.jsonl, summary.json, report.md and plots to ``cfg.out``
+    and returns the summary."""
+    from rich.console import Console
+
+    from ..models.loader import load
+
+    console = console or Console(stderr=True)
+    notes: list[str] = []
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        (say or (lambda m: console.print(f"leapdecode: {m}", markup=False, highlight=False, soft_wrap=True)))(msg)
+
+    if cfg.max_new_tokens < 1:
+        raise InvalidParameterError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.repeats < 1:
+        raise InvalidParameterError(f"--repeats must be >= 1, got {cfg.repeats}")
+    if cfg.temperature < 0:
+        raise InvalidParameterError(f"--temperature must be >= 0, got {cfg.temperature}")
+    methods = validate_methods(cfg.methods)
+    try:
+        peers = expand_peers(cfg.peers)
+    except ValueError as e:
+        raise InvalidParameterError(str(e)) from None
+    questions, workload_desc = load_workload(cfg.workload)
+    questions = select(questions, cfg.limit, cfg.categories, cfg.seed)
+
+    t_start = time.perf_counter()
+    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend)
+    runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget)
+                             for m in methods]
+    if peers:
+        runners += make_peers(peers, loaded, cfg.model, cfg.draft, n_ctx=loaded.max_seq_len, say=note)
+    greedy = cfg.temperature <= 0
+
+    # warm-up: one short generation per runner (loads drafts, fills caches, JIT paths)
+    first = encode_turn(loaded, questions[0], [], questions[0].turns[0])
+    for r in list(runners):
+        try:
+            r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed)
+        except LeapdecodeError:
+            raise
+        except Exception as e:
+            if r.system == "leapdecode":
+                raise
+            note(f"skipping {r.name}: warm-up failed ({type(e).__name__}: {e})")
+            runners.remove(r)
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    total = sum(len(q.turns) for q in questions) * cfg.repeats * len(runners)
+    order = [r.name for r in runners]
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    progress = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                        disable=not cfg.progress, transient=False)
+    n_prompt = 0
+    with progress:
+        task = progress.add_task("", total=total)
+        for q in questions:
+            history: list[dict] = []
+            for turn_no, turn in enumerate(q.turns, start=1):
+                ids = encode_turn(loaded, q, history, turn)
+                if len(ids) + 1 > loaded.max_seq_len:
+                    note(f"question {q.question_id} turn {turn_no}: prompt of {len(ids)} tokens exceeds the "
+                         f"context ({loaded.max_seq_len}); skipped")
+                    progress.advance(task, cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
+                    break
+                ref_tokens: list[int] | None = None
+                ref_text = ""
+                n_before = len(records)
+                done_before = progress.tasks[0].completed
+                failed = None
+                for rep in range(cfg.repeats):
+                    if failed:
+                        break
+                    seed = None if greedy else cfg.seed * 1_000_003 + n_prompt * 101 + rep
+                    for r in list(runners):
+                        progress.update(task, description=f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
+                        try:
+                            res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed)
+                        except LeapdecodeError:
+                            raise
+                        except Exception as e:
+                            if r.system == "leapdecode":
+                                # an engine failure on one prompt: drop the prompt for every
+                                # runner (so all rows cover the same prompts) and go on
+                                failed = f"{r.name}: {type(e).__name__}: {e}"
+                                break
+                            note(f"dropping {r.name}: {type(e).__name__}: {e}")
+                            runners.remove(r)
+                            continue
+                        if r.name == "vanilla" and ref_tokens is None:
+                            ref_tokens, ref_text = res.tokens, res.text
+                        div = stats.first_divergence(res.tokens, ref_tokens) if greedy and ref_tokens is not None else None
+                        n = res.new_tokens
+                        records.append({
+                            "method": r.name, "model": loaded.name, "system": r.system,
+                            "question_id": q.question_id, "category": q.category, "group": q.group,
+                            "turn": turn_no, "repeat": rep, "prompt_tokens": len(ids), "new_tokens": n,
+                            "wall_s": round(res.wall_s, 5),
+                            "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
+                            "target_forwards": res.target_forwards,
+                            "mean_accepted": (round(n / res.target_forwards, 4) if res.target_forwards
+                                              else None),
+                            "identical": (div is None) if greedy and ref_tokens is not None else None,
+                            "first_divergence": div,
+                            "finish_reason": res.finish_reason,
+                            "peak_rss_mb": res.peak_rss_mb,
+                            "peak_gpu_mb": res.peak_gpu_mb,
+                        })
+                        progress.advance(task)
+                if failed:
+                    del records[n_before:]
+                    note(f"question {q.question_id} turn {turn_no} ({len(ids)} prompt tokens) skipped: {failed}")
+                    progress.update(task, completed=done_before
+                                    + cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
+                    break
+                history += [{"role": "user", "content": turn}, {"role": "assistant", "content": ref_text}]
+                n_prompt += 1
+            report.write_jsonl(out / "results.jsonl", records)  # partial results survive an interrupt
+    for r in runners:
+        r.close()
+    if not records:
+        raise LeapdecodeError("no prompt could be benchmarked: " + "; ".join(notes[-3:]))
+
+    summary = stats.summarize(records, order=order)
+    summary.update({
+        "model": loaded.name, "backend": loaded.backend, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "device": str(loaded.device), "draft": cfg.draft or loaded.draft_name,
+        "methods": methods, "peers": [r.name for r in runners if r.system != "leapdecode"],
+        "workload": workload_desc, "questions": len(questions), "prompts": n_prompt,
+        "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "repeats": cfg.repeats,
+        "seed": cfg.seed, "machine": _machine(loaded), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "elapsed_s": round(time.perf_counter() - t_start, 1), "skipped": notes,
+        "python": sys.version.split()[0],
+    })
+    plot_files: list[Path] = []
+    if cfg.plots:
+        plot_files = report.plots(summary, out)
+        if not plot_files:
+            note("no plots: matplotlib is not installed (pip install 'leapdecode[bench]')")
+    summary["plots"] = [str(p) for p in plot_files]
+    summary["files"] = {"results": str(out / "results.jsonl"), "summary": str(out / "summary.json"),
+                        "report": str(out / "report.md")}
+    report.write_jsonl(out / "results.jsonl", records)
+    report.write_json(out / "summary.json", summary)
+    report.write_text(out / "report.md", report.markdown(summary))
+    return summary

@@ -1,0 +1,95 @@
+"""``leapdecode serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from ..errors import LeapdecodeError
+
+
+def add_parser(subparsers) -> None:
+    from ..cli import add_model_args
+    from ..proposers import METHODS
+
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve one model over an OpenAI-compatible API: /v1/models, /v1/completions, "
+                    "/v1/chat/completions (streaming with stream: true), /health and /metrics (Prometheus). "
+                    "Requests run one at a time on a single engine thread behind a bounded queue.")
+    add_model_args(p)
+    p.add_argument("--draft", help="draft model for draft-based methods (default: the model's registered pair)")
+    p.add_argument("--method", default="auto" if "auto" in METHODS else "vanilla",
+                   help=f"default decoding method: {', '.join(METHODS)} (default: %(default)s); a request may "
+                        "choose another with \"leapdecode\": {\"method\": ...}")
+    p.add_argument("--tree-budget", type=int, help="default max drafted tokens verified per step")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("LEAPDECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $LEAPDECODE_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait while one runs; more get 429 with Retry-After (default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds (queueing included) after which a request's generation is cancelled "
+                        "(default: %(default)s)")
+    p.add_argument("--max-tokens-limit", type=int,
+                   help="largest max_tokens a request may ask for (default: the model's context length)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of chat requests that give none (default: %(default)s; completions: 16)")
+    p.add_argument("--served-model-name", help="the model id clients use (default: the model's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-warmup", action="store_true", help="skip the one-token warm-up generation at start")
+    p.set_defaults(func=cmd_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from ..cli import load_from_args
+    from ..proposers import METHODS
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise LeapdecodeError(f"`serve` needs the server extra ({e.name} is missing): "
+                              "pip install 'leapdecode[server]'") from None
+    if a.method not in METHODS:
+        raise LeapdecodeError(f"unknown method {a.method!r}; choose from {', '.join(METHODS)}")
+    for name, v, lo in (("--max-queue", a.max_queue, 1), ("--default-max-tokens", a.default_max_tokens, 1),
+                        ("--max-tokens-limit", a.max_tokens_limit, 1), ("--tree-budget", a.tree_budget, 1)):
+        if v is not None and v < lo:
+            raise LeapdecodeError(f"{name} must be >= {lo}, got {v}")
+    if a.request_timeout <= 0:
+        raise LeapdecodeError(f"--request-timeout must be > 0, got {a.request_timeout}")
+    if not 0 <= a.port <= 65535:
+        raise LeapdecodeError(f"--port must be in 0..65535, got {a.port}")
+
+    from .app import create_app
+
+    model = load_from_args(a)
+    if not a.no_warmup:  # loads the draft, allocates the cache, and fails here rather than on the first request
+        from ..core.generate import Generation
+
+        Generation(model, "Hello", max_new_tokens=2, temperature=0.0, method=a.method, draft=a.draft,
+                   tree_budget=a.tree_budget).run()
+    app = create_app(model, default_method=a.method, draft=a.draft, api_key=a.api_key, max_queue=a.max_queue,
+                     request_timeout=a.request_timeout, max_tokens_limit=a.max_tokens_limit,
+                     default_max_tokens=a.default_max_tokens, served_model_name=a.served_model_name,
+                     tree_budget=a.tree_budget)
+    if not _is_loopback(a.host) and not a.api_key:
+        print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
+              "address can use the model", file=sys.stderr)
+    print(f"leapdecode: serving {app.state.config.model_name} ({model.backend}, {model.device}, "
+          f"method {a.method}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,147 @@
+"""Server metrics, rendered in the Prometheus text exposition format (version 0.0.4).
+
+Written by hand (no prometheus-client dependency).  Counters and histograms are
+updated from the event loop (requests) and from the engine thread
+(generations), so every update takes one lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def _fmt(v: float) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    if float(v).is_integer():
+        return str(int(v))
+    return repr(float(v))
+
+
+def _labels(**kv: str) -> str:
+    if not kv:
+        return ""
+    esc = {k: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in kv.items()}
+    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
+
+
+def process_rss_bytes() -> int | None:
+    """Resident set size of this process now (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, status) -> count
+        self.latency_buckets: dict[str, list[int]] = {}
+        self.latency_sum: dict[str, float] = defaultdict(float)
+        self.latency_count: dict[str, int] = defaultdict(int)
+        self.cancelled: dict[str, int] = defaultdict(int)  # reason -> count
+        self.generations: dict[str, int] = defaultdict(int)  # finish_reason -> count
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.target_forwards = 0
+        self.generation_seconds = 0.0
+        self.last_tokens_per_s = 0.0
+        self.last_mean_accepted = 0.0
+        self.queue_depth = lambda: 0  # set by the app: callables reading the engine
+        self.busy = lambda: 0
+
+    # ------------------------------------------------------------ updates
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        with self._lock:
+            self.requests[(endpoint, str(status))] += 1
+            b = self.latency_buckets.setdefault(endpoint, [0] * len(LATENCY_BUCKETS))
+            for i, le in enumerate(LATENCY_BUCKETS):
+                if seconds <= le:
+                    b[i] += 1
+            self.latency_sum[endpoint] += seconds
+            self.latency_count[endpoint] += 1
+
+    def observe_generation(self, stats: dict, finish_reason: str) -> None:
+        with self._lock:
+            self.generations[finish_reason] += 1
+            n = int(stats.get("new_tokens", 0))
+            self.generated_tokens += n
+            self.prompt_tokens += int(stats.get("prompt_tokens", 0))
+            self.target_forwards += int(stats.get("target_forwards", 0))
+            self.generation_seconds += float(stats.get("wall_s", 0.0))
+            if n:
+                self.last_tokens_per_s = float(stats.get("tokens_per_s", 0.0))
+                self.last_mean_accepted = float(stats.get("mean_accepted", 0.0))
+
+    def observe_cancel(self, reason: str) -> None:
+        with self._lock:
+            self.cancelled[reason] += 1
+
+    # ------------------------------------------------------------ rendering
+    def render(self) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                out.append(f"{name}{labels} {_fmt(value)}")
+
+        with self._lock:
+            metric("leapdecode_requests_total", "counter", "HTTP requests by endpoint and status code.",
+                   [(_labels(endpoint=e, status=s), c) for (e, s), c in sorted(self.requests.items())])
+            hist: list[tuple[str, float]] = []
+            for e in sorted(self.latency_buckets):
+                for le, c in zip(LATENCY_BUCKETS, self.latency_buckets[e]):
+                    hist.append((_labels(endpoint=e, le=_fmt(le)), c))
+                hist.append((_labels(endpoint=e, le="+Inf"), self.latency_count[e]))
+            out.append("# HELP leapdecode_request_duration_seconds Request latency (to the last byte sent).")
+            out.append("# TYPE leapdecode_request_duration_seconds histogram")
+            for labels, value in hist:
+                out.append(f"leapdecode_request_duration_seconds_bucket{labels} {_fmt(value)}")
+            for e in sorted(self.latency_buckets):
+                out.append(f"leapdecode_request_duration_seconds_sum{_labels(endpoint=e)} "
+                           f"{_fmt(round(self.latency_sum[e], 6))}")
+                out.append(f"leapdecode_request_duration_seconds_count{_labels(endpoint=e)} "
+                           f"{self.latency_count[e]}")
+            metric("leapdecode_requests_cancelled_total", "counter",
+                   "Requests whose generation was cancelled, by reason (disconnect, timeout).",
+                   [(_labels(reason=r), c) for r, c in sorted(self.cancelled.items())])
+            metric("leapdecode_generations_total", "counter", "Finished generations by finish reason.",
+                   [(_labels(finish_reason=r), c) for r, c in sorted(self.generations.items())])
+            metric("leapdecode_generated_tokens_total", "counter", "Tokens generated.",
+                   [("", self.generated_tokens)])
+            metric("leapdecode_prompt_tokens_total", "counter", "Prompt tokens processed.",
+                   [("", self.prompt_tokens)])
+            metric("leapdecode_target_forwards_total", "counter", "Target-model forward passes while decoding.",
+                   [("", self.target_forwards)])
+            metric("leapdecode_generation_seconds_total", "counter", "Time spent generating (engine busy).",
+                   [("", round(self.generation_seconds, 6))])
+            tps = self.generated_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+            metric("leapdecode_tokens_per_second", "gauge",
+                   "Decoding speed: generated tokens / generation seconds since start.", [("", round(tps, 3))])
+            metric("leapdecode_last_tokens_per_second", "gauge", "Decoding speed of the last generation.",
+                   [("", self.last_tokens_per_s)])
+            mean_acc = self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+            metric("leapdecode_mean_accepted_tokens", "gauge",
+                   "Tokens emitted per target forward since start (1.0 = no speculation gain).",
+                   [("", round(mean_acc, 4))])
+            metric("leapdecode_last_mean_accepted_tokens", "gauge",
+                   "Tokens emitted per target forward in the last generation.", [("", self.last_mean_accepted)])
+        metric("leapdecode_queue_depth", "gauge", "Requests waiting for the engine.", [("", self.queue_depth())])
+        metric("leapdecode_engine_busy", "gauge", "1 while the engine runs a request.", [("", self.busy())])
+        rss = process_rss_bytes()
+        if rss is not None:
+            metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", [("", rss)])
+        metric("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.",
+               [("", round(self.started, 3))])
+        return "\n".join(out) + "\n"

@@ -1,0 +1,102 @@
+"""Shared fixtures: cached tiny random models and a chi-square goodness-of-fit test.
+
+Tiny models are built once per (seed, variant) for the whole session, so property
+tests spend their time decoding, not initialising weights.  Every factory call
+returns the *same* ``LoadedModel`` object for the same arguments; tests that need
+a second, independent object with identical weights ask for ``copy=1`` (a target
+and its draft must not be one object: see ``test_lossless``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import pytest
+import torch
+
+# The test models are tiny: every op costs microseconds and intra-op threads only add
+# synchronisation.  On a loaded 2-core CI box two OpenMP threads made a tiny forward
+# ~40x slower (spin-waiting) than one, so the suite runs single-threaded by default.
+torch.set_num_threads(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0, layers: int = 2,
+          hidden: int = 64):
+    """A tiny random ``LoadedModel`` (fp32, CPU, vocab 259, max_seq_len 2048).
+
+    ``copy`` distinguishes otherwise identical objects; ``noise > 0`` adds Gaussian
+    noise of that std to every weight (a draft that is close to, but not, the target).
+    """
+    from leapdecode.models.tiny import tiny_loaded
+
+    lm = tiny_loaded(name=f"tiny-random:{seed}", seed=seed, layers=layers, hidden=hidden,
+                     heads=4, kv_heads=2)
+    if noise > 0:
+        g = torch.Generator().manual_seed(noise_seed)
+        with torch.no_grad():
+            for p in lm.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise)
+    return lm
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """``tiny(seed=0, copy=0, noise=0.0, noise_seed=0, layers=2, hidden=64)`` -> cached LoadedModel."""
+    return _tiny
+
+
+def chi2_gof(observed, expected_probs, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson chi-square goodness of fit of counts ``observed`` to probabilities ``expected_probs``.
+
+    Bins with expected count below ``min_expected`` are merged (smallest first) into
+    one pooled bin, the usual validity rule for the chi-square approximation.  Bins
+    with expected probability 0 must be empty (an observation there is an immediate
+    failure: p-value 0).  Returns (statistic, degrees of freedom, p-value); the
+    p-value is the regularised upper incomplete gamma function Q(df/2, stat/2), i.e.
+    the chi-square survival function (no scipy needed).
+    """
+    obs = torch.as_tensor(observed, dtype=torch.float64).flatten()
+    p = torch.as_tensor(expected_probs, dtype=torch.float64).flatten()
+    assert obs.shape == p.shape, (obs.shape, p.shape)
+    assert abs(float(p.sum()) - 1.0) < 1e-6, float(p.sum())
+    n = float(obs.sum())
+    if bool(((p <= 0) & (obs > 0)).any()):
+        return math.inf, 0, 0.0
+    keep = p > 0
+    obs, p = obs[keep], p[keep]
+    exp = p * n
+    order = torch.argsort(exp)
+    pooled_o = pooled_e = 0.0
+    bins_o, bins_e = [], []
+    for i in order.tolist():
+        if exp[i] < min_expected or (pooled_e > 0 and pooled_e < min_expected):
+            pooled_o += float(obs[i])
+            pooled_e += float(exp[i])
+        else:
+            bins_o.append(float(obs[i]))
+            bins_e.append(float(exp[i]))
+    if pooled_e > 0:
+        if pooled_e < min_expected and bins_e:  # fold a still-too-small pool into the smallest bin
+            bins_o[0] += pooled_o
+            bins_e[0] += pooled_e
+        else:
+            bins_o.append(pooled_o)
+            bins_e.append(pooled_e)
+    o = torch.tensor(bins_o, dtype=torch.float64)
+    e = torch.tensor(bins_e, dtype=torch.float64)
+    stat = float(((o - e) ** 2 / e).sum())
+    df = len(bins_o) - 1
+    if df < 1:
+        return stat, 0, 1.0
+    pval = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, df, pval
+
+
+@pytest.fixture(scope="session")
+def chi2():
+    """``chi2(observed_counts, expected_probs, min_expected=5) -> (stat, df, p_value)``."""
+    return chi2_gof

