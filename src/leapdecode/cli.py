@@ -37,6 +37,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help=f"decoding method: {', '.join(METHODS)} (default: %(default)s); all are lossless")
     p.add_argument("--draft", help="draft model for draft-based methods (default: the model's registered pair)")
     p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step")
+    p.add_argument("--datastore", help="REST datastore for --method rest (see `leapdecode datastore build`)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -49,7 +50,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def decoding_kwargs(a: argparse.Namespace) -> dict:
-    return dict(method=a.method, draft=a.draft, tree_budget=a.tree_budget, max_new_tokens=a.max_new_tokens,
+    options = {}
+    if getattr(a, "datastore", None):
+        if a.method != "rest":
+            raise LeapdecodeError("--datastore applies to --method rest")
+        options["datastore"] = a.datastore
+    return dict(**options, method=a.method, draft=a.draft, tree_budget=a.tree_budget, max_new_tokens=a.max_new_tokens,
                 temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                 typical_p=a.typical_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
 

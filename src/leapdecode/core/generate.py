@@ -76,7 +76,7 @@ class Generation:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         stop: str | list[str] | None = None,
-        method: str = "vanilla",
+        method: str = "auto",
         draft: str | None = None,
         tree_budget: int | None = None,
         chat: bool | None = None,

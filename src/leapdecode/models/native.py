@@ -125,6 +125,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.out_features = linear.out_features
+        self.in_features = linear.in_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
@@ -192,6 +193,10 @@ class NativeCausalLM(nn.Module):
     """Llama/Qwen2 decoder with a tree-aware static KV cache."""
 
     backend = "native"
+    # When a list, every forward also appends its per-layer hidden states to it (as
+    # ``hidden_states=`` does); lets a proposer read the states of a forward it does not
+    # call itself, e.g. the verification forward (layer-skip self-speculation).
+    capture_hidden: list | None = None
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
@@ -249,6 +254,7 @@ class NativeCausalLM(nn.Module):
         parents: list[int] | None = None,
         logits_for: slice | list[int] | None = None,
         layers: list[int] | None = None,
+        hidden_states: list | None = None,
     ) -> torch.Tensor:
         """Append ``tokens`` ([B, T]) as pending nodes and return fp32 logits.
 
@@ -257,6 +263,10 @@ class NativeCausalLM(nn.Module):
         decoder layers (self-speculation by layer skipping); skipped layers
         leave their cache slots unwritten, so such a forward must be rolled back
         before a full forward reuses the slots.
+
+        ``hidden_states`` (a list; ``capture_hidden`` when not given) receives the
+        residual stream ``[B, T, hidden]`` after the embedding and after each layer
+        that runs (references to tensors the forward makes anyway: no copies).
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
@@ -270,8 +280,13 @@ class NativeCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(self.dtype)
         sin = self.rope_sin[positions].to(self.dtype)
         x = self.embed(tokens)
+        hidden = hidden_states if hidden_states is not None else self.capture_hidden
+        if hidden is not None:
+            hidden.append(x)
         for i in layers if layers is not None else range(self.cfg.n_layers):
             x = self.layers[i](x, cos, sin, cache, i, mask)
+            if hidden is not None:
+                hidden.append(x)
         if logits_for is not None:
             x = x[:, logits_for]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)

@@ -10,6 +10,8 @@ from .base import DecodeContext, Proposer
 METHODS = ["vanilla", "draft", "pld", "sam", "recycling"]
 METHODS += ["lookahead", "jacobi"]
 METHODS += ["rest"]
+METHODS += ["layerskip"]
+METHODS += ["auto"]
 
 # model-free drafters: method -> (module, class)
 _MODEL_FREE = {
@@ -66,10 +68,18 @@ def make_proposer(method: str, target, draft=None, tree_budget: int | None = Non
 
             return UniversalDraftProposer(dm, tree_budget=tree_budget, **options)
         return DraftModelProposer(dm, tree_budget=tree_budget, **options)
+    if method == "auto":
+        from .auto import make_auto_proposer
+
+        return make_auto_proposer(target, draft, tree_budget, options)
     if method == "rest":
         from .rest import make_rest_proposer
 
         return make_rest_proposer(target, tree_budget, options)
+    if method == "layerskip":
+        from .layerskip import make_layerskip_proposer
+
+        return make_layerskip_proposer(target, tree_budget, options)
     if method in _MODEL_FREE:
         return _model_free(method, tree_budget, options)
     raise InvalidParameterError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

@@ -69,11 +69,13 @@ class DraftModelProposer(Proposer):
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         needed = min(self.draft.max_seq_len, ctx.prompt_len + ctx.max_new_tokens + 256)
-        cache = getattr(self.draft, "_cache", None)
+        # not ``_cache``: that is the generation's cache when the draft is also used as a target
+        # (``draft=`` the target's own LoadedModel); sharing it would corrupt both
+        cache = getattr(self.draft, "_draft_cache", None)
         if cache is None or cache.max_len < needed:
-            self.draft._cache = None
+            self.draft._draft_cache = None
             cache = self.draft.model.new_cache(max_len=needed)
-            self.draft._cache = cache
+            self.draft._draft_cache = cache
         cache.reset()
         self.cache = cache
         self.n_cached = 0  # tokens[:n_cached] are committed in the draft cache

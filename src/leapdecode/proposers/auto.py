@@ -1,0 +1,197 @@
+"""``method="auto"``: the default.  Uses what the model has, and learns online which
+drafter earns the tree budget.
+
+Arms (each one proposes a whole tree for one step):
+
+* ``sam`` - the suffix automaton over prompt + generated text (model-free, microseconds);
+* ``hybrid`` - when a same-tokenizer draft model is available: the draft model's dynamic
+  tree (EAGLE-2 style) with the suffix automaton's continuation grafted onto it under the
+  same node budget, as in the hybrid of "SAM Decoding: Speculative Decoding via Suffix
+  Automaton" (Hu et al., 2024) and the retrieval + draft merge of "RASD:
+  Retrieval-Augmented Speculative Decoding" (2025);
+* ``none`` - no draft (a vanilla step), so auto can never lose much to vanilla decoding.
+
+Which arm runs is a contextual bandit, after "BanditSpec: Adaptive Speculative Decoding
+via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of tokens it
+emitted divided by its wall time (draft + verify, measured from one ``propose`` to the
+next), the context is how long the suffix automaton's current match is (a long match
+predicts that copying pays off, whatever the draft model says), and the policy is UCB1
+on exponentially discounted means, so that it follows a text that changes character
+(prose to code to a repeated list).  The statistics live on the target model object, so
+later generations start from what earlier ones learned.
+
+Every arm proposes an ordinary token tree, so auto is exactly as lossless as the
+verifier: greedy output is vanilla's, and sampling keeps the target distribution (draft
+nodes are sampled children with their draft distribution, grafted automaton nodes are
+deterministic children).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from ..core.tree import TokenTree
+from ..errors import InvalidParameterError
+from .base import DecodeContext, Proposer
+from .sam import SuffixAutomatonProposer
+
+# suffix-automaton match-length buckets (the bandit's context)
+MATCH_BUCKETS = (0, 1, 4, 12)
+
+
+def _bucket(match_len: int) -> int:
+    return max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)
+
+
+def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
+    """Add ``chain`` (a continuation of the root) to ``tree`` as a trie path, sharing the
+    nodes it matches; new nodes are appended (existing indices never change) while the
+    tree has fewer than ``budget`` nodes.  Returns the number of nodes added."""
+    parent, added = -1, 0
+    for t in chain:
+        node = tree.find_child(parent, t)
+        if node < 0:
+            if len(tree) >= budget:
+                break
+            node = tree.add(t, parent, sampled=False, source=source)
+            added += 1
+        parent = node
+    return added
+
+
+class BanditStats:
+    """Discounted reward means and counts per (context, arm); UCB1 picks the arm."""
+
+    def __init__(self, arms: list[str], discount: float = 0.97, explore: float = 0.5) -> None:
+        self.arms = arms
+        self.discount = discount
+        self.explore = explore
+        self.n: dict[tuple[int, str], float] = {}
+        self.mean: dict[tuple[int, str], float] = {}
+
+    def choose(self, ctx: int) -> str:
+        untried = [a for a in self.arms if self.n.get((ctx, a), 0.0) < 1.0]
+        if untried:
+            return untried[0]
+        total = sum(self.n[(ctx, a)] for a in self.arms)
+        best = max(self.mean[(ctx, a)] for a in self.arms) or 1.0
+
+        def ucb(a: str) -> float:
+            # rewards are tokens/s; scale the exploration bonus by the best mean so it is unit-free
+            return self.mean[(ctx, a)] + self.explore * best * math.sqrt(math.log(total + 1) / self.n[(ctx, a)])
+
+        return max(self.arms, key=ucb)
+
+    def update(self, ctx: int, arm: str, reward: float) -> None:
+        for a in self.arms:  # discount this context's evidence so the bandit tracks a drifting text
+            if (ctx, a) in self.n:
+                self.n[(ctx, a)] *= self.discount
+        key = (ctx, arm)
+        n = self.n.get(key, 0.0) + 1.0
+        m = self.mean.get(key, 0.0)
+        self.n[key] = n
+        self.mean[key] = m + (reward - m) / n
+
+    def snapshot(self) -> dict[str, Any]:
+        return {f"{a}@{MATCH_BUCKETS[c]}+": [round(self.mean[(c, a)], 2), round(self.n[(c, a)], 1)]
+                for (c, a) in sorted(self.n)}
+
+
+class AutoProposer(Proposer):
+    name = "auto"
+
+    def __init__(self, draft_proposer: Proposer | None = None, tree_budget: int | None = None,
+                 sam_len: int = 16, explore: float = 0.5, discount: float = 0.97,
+                 stats_owner: Any = None) -> None:
+        if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
+            raise InvalidParameterError(f"tree_budget must be an integer >= 1, got {tree_budget}")
+        if not 0 < discount <= 1:
+            raise InvalidParameterError(f"discount must be in (0, 1], got {discount}")
+        if explore < 0:
+            raise InvalidParameterError(f"explore must be >= 0, got {explore}")
+        self.sam = SuffixAutomatonProposer(draft_len=sam_len)
+        self.draft = draft_proposer
+        arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) + ["none"]
+        key = "_auto_bandit_" + "_".join(arms)
+        bandit = getattr(stats_owner, key, None) if stats_owner is not None else None
+        if bandit is None:
+            bandit = BanditStats(arms, discount=discount, explore=explore)
+            if stats_owner is not None:
+                setattr(stats_owner, key, bandit)
+        self.bandit = bandit
+        self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) or 24
+        self._pending: tuple[int, str, int] | None = None
+        self._t_step = 0.0
+        self._draft_live = False
+        self._uses: dict[str, int] = {}
+
+    def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
+        super().begin(ctx, tokens)
+        self.sam.begin(ctx, tokens)
+        if self.draft is not None:
+            self.draft.begin(ctx, tokens)
+        self._pending = None
+
+    def _close_step(self) -> None:
+        """Credit the previous step's arm with tokens per second, now that its time is known."""
+        if self._pending is not None:
+            ctx, arm, emitted = self._pending
+            elapsed = time.perf_counter() - self._t_step
+            if elapsed > 0:
+                self.bandit.update(ctx, arm, emitted / elapsed)
+            self._pending = None
+
+    def propose(self, tokens: list[int], budget: int) -> TokenTree:
+        self._close_step()
+        self._t_step = time.perf_counter()
+        self.sam._sync(tokens)
+        found = self.sam.matches()
+        match_len = found[0][0] if found else 0
+        ctx = _bucket(match_len)
+        arm = self.bandit.choose(ctx)
+        self._arm, self._ctx = arm, ctx
+        self._uses[arm] = self._uses.get(arm, 0) + 1
+        self._draft_live = False
+        if arm == "none" or budget < 1:
+            return TokenTree()
+        if arm == "sam":
+            return self.sam.propose(tokens, budget)
+        chain = found[0][2] if found else []
+        reserve = min(len(chain), budget // 3)  # room for the automaton's continuation
+        tree = self.draft.propose(tokens, max(budget - reserve, 1))
+        self._draft_live = True
+        if chain:
+            graft(tree, chain, budget, "sam")
+        return tree
+
+    def observe(self, tokens, tree, verdict, logits) -> None:
+        self._pending = (self._ctx, self._arm, len(verdict.accepted) + 1)
+        if self._draft_live:
+            self.draft.observe(tokens, tree, verdict, logits)
+
+    def end(self) -> None:
+        self._close_step()
+        if self.draft is not None:
+            self.draft.end()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self.bandit.snapshot()}
+        if self.draft is not None:
+            out.update(self.draft.stats())
+        return out
+
+
+def make_auto_proposer(target, draft, tree_budget: int | None, options: dict[str, Any]) -> AutoProposer:
+    """The draft arm exists when a draft is given or registered for the target and has the
+    same tokenizer; a missing or unusable draft leaves auto model-free (never an error)."""
+    from .draft_model import DraftModelProposer
+    from . import _load_draft
+
+    draft_proposer = None
+    if draft is not None or getattr(target, "draft_name", None):
+        dm = _load_draft(target, draft)
+        if dm.tokenizer.get_vocab() == target.tokenizer.get_vocab():
+            draft_proposer = DraftModelProposer(dm, tree_budget=tree_budget)
+    return AutoProposer(draft_proposer, tree_budget=tree_budget, stats_owner=target, **options)

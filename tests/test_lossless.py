@@ -1,0 +1,494 @@
+"""End-to-end losslessness of every decoding method in ``leapdecode.proposers.METHODS``.
+
+The tests parametrize over ``METHODS`` itself, so a method registered later is
+covered without touching this file.  A method that needs inputs gets them from
+``method_inputs`` ("draft": a tiny draft model of the same tokenizer, "rest": a
+datastore built here); any other method runs with its defaults.
+
+1. Greedy (hypothesis, fp32 tiny random models): random prompts -- repetitive
+   word salads so that drafters hit, short repeated units, raw token ids (bytes
+   that are not UTF-8, special tokens) --, random ``max_new_tokens``, tree
+   budgets 1..32 and the default, a repetition penalty, and a random extra EOS
+   token: ``generate(method=m).tokens == generate(method="vanilla").tokens``, with
+   sane statistics.  ``LEAPDECODE_LOSSLESS_EXAMPLES`` scales the number of examples
+   (default 150 per method; a nightly run can ask for more), ``LEAPDECODE_LOSSLESS_SEED``
+   fixes hypothesis' seed (random by default; every method gets the same cases).
+2. Sampling with a fixed seed: a method whose trees hold only deterministic
+   nodes (model-free drafters) takes exactly one draw from the decode generator
+   per emitted token, as vanilla does (the verifier's deterministic-child rule,
+   see ``core/verifier.py``; proposers take no draws from it, see
+   ``proposers/lookahead.py``), so its tokens equal vanilla's sampled tokens.
+   A method that drafts sampled nodes (``draft``) consumes the stream
+   differently; for it, and for one model-free method, the distribution is
+   checked instead:
+3. Sampling distribution: the joint distribution of the first two generated
+   tokens over many seeds is compared, by a chi-square test at alpha = 0.01,
+   with the exact one computed from the target's logits (``target_probs`` with
+   the same temperature / top-k / top-p, which is what vanilla samples from).
+   The prompts are chosen at run time so that drafts are really accepted *and*
+   rejected; a planted alternative (a 20% bias towards the draft) must be
+   rejected by the same test, which shows it has power.
+4. ``leapdecode.stream`` pieces, joined, equal ``generate``'s text.
+
+A target and its draft must be distinct objects: a ``LoadedModel`` keeps the
+generation's KV cache on itself (``_cache``), so the conftest gives identical
+weights under ``copy=1``; ``test_draft_may_be_the_target_object`` checks that
+passing the very same object as its own draft works too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, seed, settings
+from hypothesis import strategies as st
+
+import leapdecode
+from leapdecode.core.generate import Generation
+from leapdecode.core.sampling import SamplingParams, target_probs
+from leapdecode.proposers import METHODS, make_proposer
+from leapdecode.proposers.datastore import build_datastore
+
+ALPHA = 0.01
+EXAMPLES = int(os.environ.get("LEAPDECODE_LOSSLESS_EXAMPLES", "150"))
+# One hypothesis seed for every parametrization: each method sees the same cases, so vanilla's output
+# is computed once per case (``_vanilla``) rather than once per method.  A fresh seed per run keeps
+# exploring; a failure prints its falsifying case, and LEAPDECODE_LOSSLESS_SEED replays a run.
+SEED = int(os.environ.get("LEAPDECODE_LOSSLESS_SEED", random.randrange(2**32)))
+HSET = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+WORDS = ["the cat ", "sat on ", "the mat ", "abc", "xyz ", "aa", "\n", "def f(x):", " return x", "hello ",
+         "ab", "ba", "zz", "é", "日本"]
+REPETITIVE = "hello hello hello hello world, hello world. the cat sat on the mat; the cat sat on the mat."
+SPECIAL_IDS = [256, 257, 258]  # <|endoftext|>, <|im_start|>, <|im_end|> of the byte tokenizer
+
+
+# ============================================================================ inputs per method
+@dataclasses.dataclass
+class Env:
+    """What methods may need: the draft kinds (distinct objects from every target) and a datastore."""
+
+    drafts: dict[str, object]
+    datastore: object
+    datastore_path: str
+
+
+def method_inputs(method: str, env: Env, draft_kind: str = "copy") -> dict:
+    """Extra ``generate`` keyword arguments a method needs; ``{}`` for any method not listed."""
+    if method == "draft":
+        return {"draft": env.drafts[draft_kind]}
+    if method == "rest":
+        return {"datastore": env.datastore}
+    return {}
+
+
+@pytest.fixture(scope="module")
+def env(tiny, tmp_path_factory):
+    target = tiny(seed=0)
+    drafts = {
+        "copy": tiny(seed=0, copy=1),  # identical weights, another object: every greedy draft is right
+        "noisy": tiny(seed=0, noise=0.01, noise_seed=1),  # close to the target, not equal
+        "other": tiny(seed=1, copy=1),  # an unrelated model of the same tokenizer: drafts mostly wrong
+        "small": tiny(seed=0, copy=1, layers=1, hidden=32),  # another shape
+    }
+    # a datastore of the words the prompts are made of and of both targets' own greedy continuations,
+    # so that REST finds matches both in the prompt region and in the generated region
+    texts = ["".join(WORDS), REPETITIVE] + ["".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 3)]
+    for seed in (0, 1):
+        m = tiny(seed=seed)
+        for prompt in ("the cat sat on the mat", "hello hello", "def f(x): return x", REPETITIVE):
+            texts.append(prompt + leapdecode.generate(m, prompt, max_new_tokens=48).text)
+    ds = build_datastore(texts, target.tokenizer, target.name)
+    path = ds.save(tmp_path_factory.mktemp("rest") / "tiny.npz")
+    return Env(drafts=drafts, datastore=ds, datastore_path=str(path))
+
+
+# ============================================================================ helpers
+_EOS_VARIANTS: dict = {}
+
+
+def _with_eos(model, eos: tuple[int, ...]):
+    """The same decoder and tokenizer, with its own EOS set (and its own KV cache); cached."""
+    key = (id(model), eos)
+    if key not in _EOS_VARIANTS:
+        _EOS_VARIANTS[key] = (model, dataclasses.replace(model, eos_token_ids=set(eos)))
+    return _EOS_VARIANTS[key][1]
+
+
+def check_stats(res, max_new_tokens: int, tree_budget: int | None, method: str, model) -> None:
+    s = res.stats
+    n = len(res.tokens)
+    assert s["method"] == method
+    assert s["new_tokens"] == n <= max_new_tokens
+    assert res.finish_reason in ("length", "stop")
+    if res.finish_reason == "length":
+        assert n == max_new_tokens
+    else:  # EOS: the token that ended it is not part of the output
+        assert n < max_new_tokens
+    assert not set(res.tokens) & model.eos_token_ids
+    forwards = s["target_forwards"]
+    hist = {int(k): v for k, v in s["accept_hist"].items()}
+    assert forwards >= 1 and sum(hist.values()) == forwards
+    # every forward emits at least one token; the EOS that ends a generation is emitted but not kept
+    assert forwards <= n + (res.finish_reason == "stop")
+    assert sum((k + 1) * v for k, v in hist.items()) >= n
+    if tree_budget is not None:
+        assert max(hist) <= tree_budget
+    assert max(hist) <= max(max_new_tokens - 1, 0)
+    if n:
+        assert s["mean_accepted"] == pytest.approx(n / forwards, abs=1e-4)
+    if res.finish_reason == "length":
+        assert s["mean_accepted"] >= 1
+    if method == "vanilla":
+        assert set(hist) == {0} and forwards == n + (res.finish_reason == "stop")
+    assert res.text == model.tokenizer.decode(res.tokens, skip_special_tokens=True)
+
+
+@st.composite
+def prompt_ids(draw, tokenizer):
+    kind = draw(st.sampled_from(["words", "words", "unit", "ids"]))
+    if kind == "words":
+        text = "".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=14)))
+    elif kind == "unit":  # a short unit repeated: drafters should hit immediately
+        unit = draw(st.text(alphabet="ab xy\n", min_size=1, max_size=4))
+        text = unit * draw(st.integers(1, 12))
+    else:  # raw token ids: bytes that are not valid UTF-8, special tokens
+        return draw(st.lists(st.integers(0, 258), min_size=1, max_size=24))
+    ids = tokenizer.encode(text)
+    assume(ids)
+    return ids
+
+
+@st.composite
+def greedy_cases(draw):
+    return dict(
+        seed=draw(st.sampled_from([0, 0, 1])),
+        max_new_tokens=draw(st.integers(1, 40)),
+        tree_budget=draw(st.one_of(st.none(), st.integers(1, 32))),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.3, 0.8])),
+        eos=draw(st.one_of(st.none(), st.integers(0, 255))),  # an extra EOS token (a common byte)
+        draft_kind=draw(st.sampled_from(["copy", "noisy", "other", "small"])),
+        ids=draw(prompt_ids(_tiny_tokenizer())),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer():
+    from leapdecode.models.tiny import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+# ============================================================================ 1. greedy
+_VANILLA: dict = {}
+
+
+def _vanilla(model, **kw):
+    """Vanilla's result for these arguments, computed once (every parametrization sees the same cases)."""
+    key = (id(model), repr(sorted(kw.items())))
+    if key not in _VANILLA:
+        res = leapdecode.generate(model, "", **kw)
+        check_stats(res, kw["max_new_tokens"], None, "vanilla", model)
+        _VANILLA[key] = (model, res)
+    return _VANILLA[key][1]
+
+
+def _model_for(tiny, case):
+    base = tiny(seed=case["seed"])
+    return base if case["eos"] is None else _with_eos(base, tuple(sorted(base.eos_token_ids | {case["eos"]})))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@seed(SEED)
+@settings(max_examples=EXAMPLES, **HSET)
+@given(case=greedy_cases())
+def test_greedy_equals_vanilla(tiny, env, method, case):
+    model = _model_for(tiny, case)
+    kw = dict(max_new_tokens=case["max_new_tokens"], repetition_penalty=case["repetition_penalty"],
+              prompt_ids=case["ids"])
+    want = _vanilla(model, **kw)
+    got = leapdecode.generate(model, "", method=method, tree_budget=case["tree_budget"],
+                              **method_inputs(method, env, case["draft_kind"]), **kw)
+    assert got.tokens == want.tokens, (method, case, _divergence(want.tokens, got.tokens))
+    assert got.text == want.text and got.finish_reason == want.finish_reason
+    check_stats(got, case["max_new_tokens"], case["tree_budget"], method, model)
+    assert got.stats["target_forwards"] <= want.stats["target_forwards"]
+
+
+def _divergence(want: list[int], got: list[int]) -> str:
+    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    return f"first divergence at new token {i}: vanilla {want[i:i + 3]}, method {got[i:i + 3]}"
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "vanilla"])
+def test_drafts_are_accepted_on_repetitive_text(tiny, env, method):
+    """Guard against a vacuous pass: on text the target repeats, drafts really get accepted (a method
+    that never proposed anything would pass every equality test above)."""
+    model = tiny(seed=0)
+    want = leapdecode.generate(model, REPETITIVE, max_new_tokens=64)
+    got = leapdecode.generate(model, REPETITIVE, max_new_tokens=64, method=method,
+                              **method_inputs(method, env, "copy"))
+    assert got.tokens == want.tokens
+    if method in ("jacobi",):  # Jacobi iteration from a random-ish guess rarely converges on noise
+        return
+    assert got.stats["mean_accepted"] > 1.2, (method, got.stats)
+    assert got.stats["target_forwards"] < want.stats["target_forwards"]
+
+
+def test_long_generation_all_methods(tiny, env):
+    """One long run per method (hundreds of tokens: caches grow, the recycling matrix persists across
+    generations, pld/sam indexes grow)."""
+    model = tiny(seed=1)
+    prompt = "def f(x):\n    return x\n" * 3
+    want = leapdecode.generate(model, prompt, max_new_tokens=256)
+    for method in METHODS:
+        got = leapdecode.generate(model, prompt, max_new_tokens=256, method=method,
+                                  **method_inputs(method, env, "noisy"))
+        assert got.tokens == want.tokens, (method, _divergence(want.tokens, got.tokens))
+
+
+def test_rest_datastore_by_path(tiny, env):
+    if "rest" not in METHODS:
+        pytest.skip("no rest method")
+    model = tiny(seed=0)
+    want = leapdecode.generate(model, REPETITIVE, max_new_tokens=40)
+    got = leapdecode.generate(model, REPETITIVE, max_new_tokens=40, method="rest", datastore=env.datastore_path)
+    assert got.tokens == want.tokens
+    assert got.stats["rest_hit_rate"] > 0
+
+
+def test_draft_may_be_the_target_object(tiny):
+    """``draft=`` the target's own ``LoadedModel``: the draft's KV cache must not be the target's."""
+    model = tiny(seed=0)
+    for prompt in (REPETITIVE, "abc", "the cat sat on the mat"):
+        want = leapdecode.generate(model, prompt, max_new_tokens=40)
+        got = leapdecode.generate(model, prompt, max_new_tokens=40, method="draft", draft=model)
+        assert got.tokens == want.tokens, (prompt, _divergence(want.tokens, got.tokens))
+        assert got.stats["mean_accepted"] > 1  # a draft equal to the target: whole trees accepted
+
+
+def test_stop_strings_with_speculation(tiny, env):
+    """Stop strings act on committed text: every method stops at the same token as vanilla."""
+    model = tiny(seed=1)
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
+    full = leapdecode.generate(model, prompt, max_new_tokens=60)
+    assert len(full.text) > 12
+    for stop in (full.text[5:8], full.text[-4:-1], [full.text[9:11], "\x00never"]):
+        want = leapdecode.generate(model, prompt, max_new_tokens=60, stop=stop)
+        assert want.finish_reason == "stop"
+        for method in METHODS:
+            got = leapdecode.generate(model, prompt, max_new_tokens=60, stop=stop, method=method,
+                                      **method_inputs(method, env, "copy"))
+            assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, "stop"), (method, stop)
+
+
+# ============================================================================ 2. sampling, fixed seed
+def _sampled_nodes_drafted(gen: Generation) -> list[bool]:
+    """Wrap the generation's proposer so that we learn whether any proposed tree had sampled nodes."""
+    seen = [False]
+    if gen.proposer is not None:
+        propose = gen.proposer.propose
+
+        def spy(tokens, budget):
+            tree = propose(tokens, budget)
+            seen[0] |= any(tree.sampled)
+            return tree
+
+        gen.proposer.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("method", METHODS)
+@seed(SEED)
+@settings(max_examples=max(EXAMPLES // 3, 10), **HSET)
+@given(case=greedy_cases(), sample_seed=st.integers(0, 2**31 - 1),
+       params=st.sampled_from([dict(temperature=1.0), dict(temperature=0.7, top_k=8),
+                               dict(temperature=1.2, top_p=0.9), dict(temperature=0.9, min_p=0.05),
+                               dict(temperature=1.0, repetition_penalty=1.3)]))
+def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
+    """Same seed, same tokens: against vanilla whenever the method drafted only deterministic nodes,
+    else (sampled drafts consume the random stream differently) against a second run of the method."""
+    model = _model_for(tiny, case)
+    kw = dict(max_new_tokens=case["max_new_tokens"], prompt_ids=case["ids"], seed=sample_seed, **params)
+    want = _vanilla(model, **kw)
+    runs = []
+    while len(runs) < 2:
+        gen = Generation(model, "", method=method, tree_budget=case["tree_budget"],
+                         **method_inputs(method, env, case["draft_kind"]), **kw)
+        sampled = _sampled_nodes_drafted(gen)
+        res = gen.run()
+        check_stats(res, case["max_new_tokens"], case["tree_budget"], method, model)
+        runs.append(res.tokens)
+        if not sampled[0]:
+            assert res.tokens == want.tokens, (method, case, sample_seed, params,
+                                               _divergence(want.tokens, res.tokens))
+            return
+    assert runs[0] == runs[1], "a fixed seed must reproduce the same tokens"
+
+
+# ============================================================================ 3. sampling distribution
+def _next_probs(model, ids: list[int], params: SamplingParams) -> torch.Tensor:
+    """The target's next-token distribution after ``ids`` (one plain forward, fresh cache), float64."""
+    cache = model.model.new_cache(batch_size=1, max_len=len(ids) + 8)
+    with torch.no_grad():
+        logits = model.model.forward(torch.tensor([ids]), cache, logits_for=slice(-1, None))[0, -1]
+    return target_probs(logits[None].float(), params)[0].double()
+
+
+def _joint(model, ids: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """Exact P(first two new tokens = (x, y)) under vanilla sampling."""
+    p1 = _next_probs(model, ids, params)
+    out = {}
+    for x in torch.nonzero(p1).flatten().tolist():
+        p2 = _next_probs(model, ids + [x], params)
+        for y in torch.nonzero(p2).flatten().tolist():
+            out[(x, y)] = float(p1[x] * p2[y])
+    total = sum(out.values())
+    return {k: v / total for k, v in out.items()}
+
+
+def _first_two(model, ids, n: int, **kw) -> tuple[dict[tuple[int, int], int], int]:
+    """Counts of the first two generated tokens over seeds 0..n-1, and how many runs accepted a draft
+    in their first step.  A speculative run is cancelled once two tokens are decided (the rest of the
+    sequence does not matter for this marginal)."""
+    counts: dict[tuple[int, int], int] = {}
+    drafted = 0
+    for seed in range(n):
+        gen = Generation(model, "", prompt_ids=ids, seed=seed, **kw)
+        first_step = []
+        if gen.proposer is not None:
+            observe = gen.proposer.observe
+
+            def spy(tokens, tree, verdict, logits, gen=gen, observe=observe, first_step=first_step):
+                first_step.append(len(verdict.accepted))
+                observe(tokens, tree, verdict, logits)
+                if len(tokens) >= len(ids) + 2:
+                    gen.cancel()
+
+            gen.proposer.observe = spy
+        res = gen.run()
+        assert len(res.tokens) >= 2, res
+        key = (res.tokens[0], res.tokens[1])
+        counts[key] = counts.get(key, 0) + 1
+        drafted += bool(first_step and first_step[0] > 0)
+    return counts, drafted
+
+
+def _chi2_against(chi2, counts, expected):
+    keys = sorted(set(expected) | set(counts))
+    obs = [counts.get(k, 0) for k in keys]
+    exp = [expected.get(k, 0.0) for k in keys]
+    return chi2(obs, exp)
+
+
+def _biased(expected: dict, first_token: int, weight: float = 0.2) -> dict:
+    """A planted error: ``weight`` of the first token's mass moved onto the drafted token."""
+    p1: dict[int, float] = {}
+    for (x, _), v in expected.items():
+        p1[x] = p1.get(x, 0.0) + v
+    out = {}
+    for (x, y), v in expected.items():
+        cond = v / p1[x]
+        new_p1 = (1 - weight) * p1[x] + (weight if x == first_token else 0.0)
+        out[(x, y)] = new_p1 * cond
+    return out
+
+
+CANDIDATE_PROMPTS = [" return xabzz", "hello aathe mat zz", "the cat zzthe mat ", "abcabcab",
+                     "zz return xzz return", "the cat abhello \nthe cat \nabc", "xyz xyz xy", "aaaa"]
+
+
+@pytest.fixture(scope="module")
+def no_eos(tiny):
+    """The tiny target with no EOS tokens: every token is an outcome (no run ends before two tokens)."""
+    return dataclasses.replace(tiny(seed=0), eos_token_ids=set())
+
+
+def test_distribution_draft_model(tiny, no_eos, chi2):
+    """Sampled token trees (recursive rejection sampling over draft children drawn without replacement,
+    two levels deep) from a noisy copy of the target."""
+    if "draft" not in METHODS:
+        pytest.skip("no draft method")
+    params = dict(temperature=0.9, top_k=5)
+    sp = SamplingParams(**params)
+    draft = tiny(seed=0, noise=0.01, noise_seed=1)
+    tok = no_eos.tokenizer
+    chosen = None
+    for prompt in CANDIDATE_PROMPTS:  # spread-out target, a draft that is neither right nor useless
+        ids = tok.encode(prompt)
+        p, q = _next_probs(no_eos, ids, sp), _next_probs(draft, ids, sp)
+        overlap = float(torch.minimum(p, q).sum())
+        if p.max() < 0.75 and 0.3 < overlap < 0.9:
+            chosen = ids
+            break
+    assert chosen is not None, "no candidate prompt gives a usable draft; extend CANDIDATE_PROMPTS"
+    n = 1500
+    # budget 8 with beam 1: the draft's 4 sampled root children and 4 sampled grandchildren
+    counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft", draft=draft,
+                                 tree_budget=8, beam=1, **params)
+    assert 0.1 * n < drafted < 0.95 * n, drafted  # drafts both accepted and rejected
+    expected = _joint(no_eos, chosen, sp)
+    stat, df, pval = _chi2_against(chi2, counts, expected)
+    assert pval > ALPHA, (stat, df, pval)
+    # power: the draft's own joint distribution, and a 20% bias towards its favourite token, are rejected
+    q_joint = _joint(draft, chosen, sp)
+    assert _chi2_against(chi2, counts, q_joint)[2] < ALPHA
+    favourite = int(_next_probs(draft, chosen, sp).argmax())
+    assert _chi2_against(chi2, counts, _biased(expected, favourite))[2] < ALPHA
+
+
+def test_distribution_model_free(tiny, no_eos, chi2):
+    """Deterministic drafts (prompt lookup): the verifier draws from p and descends on a match."""
+    method = "pld" if "pld" in METHODS else next(m for m in METHODS if m not in ("vanilla", "draft", "rest"))
+    params = dict(temperature=1.0, top_p=0.9)
+    sp = SamplingParams(**params)
+    tok = no_eos.tokenizer
+    best, best_score = None, 0.0
+    for prompt in CANDIDATE_PROMPTS:  # the root draft must be neither certain nor hopeless
+        ids = tok.encode(prompt)
+        tree = make_proposer(method, no_eos).propose(ids, 2)
+        if not len(tree):
+            continue
+        px = float(_next_probs(no_eos, ids, sp)[tree.tokens[0]])
+        if min(px, 1 - px) > best_score:
+            best, best_score, first = ids, min(px, 1 - px), tree.tokens[0]
+    assert best is not None and best_score > 0.15, "no candidate prompt drafts a plausible token"
+    n = 2000
+    counts, drafted = _first_two(no_eos, best, n, max_new_tokens=3, method=method, **params)
+    assert 0.1 * n < drafted < 0.9 * n, drafted
+    expected = _joint(no_eos, best, sp)
+    stat, df, pval = _chi2_against(chi2, counts, expected)
+    assert pval > ALPHA, (stat, df, pval)
+    assert _chi2_against(chi2, counts, _biased(expected, first))[2] < ALPHA
+
+
+def test_distribution_vanilla_reference(no_eos, chi2):
+    """The reference itself: vanilla sampling draws from ``target_probs`` of the target's logits."""
+    params = dict(temperature=0.8, top_k=6)
+    ids = no_eos.tokenizer.encode(CANDIDATE_PROMPTS[0])
+    counts, _ = _first_two(no_eos, ids, 1000, max_new_tokens=2, **params)
+    stat, df, pval = _chi2_against(chi2, counts, _joint(no_eos, ids, SamplingParams(**params)))
+    assert pval > ALPHA, (stat, df, pval)
+    # and not from the untruncated distribution
+    wrong = _joint(no_eos, ids, SamplingParams(temperature=0.8))
+    assert _chi2_against(chi2, counts, wrong)[2] < ALPHA
+
+
+# ============================================================================ 4. stream
+@pytest.mark.parametrize("method", METHODS)
+def test_stream_equals_generate(tiny, env, method):
+    model = tiny(seed=1)
+    for kw in (dict(max_new_tokens=48), dict(max_new_tokens=48, temperature=0.8, seed=3),
+               dict(max_new_tokens=48, stop=["at", "\n\n"])):
+        kw.update(method_inputs(method, env, "noisy"))
+        res = leapdecode.generate(model, REPETITIVE, method=method, **kw)
+        gen = leapdecode.stream(model, REPETITIVE, method=method, **kw)
+        pieces = list(gen)
+        assert "".join(pieces) == res.text
+        assert all(pieces)
+        assert gen.result.tokens == res.tokens and gen.result.finish_reason == res.finish_reason
