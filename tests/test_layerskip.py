@@ -254,7 +254,7 @@ def test_drafting_and_dp_leave_the_cache_untouched(tiny, greedy):
 
 
 # ----------------------------------------------------------------------------- lossless
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(WORDS), min_size=1, max_size=10), st.text(max_size=8),
        st.sampled_from([(0, 2), (1, 4), (2, 6)]), st.integers(0, 5), st.integers(1, 7),
        st.sampled_from([None, 1, 3, 12]), st.sampled_from([1, 3]), st.sampled_from([0.0, 0.4]),

@@ -29,6 +29,9 @@ datastore built here); any other method runs with its defaults.
    rejected; a planted alternative (a 20% bias towards the draft) must be
    rejected by the same test, which shows it has power.
 4. ``leapdecode.stream`` pieces, joined, equal ``generate``'s text.
+5. Edges: long prompts (several prefill chunks), generation into the context limit, a
+   draft with a shorter context, a draft that is the target object itself, stop strings,
+   REST with a datastore file, long runs.
 
 A target and its draft must be distinct objects: a ``LoadedModel`` keeps the
 generation's KV cache on itself (``_cache``), so the conftest gives identical
@@ -65,11 +68,10 @@ HSET = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fi
 WORDS = ["the cat ", "sat on ", "the mat ", "abc", "xyz ", "aa", "\n", "def f(x):", " return x", "hello ",
          "ab", "ba", "zz", "é", "日本"]
 REPETITIVE = "hello hello hello hello world, hello world. the cat sat on the mat; the cat sat on the mat."
-SPECIAL_IDS = [256, 257, 258]  # <|endoftext|>, <|im_start|>, <|im_end|> of the byte tokenizer
 
 
 # ============================================================================ inputs per method
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Env:
     """What methods may need: the draft kinds (distinct objects from every target) and a datastore."""
 
@@ -77,11 +79,18 @@ class Env:
     datastore: object
     datastore_path: str
 
+    def __repr__(self) -> str:
+        return f"Env(drafts={sorted(self.drafts)}, datastore={self.datastore_path})"
 
-def method_inputs(method: str, env: Env, draft_kind: str = "copy") -> dict:
-    """Extra ``generate`` keyword arguments a method needs; ``{}`` for any method not listed."""
+
+def method_inputs(method: str, env: Env, draft_kind: str | None = "copy") -> dict:
+    """Extra ``generate`` keyword arguments a method needs; ``{}`` for any method not listed.
+
+    ``draft_kind`` None: no draft where one is optional ("auto" then stays model-free)."""
     if method == "draft":
-        return {"draft": env.drafts[draft_kind]}
+        return {"draft": env.drafts[draft_kind or "copy"]}
+    if method == "auto":
+        return {} if draft_kind is None else {"draft": env.drafts[draft_kind]}
     if method == "rest":
         return {"datastore": env.datastore}
     return {}
@@ -99,16 +108,21 @@ def env(tiny, tmp_path_factory):
     # a datastore of the words the prompts are made of and of both targets' own greedy continuations,
     # so that REST finds matches both in the prompt region and in the generated region
     texts = ["".join(WORDS), REPETITIVE] + ["".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 3)]
-    for seed in (0, 1):
-        m = tiny(seed=seed)
+    for s in (0, 1):
+        m = tiny(seed=s)
         for prompt in ("the cat sat on the mat", "hello hello", "def f(x): return x", REPETITIVE):
-            texts.append(prompt + leapdecode.generate(m, prompt, max_new_tokens=48).text)
+            texts.append(prompt + vanilla(m, prompt, max_new_tokens=48).text)
     ds = build_datastore(texts, target.tokenizer, target.name)
     path = ds.save(tmp_path_factory.mktemp("rest") / "tiny.npz")
     return Env(drafts=drafts, datastore=ds, datastore_path=str(path))
 
 
 # ============================================================================ helpers
+def vanilla(model, prompt, **kw):
+    """The reference (``generate``'s default method is not vanilla)."""
+    return leapdecode.generate(model, prompt, method="vanilla", **kw)
+
+
 _EOS_VARIANTS: dict = {}
 
 
@@ -168,11 +182,11 @@ def prompt_ids(draw, tokenizer):
 def greedy_cases(draw):
     return dict(
         seed=draw(st.sampled_from([0, 0, 1])),
-        max_new_tokens=draw(st.integers(1, 40)),
+        max_new_tokens=draw(st.integers(1, 32)),
         tree_budget=draw(st.one_of(st.none(), st.integers(1, 32))),
         repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.3, 0.8])),
         eos=draw(st.one_of(st.none(), st.integers(0, 255))),  # an extra EOS token (a common byte)
-        draft_kind=draw(st.sampled_from(["copy", "noisy", "other", "small"])),
+        draft_kind=draw(st.sampled_from([None, "copy", "noisy", "other", "small"])),
         ids=draw(prompt_ids(_tiny_tokenizer())),
     )
 
@@ -192,7 +206,7 @@ def _vanilla(model, **kw):
     """Vanilla's result for these arguments, computed once (every parametrization sees the same cases)."""
     key = (id(model), repr(sorted(kw.items())))
     if key not in _VANILLA:
-        res = leapdecode.generate(model, "", **kw)
+        res = vanilla(model, "", **kw)
         check_stats(res, kw["max_new_tokens"], None, "vanilla", model)
         _VANILLA[key] = (model, res)
     return _VANILLA[key][1]
@@ -230,7 +244,7 @@ def test_drafts_are_accepted_on_repetitive_text(tiny, env, method):
     """Guard against a vacuous pass: on text the target repeats, drafts really get accepted (a method
     that never proposed anything would pass every equality test above)."""
     model = tiny(seed=0)
-    want = leapdecode.generate(model, REPETITIVE, max_new_tokens=64)
+    want = vanilla(model, REPETITIVE, max_new_tokens=64)
     got = leapdecode.generate(model, REPETITIVE, max_new_tokens=64, method=method,
                               **method_inputs(method, env, "copy"))
     assert got.tokens == want.tokens
@@ -245,18 +259,55 @@ def test_long_generation_all_methods(tiny, env):
     generations, pld/sam indexes grow)."""
     model = tiny(seed=1)
     prompt = "def f(x):\n    return x\n" * 3
-    want = leapdecode.generate(model, prompt, max_new_tokens=256)
+    want = vanilla(model, prompt, max_new_tokens=256)
     for method in METHODS:
         got = leapdecode.generate(model, prompt, max_new_tokens=256, method=method,
                                   **method_inputs(method, env, "noisy"))
         assert got.tokens == want.tokens, (method, _divergence(want.tokens, got.tokens))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_long_prompts_and_the_end_of_the_context(tiny, env, method):
+    """Prompts longer than one prefill chunk, and generation running into the context limit (2048 for
+    the tiny models): the tree budget shrinks to the room left, and output stops where vanilla's does."""
+    model = tiny(seed=0)
+    unit = model.tokenizer.encode("the cat sat on the mat. ")
+    for n, n_new in ((300, 24), (700, 12), (model.max_seq_len - 12, 40), (model.max_seq_len - 1, 5)):
+        ids = (unit * (n // len(unit) + 1))[:n]
+        want = vanilla(model, "", prompt_ids=ids, max_new_tokens=n_new)
+        got = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=n_new, method=method,
+                                  **method_inputs(method, env, "copy"))
+        assert got.tokens == want.tokens, (method, n, _divergence(want.tokens, got.tokens))
+        assert got.finish_reason == want.finish_reason
+        # the last new token is never fed to the model: prompt + new tokens <= context + 1
+        assert n + len(got.tokens) <= model.max_seq_len + 1
+
+
+def test_draft_with_a_shorter_context(tiny):
+    """A draft whose context is shorter than the prompt, or than prompt + output: drafting stops where
+    the draft runs out of room, decoding goes on."""
+    from leapdecode.models.native import NativeCausalLM
+    from leapdecode.models.tiny import tiny_config
+
+    model, twin = tiny(seed=0), tiny(seed=0, copy=1)
+    short = NativeCausalLM(tiny_config(), max_seq_len=128).eval()
+    short.load_state_dict(twin.model.state_dict())
+    draft = dataclasses.replace(twin, model=short)
+    unit = model.tokenizer.encode("the cat sat on the mat. ")
+    for n in (100, 300):
+        ids = (unit * 20)[:n]
+        want = vanilla(model, "", prompt_ids=ids, max_new_tokens=60)
+        got = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=60, method="draft", draft=draft)
+        assert got.tokens == want.tokens, (n, _divergence(want.tokens, got.tokens))
+        if n == 100:
+            assert got.stats["mean_accepted"] > 1  # it drafted while it had room
+
+
 def test_rest_datastore_by_path(tiny, env):
     if "rest" not in METHODS:
         pytest.skip("no rest method")
     model = tiny(seed=0)
-    want = leapdecode.generate(model, REPETITIVE, max_new_tokens=40)
+    want = vanilla(model, REPETITIVE, max_new_tokens=40)
     got = leapdecode.generate(model, REPETITIVE, max_new_tokens=40, method="rest", datastore=env.datastore_path)
     assert got.tokens == want.tokens
     assert got.stats["rest_hit_rate"] > 0
@@ -266,7 +317,7 @@ def test_draft_may_be_the_target_object(tiny):
     """``draft=`` the target's own ``LoadedModel``: the draft's KV cache must not be the target's."""
     model = tiny(seed=0)
     for prompt in (REPETITIVE, "abc", "the cat sat on the mat"):
-        want = leapdecode.generate(model, prompt, max_new_tokens=40)
+        want = vanilla(model, prompt, max_new_tokens=40)
         got = leapdecode.generate(model, prompt, max_new_tokens=40, method="draft", draft=model)
         assert got.tokens == want.tokens, (prompt, _divergence(want.tokens, got.tokens))
         assert got.stats["mean_accepted"] > 1  # a draft equal to the target: whole trees accepted
@@ -276,10 +327,10 @@ def test_stop_strings_with_speculation(tiny, env):
     """Stop strings act on committed text: every method stops at the same token as vanilla."""
     model = tiny(seed=1)
     prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
-    full = leapdecode.generate(model, prompt, max_new_tokens=60)
+    full = vanilla(model, prompt, max_new_tokens=60)
     assert len(full.text) > 12
     for stop in (full.text[5:8], full.text[-4:-1], [full.text[9:11], "\x00never"]):
-        want = leapdecode.generate(model, prompt, max_new_tokens=60, stop=stop)
+        want = vanilla(model, prompt, max_new_tokens=60, stop=stop)
         assert want.finish_reason == "stop"
         for method in METHODS:
             got = leapdecode.generate(model, prompt, max_new_tokens=60, stop=stop, method=method,
@@ -331,6 +382,18 @@ def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
     assert runs[0] == runs[1], "a fixed seed must reproduce the same tokens"
 
 
+def test_auto_with_a_draft_is_seed_reproducible(tiny, env):
+    if "auto" not in METHODS:
+        pytest.skip("no auto method")
+    model = tiny(seed=1)
+    outs = set()
+    for _ in range(6):
+        res = leapdecode.generate(model, REPETITIVE, max_new_tokens=48, temperature=1.0, seed=5,
+                                  method="auto", draft=env.drafts["noisy"])
+        outs.add(tuple(res.tokens))
+    assert len(outs) == 1, f"{len(outs)} different outputs from one seed"
+
+
 # ============================================================================ 3. sampling distribution
 def _next_probs(model, ids: list[int], params: SamplingParams) -> torch.Tensor:
     """The target's next-token distribution after ``ids`` (one plain forward, fresh cache), float64."""
@@ -358,8 +421,8 @@ def _first_two(model, ids, n: int, **kw) -> tuple[dict[tuple[int, int], int], in
     sequence does not matter for this marginal)."""
     counts: dict[tuple[int, int], int] = {}
     drafted = 0
-    for seed in range(n):
-        gen = Generation(model, "", prompt_ids=ids, seed=seed, **kw)
+    for i in range(n):
+        gen = Generation(model, "", prompt_ids=ids, seed=i, **kw)
         first_step = []
         if gen.proposer is not None:
             observe = gen.proposer.observe
@@ -431,10 +494,10 @@ def test_distribution_draft_model(tiny, no_eos, chi2):
     # budget 8 with beam 1: the draft's 4 sampled root children and 4 sampled grandchildren
     counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft", draft=draft,
                                  tree_budget=8, beam=1, **params)
-    assert 0.1 * n < drafted < 0.95 * n, drafted  # drafts both accepted and rejected
     expected = _joint(no_eos, chosen, sp)
     stat, df, pval = _chi2_against(chi2, counts, expected)
-    assert pval > ALPHA, (stat, df, pval)
+    assert pval > ALPHA, (stat, df, pval, drafted)
+    assert 0.1 * n < drafted < 0.95 * n, drafted  # drafts both accepted and rejected
     # power: the draft's own joint distribution, and a 20% bias towards its favourite token, are rejected
     q_joint = _joint(draft, chosen, sp)
     assert _chi2_against(chi2, counts, q_joint)[2] < ALPHA
@@ -460,10 +523,10 @@ def test_distribution_model_free(tiny, no_eos, chi2):
     assert best is not None and best_score > 0.15, "no candidate prompt drafts a plausible token"
     n = 2000
     counts, drafted = _first_two(no_eos, best, n, max_new_tokens=3, method=method, **params)
-    assert 0.1 * n < drafted < 0.9 * n, drafted
     expected = _joint(no_eos, best, sp)
     stat, df, pval = _chi2_against(chi2, counts, expected)
-    assert pval > ALPHA, (stat, df, pval)
+    assert pval > ALPHA, (stat, df, pval, drafted)
+    assert 0.1 * n < drafted < 0.9 * n, drafted  # drafts both accepted and rejected
     assert _chi2_against(chi2, counts, _biased(expected, first))[2] < ALPHA
 
 
@@ -471,7 +534,7 @@ def test_distribution_vanilla_reference(no_eos, chi2):
     """The reference itself: vanilla sampling draws from ``target_probs`` of the target's logits."""
     params = dict(temperature=0.8, top_k=6)
     ids = no_eos.tokenizer.encode(CANDIDATE_PROMPTS[0])
-    counts, _ = _first_two(no_eos, ids, 1000, max_new_tokens=2, **params)
+    counts, _ = _first_two(no_eos, ids, 800, max_new_tokens=2, method="vanilla", **params)
     stat, df, pval = _chi2_against(chi2, counts, _joint(no_eos, ids, SamplingParams(**params)))
     assert pval > ALPHA, (stat, df, pval)
     # and not from the untruncated distribution
@@ -486,9 +549,13 @@ def test_stream_equals_generate(tiny, env, method):
     for kw in (dict(max_new_tokens=48), dict(max_new_tokens=48, temperature=0.8, seed=3),
                dict(max_new_tokens=48, stop=["at", "\n\n"])):
         kw.update(method_inputs(method, env, "noisy"))
-        res = leapdecode.generate(model, REPETITIVE, method=method, **kw)
         gen = leapdecode.stream(model, REPETITIVE, method=method, **kw)
         pieces = list(gen)
-        assert "".join(pieces) == res.text
         assert all(pieces)
-        assert gen.result.tokens == res.tokens and gen.result.finish_reason == res.finish_reason
+        assert "".join(pieces) == gen.result.text
+        if "stop" not in kw:
+            assert gen.result.text == model.tokenizer.decode(gen.result.tokens, skip_special_tokens=True)
+        if "temperature" not in kw:  # greedy: the same as vanilla's non-streamed result
+            res = vanilla(model, REPETITIVE, **{k: v for k, v in kw.items() if k not in ("draft", "datastore")})
+            assert (gen.result.text, gen.result.tokens, gen.result.finish_reason) == \
+                (res.text, res.tokens, res.finish_reason)

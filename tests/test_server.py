@@ -38,7 +38,7 @@ LONG = 1500  # max_tokens of a greedy generation (no EOS: 'Hello'/'Hi' run to th
 @pytest.fixture(scope="module")
 def server():
     model = load("tiny-random", dtype="fp32")
-    app = create_app(model, max_queue=4, request_timeout=60)
+    app = create_app(model, default_method="vanilla", max_queue=4, request_timeout=60)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -140,8 +140,9 @@ class Generation:
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         ids = self.prompt_ids
         cache = self._cache(min(model.max_seq_len, len(ids) + self.max_new_tokens + TREE_MARGIN))
-        for s in range(0, len(ids) - 1, PREFILL_CHUNK):
-            chunk = torch.tensor(ids[s : min(s + PREFILL_CHUNK, len(ids) - 1)], device=device)
+        step = min(PREFILL_CHUNK, cache.max_pending)  # a chunk is pending until committed
+        for s in range(0, len(ids) - 1, step):
+            chunk = torch.tensor(ids[s : min(s + step, len(ids) - 1)], device=device)
             target.forward(chunk[None], cache, logits_for=slice(0, 0))
             cache.commit()
         prefill_s = time.perf_counter() - t_start

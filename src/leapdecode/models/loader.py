@@ -171,10 +171,16 @@ def load(
 
     from .native import ModelConfig, NativeCausalLM
 
-    if name_or_path.startswith("tiny-random"):
+    if name_or_path == "tiny-random" or name_or_path.startswith("tiny-random:"):
         from .tiny import tiny_loaded
 
-        seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
+        try:
+            seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
+        except ValueError:
+            raise UnknownModelError(
+                f"unknown model {name_or_path!r}: tiny random models are tiny-random or tiny-random:SEED "
+                "(SEED an integer)"
+            ) from None
         return tiny_loaded(name_or_path, seed=seed, dtype=resolve_dtype(dtype, resolve_device(device)),
                            device=resolve_device(device))
     if backend not in ("auto", "native", "hf"):

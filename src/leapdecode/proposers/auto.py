@@ -122,6 +122,8 @@ class AutoProposer(Proposer):
                 setattr(stats_owner, key, bandit)
         self.bandit = bandit
         self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) or 24
+        self._run_bandit = bandit
+        self._deterministic = False
         self._pending: tuple[int, str, int] | None = None
         self._t_step = 0.0
         self._draft_live = False
@@ -129,6 +131,16 @@ class AutoProposer(Proposer):
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
+        # A seeded sampling run must be reproducible, but wall-time rewards and statistics
+        # learned by earlier runs would change which arm (and so which random draws) each
+        # step uses.  Such runs learn from scratch with a deterministic cost model instead:
+        # a step costs one target forward plus (draft size / target size) per draft forward.
+        self._deterministic = not ctx.params.greedy and ctx.params.seed is not None
+        if self._deterministic:
+            self._run_bandit = BanditStats(self.bandit.arms, self.bandit.discount, self.bandit.explore)
+            self._cost_ratio = _size_ratio(self.draft, ctx.target) if self.draft is not None else 0.0
+        else:
+            self._run_bandit = self.bandit
         self.sam.begin(ctx, tokens)
         if self.draft is not None:
             self.draft.begin(ctx, tokens)
@@ -138,19 +150,27 @@ class AutoProposer(Proposer):
         """Credit the previous step's arm with tokens per second, now that its time is known."""
         if self._pending is not None:
             ctx, arm, emitted = self._pending
-            elapsed = time.perf_counter() - self._t_step
-            if elapsed > 0:
-                self.bandit.update(ctx, arm, emitted / elapsed)
+            if self._deterministic:
+                forwards = self._draft_forwards() - self._forwards_before
+                self._run_bandit.update(ctx, arm, emitted / (1.0 + self._cost_ratio * forwards))
+            else:
+                elapsed = time.perf_counter() - self._t_step
+                if elapsed > 0:
+                    self._run_bandit.update(ctx, arm, emitted / elapsed)
             self._pending = None
+
+    def _draft_forwards(self) -> int:
+        return self.draft.stats().get("draft_forwards", 0) if self.draft is not None else 0
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._close_step()
         self._t_step = time.perf_counter()
+        self._forwards_before = self._draft_forwards()
         self.sam._sync(tokens)
         found = self.sam.matches()
         match_len = found[0][0] if found else 0
         ctx = _bucket(match_len)
-        arm = self.bandit.choose(ctx)
+        arm = self._run_bandit.choose(ctx)
         self._arm, self._ctx = arm, ctx
         self._uses[arm] = self._uses.get(arm, 0) + 1
         self._draft_live = False
@@ -177,10 +197,18 @@ class AutoProposer(Proposer):
             self.draft.end()
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self.bandit.snapshot()}
+        out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self._run_bandit.snapshot()}
         if self.draft is not None:
             out.update(self.draft.stats())
         return out
+
+
+def _size_ratio(draft_proposer, target) -> float:
+    """Draft parameters / target parameters: the relative cost of a memory-bound forward."""
+    def size(m) -> int:
+        return sum(p.numel() for p in m.model.parameters()) or 1
+
+    return size(draft_proposer.draft) / size(target)
 
 
 def make_auto_proposer(target, draft, tree_budget: int | None, options: dict[str, Any]) -> AutoProposer:

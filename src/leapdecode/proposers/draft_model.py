@@ -83,15 +83,16 @@ class DraftModelProposer(Proposer):
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
         self._pending_of: dict[int, int] = {}
         # prefill all but the root now, so the first propose only feeds the root
-        if len(tokens) > 1:
+        if 1 < len(tokens) <= cache.max_len:  # (a prompt the draft cannot hold: propose() drafts nothing)
             self._feed(tokens[:-1], want_logits=False)
 
     def _feed(self, new: list[int], want_logits: bool = True) -> torch.Tensor | None:
         dev = self.draft.device
         logits = None
-        for s in range(0, len(new), 512):
-            chunk = torch.tensor(new[s : s + 512], device=dev)[None]
-            last = s + 512 >= len(new)
+        step = min(512, self.cache.max_pending)  # a chunk is pending until committed
+        for s in range(0, len(new), step):
+            chunk = torch.tensor(new[s : s + step], device=dev)[None]
+            last = s + step >= len(new)
             out = self.draft.model.forward(chunk, self.cache, logits_for=slice(-1, None) if (last and want_logits) else slice(0, 0))
             self.cache.commit()
             if last and want_logits:
@@ -123,7 +124,11 @@ class DraftModelProposer(Proposer):
         t0 = time.perf_counter()
         if self.cache.n_pending:
             self.cache.rollback()
-        logits = self._feed(tokens[self.n_cached :])
+        new = tokens[self.n_cached :]
+        if self.cache.room() < len(new):  # the draft's context is full: no draft, the target goes on alone
+            self._tree_to_cand, self._last_depth = {}, 0
+            return TokenTree()
+        logits = self._feed(new)
         greedy = self.params.greedy
         k = min(self.top_k, budget)
         # candidate nodes: token, parent (candidate index), score, depth, logp row used
@@ -149,6 +154,8 @@ class DraftModelProposer(Proposer):
             expand = [c for c in frontier[: self.beam] if cand_score[c] >= log_tau]
             if not expand:
                 break
+            if self.cache.room() < len(expand):
+                break  # near the end of the draft's context
             if not greedy and len(cand_tok) + len(expand) * k > budget:
                 break  # sampled children are never pruned, so stop before exceeding the budget
             parents = []

@@ -36,8 +36,9 @@ Drafting.  A chain of up to ``k`` tokens, one forward per token through the kept
 (``NativeCausalLM.forward(..., layers=...)``) on the target's cache: the committed prefix has exact
 keys/values for every layer the draft runs, and the earlier draft tokens have theirs for exactly the
 layers that read them.  Drafting stops once the draft's probability of its latest token is below
-``min_conf`` (Draft & Verify's draft-exiting rule; the token that fell below is still proposed, its
-forward was already paid).  The draft's pending nodes have no keys/values for the skipped layers, so
+``min_conf`` (Draft & Verify's draft-exiting rule with a fixed threshold; D&V adapts it online).  The
+token that fell below is still proposed: its forward was already paid, and it costs verification
+one row.  The draft's pending nodes have no keys/values for the skipped layers, so
 they are always rolled back before the tree is returned: nothing the draft wrote survives into the
 verification forward, which recomputes every layer for every tree node.
 

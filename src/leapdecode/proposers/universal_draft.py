@@ -257,9 +257,10 @@ class UniversalDraftProposer(Proposer):
     def _feed(self, new: list[int], want_logits: bool = True) -> torch.Tensor | None:
         dev = self.draft.device
         logits = None
-        for s in range(0, len(new), 512):
-            chunk = torch.tensor(new[s : s + 512], device=dev)[None]
-            last = s + 512 >= len(new)
+        step = min(512, self.cache.max_pending)  # a chunk is pending until committed
+        for s in range(0, len(new), step):
+            chunk = torch.tensor(new[s : s + step], device=dev)[None]
+            last = s + step >= len(new)
             out = self.draft.model.forward(chunk, self.cache,
                                            logits_for=slice(-1, None) if (last and want_logits) else slice(0, 0))
             self.cache.commit()
