@@ -44,10 +44,10 @@ def main() -> None:
     out = {"model": a.model, "dtype": a.dtype, "new_tokens": a.new, "threads": torch.get_num_threads()}
     lm = leapdecode.load(a.model, dtype=a.dtype, backend="native")
     ids = encode_prompt(lm, PROMPT, chat=True)
-    leapdecode.generate(lm, PROMPT, chat=True, max_new_tokens=8)  # warm-up
+    leapdecode.generate(lm, PROMPT, chat=True, max_new_tokens=8, method="vanilla")  # warm-up
     rates, tokens = [], None
     for _ in range(a.repeats):
-        r = leapdecode.generate(lm, PROMPT, chat=True, max_new_tokens=a.new)
+        r = leapdecode.generate(lm, PROMPT, chat=True, max_new_tokens=a.new, method="vanilla")
         rates.append(r.stats["new_tokens"] / (r.stats["wall_s"] - r.stats.get("prefill_s", 0.0)))
         tokens = r.tokens
     nbytes = weight_bytes(lm.model)

@@ -42,6 +42,12 @@ one row.  The draft's pending nodes have no keys/values for the skipped layers, 
 they are always rolled back before the tree is returned: nothing the draft wrote survives into the
 verification forward, which recomputes every layer for every tree node.
 
+Defaults: ``skip`` = 30% of the layers (8 of Qwen2.5-1.5B's 28), ``k`` = 6, ``min_conf`` = 0.6,
+``update_every`` = 4.  On qwen2.5-coder-1.5b (bf16, CPU, two prompts) that setting had the best
+tokens per unit of work (target forwards + draft forwards weighted by the share of layers run + DP
+runs) of the (skip, min_conf) pairs tried: (40%, 0.4), (40%, 0.7), (30%, 0.6), (50%, 0.6); with
+``update_every=1`` (the paper's cadence) the DP cost more than it gained there.
+
 Greedy decoding drafts the draft's argmax (deterministic nodes); sampling draws each token from the
 draft's own processed distribution and records it as the node's ``q``, so the verifier's rejection
 sampling keeps the output distribution exactly the target's.
@@ -63,7 +69,7 @@ from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer
 from .pld import check_int
 
-DEFAULT_SKIP_FRACTION = 0.4
+DEFAULT_SKIP_FRACTION = 0.3
 
 
 def clasp_dp(
@@ -150,7 +156,7 @@ class LayerSkipProposer(Proposer):
         tree_budget: int | None = None,
         skip: int | float | None = None,
         k: int = 6,
-        min_conf: float = 0.4,
+        min_conf: float = 0.6,
         update_every: int = 4,
     ) -> None:
         if getattr(target, "backend", None) != "native":
