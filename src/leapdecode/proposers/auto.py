@@ -11,6 +11,9 @@ Arms (each one proposes a whole tree for one step):
   Retrieval-Augmented Speculative Decoding" (2025);
 * ``none`` - no draft (a vanilla step), so auto can never lose much to vanilla decoding.
 
+As in SAM Decoding, a match of at least ``sam_only_match`` tokens (default 12) uses the
+automaton's draft alone.
+
 Which arm runs is a contextual bandit, after "BanditSpec: Adaptive Speculative Decoding
 via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of tokens it
 emitted divided by its wall time (draft + verify, measured from one ``propose`` to the
@@ -71,18 +74,19 @@ class BanditStats:
         self.n: dict[tuple[int, str], float] = {}
         self.mean: dict[tuple[int, str], float] = {}
 
-    def choose(self, ctx: int) -> str:
-        untried = [a for a in self.arms if self.n.get((ctx, a), 0.0) < 1.0]
+    def choose(self, ctx: int, arms: list[str] | None = None) -> str:
+        arms = arms or self.arms
+        untried = [a for a in arms if self.n.get((ctx, a), 0.0) < 1.0]
         if untried:
             return untried[0]
-        total = sum(self.n[(ctx, a)] for a in self.arms)
-        best = max(self.mean[(ctx, a)] for a in self.arms) or 1.0
+        total = sum(self.n[(ctx, a)] for a in arms)
+        best = max(self.mean[(ctx, a)] for a in arms) or 1.0
 
         def ucb(a: str) -> float:
             # rewards are tokens/s; scale the exploration bonus by the best mean so it is unit-free
             return self.mean[(ctx, a)] + self.explore * best * math.sqrt(math.log(total + 1) / self.n[(ctx, a)])
 
-        return max(self.arms, key=ucb)
+        return max(arms, key=ucb)
 
     def update(self, ctx: int, arm: str, reward: float) -> None:
         for a in self.arms:  # discount this context's evidence so the bandit tracks a drifting text
@@ -103,7 +107,8 @@ class AutoProposer(Proposer):
     name = "auto"
 
     def __init__(self, draft_proposer: Proposer | None = None, tree_budget: int | None = None,
-                 sam_len: int = 16, explore: float = 0.5, discount: float = 0.97,
+                 sam_len: int = 16, sam_only_match: int = MATCH_BUCKETS[3], explore: float = 0.15,
+                 discount: float = 0.99,
                  stats_owner: Any = None) -> None:
         if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
             raise InvalidParameterError(f"tree_budget must be an integer >= 1, got {tree_budget}")
@@ -111,6 +116,9 @@ class AutoProposer(Proposer):
             raise InvalidParameterError(f"discount must be in (0, 1], got {discount}")
         if explore < 0:
             raise InvalidParameterError(f"explore must be >= 0, got {explore}")
+        if not isinstance(sam_only_match, int) or sam_only_match < 1:
+            raise InvalidParameterError(f"sam_only_match must be an integer >= 1, got {sam_only_match}")
+        self.sam_only_match = sam_only_match
         self.sam = SuffixAutomatonProposer(draft_len=sam_len)
         self.draft = draft_proposer
         arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) + ["none"]
@@ -146,6 +154,17 @@ class AutoProposer(Proposer):
             self.draft.begin(ctx, tokens)
         self._pending = None
 
+    def _arms_for(self, match_len: int) -> list[str]:
+        """SAM Decoding's rule: past ``sam_only_match`` matched tokens the automaton's draft is
+        used alone (a long match is cheap and rarely wrong); below it the bandit decides,
+        trying the arm the match length suggests first."""
+        arms = self._run_bandit.arms
+        if match_len >= self.sam_only_match:
+            return ["sam"]
+        if match_len >= MATCH_BUCKETS[2]:
+            return arms
+        return sorted(arms, key=lambda a: a == "sam")  # no or a short match: the draft model first
+
     def _close_step(self) -> None:
         """Credit the previous step's arm with tokens per second, now that its time is known."""
         if self._pending is not None:
@@ -170,7 +189,7 @@ class AutoProposer(Proposer):
         found = self.sam.matches()
         match_len = found[0][0] if found else 0
         ctx = _bucket(match_len)
-        arm = self._run_bandit.choose(ctx)
+        arm = self._run_bandit.choose(ctx, self._arms_for(match_len))
         self._arm, self._ctx = arm, ctx
         self._uses[arm] = self._uses.get(arm, 0) + 1
         self._draft_live = False

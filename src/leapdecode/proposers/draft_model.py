@@ -38,7 +38,7 @@ import torch
 
 from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
-from .base import DecodeContext, Proposer
+from .base import DecodeContext, Proposer, feed_committed
 
 
 class DraftModelProposer(Proposer):
@@ -87,19 +87,10 @@ class DraftModelProposer(Proposer):
             self._feed(tokens[:-1], want_logits=False)
 
     def _feed(self, new: list[int], want_logits: bool = True) -> torch.Tensor | None:
-        dev = self.draft.device
-        logits = None
-        step = min(512, self.cache.max_pending)  # a chunk is pending until committed
-        for s in range(0, len(new), step):
-            chunk = torch.tensor(new[s : s + step], device=dev)[None]
-            last = s + step >= len(new)
-            out = self.draft.model.forward(chunk, self.cache, logits_for=slice(-1, None) if (last and want_logits) else slice(0, 0))
-            self.cache.commit()
-            if last and want_logits:
-                logits = out[0, -1, : self.vocab]
+        logits, _ = feed_committed(self.draft, self.cache, new, want_logits)
         self._draft_forwards += 1
         self.n_cached += len(new)
-        return logits
+        return None if logits is None else logits[: self.vocab]
 
     def _dist(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities that rank candidates (greedy) or that children are drawn from (sampling)."""

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..core.tree import TokenTree
-from .base import DecodeContext, Proposer
+from .base import DecodeContext, Proposer, feed_committed
 
 _SENTINELS = ("\x00leapdecode-system\x00", "\x00leapdecode-user\x00")
 _IGNORED_OPTIONS = {"top_k", "beam", "max_depth", "tau"}  # DraftModelProposer's (same-tokenizer) options
@@ -255,18 +255,10 @@ class UniversalDraftProposer(Proposer):
 
     # -------------------------------------------------------------- helpers
     def _feed(self, new: list[int], want_logits: bool = True) -> torch.Tensor | None:
-        dev = self.draft.device
-        logits = None
-        step = min(512, self.cache.max_pending)  # a chunk is pending until committed
-        for s in range(0, len(new), step):
-            chunk = torch.tensor(new[s : s + step], device=dev)[None]
-            last = s + step >= len(new)
-            out = self.draft.model.forward(chunk, self.cache,
-                                           logits_for=slice(-1, None) if (last and want_logits) else slice(0, 0))
-            self.cache.commit()
-            self._draft_forwards += 1
-            if last and want_logits:
-                logits = out[0, -1, : self.vocab]
+        logits, forwards = feed_committed(self.draft, self.cache, new, want_logits)
+        self._draft_forwards += forwards
+        if logits is not None:
+            logits = logits[: self.vocab]
         self.D.extend(new)
         return logits
 
