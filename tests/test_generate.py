@@ -499,8 +499,11 @@ def test_smollm2_draft_method_with_a_tiny_draft(capsys, smol_tiny_draft):
         got = _cli_json(capsys, *common, "--method", "draft", "--draft", str(smol_tiny_draft), prompt)
         assert got["tokens"] == want["tokens"], (got["text"], want["text"])
         assert got["stats"]["draft_forwards"] > 0  # the draft really ran (a same-tokenizer draft tree)
-    # the model's own weights as the draft (another object): whole trees are accepted on a real model
+    # the model's own weights as the draft (another object): every drafted token is accepted on a
+    # real model (how deep it drafts is the cost model's choice: with a draft as costly as the
+    # target, one token per step)
     same = _cli_json(capsys, *common, "--method", "draft", "--draft", str(registry.ensure_converted(SMOL)),
                      "def fibonacci(n):")
     assert same["tokens"] == _cli_json(capsys, *common, "--method", "vanilla", "def fibonacci(n):")["tokens"]
-    assert same["stats"]["mean_accepted"] > 2, same["stats"]
+    assert same["stats"]["accept_hist"].get("0", 0) <= 1, same["stats"]  # (the last step may draft nothing)
+    assert same["stats"]["mean_accepted"] >= 1.9, same["stats"]

@@ -127,6 +127,7 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.in_features = linear.in_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        # the plain weight is not kept (the packed copy replaces it); see ``head_weight``
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +140,13 @@ def can_pack(model: nn.Module) -> bool:
     p = next(model.parameters())
     return (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def make_linear(weight: torch.Tensor) -> nn.Module:
+    """A bias-free linear layer over ``weight`` (no copy), oneDNN-packed for bf16 on CPU."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return PackedLinear(linear) if can_pack(linear) else linear
 
 
 class Block(nn.Module):
@@ -217,11 +225,22 @@ class NativeCausalLM(nn.Module):
         """Swap every linear layer for a oneDNN-packed one (bf16 on CPU only; no-op otherwise)."""
         if not can_pack(self):
             return self
+        if not self.cfg.tie_word_embeddings:  # tied: ``embed.weight`` is the head's weight already
+            self._head_weight = self.lm_head.weight.detach()
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 setattr(block, name, PackedLinear(getattr(block, name)))
         self.lm_head = PackedLinear(self.lm_head)
         return self
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's plain ``[vocab, hidden]`` weight (also after packing), from
+        which a proposer can build a smaller head over a subset of the vocabulary."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed.weight
+        packed_away = getattr(self, "_head_weight", None)
+        return packed_away if packed_away is not None else self.lm_head.weight
 
     @property
     def device(self) -> torch.device:
@@ -255,6 +274,7 @@ class NativeCausalLM(nn.Module):
         logits_for: slice | list[int] | None = None,
         layers: list[int] | None = None,
         hidden_states: list | None = None,
+        head: nn.Module | None = None,
     ) -> torch.Tensor:
         """Append ``tokens`` ([B, T]) as pending nodes and return fp32 logits.
 
@@ -267,6 +287,9 @@ class NativeCausalLM(nn.Module):
         ``hidden_states`` (a list; ``capture_hidden`` when not given) receives the
         residual stream ``[B, T, hidden]`` after the embedding and after each layer
         that runs (references to tensors the forward makes anyway: no copies).
+
+        ``head`` replaces the output projection (e.g. a drafter's head over a subset of
+        the vocabulary); the logits are then over that head's outputs.
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
@@ -290,7 +313,7 @@ class NativeCausalLM(nn.Module):
         if logits_for is not None:
             x = x[:, logits_for]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        return (head or self.lm_head)(x).float()
 
     # ------------------------------------------------------------- loading
     @classmethod

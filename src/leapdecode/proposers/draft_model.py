@@ -15,12 +15,29 @@ recomputed), then grows a token tree:
   Hardware-aware Speculative Decoding", Chen et al., 2024) and OPT-Tree
   ("OPT-Tree: Speculative Decoding with Adaptive Draft Tree Structure", Wang
   et al., 2024) argue a tree should.
-* **Adaptive draft length** (in the spirit of "SpecDec++: Boosting Speculative
-  Decoding via Adaptive Candidate Lengths", Huang et al., 2024): drafting stops
-  when the best frontier node's cumulative probability falls below a threshold
-  tau.  SpecDec++ trains an acceptance-prediction head; we have no training
-  data here, so tau is learned online from the verdicts: raised when the
-  deepest drafted level went unused, lowered when the whole draft was accepted.
+* **Adaptive draft length and tree size, from costs** (greedy): SpecDec++
+  ("SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths",
+  Huang et al., 2024) stops drafting when the predicted chance of a rejection
+  outweighs the cost of one more draft forward, and Sequoia sizes the tree for
+  the hardware.  We do both with measured costs: the target's verification
+  cost per tree size (``core/cost_model.py``) and the draft forward's time, and
+  an acceptance probability per node (its draft probability, calibrated online
+  against the verdicts: SpecDec++ trains an acceptance head, we have no
+  training data, so a binned calibration stands in).  Another draft level is
+  run only while it raises the expected tokens per second of the step, and the
+  verified tree is the prefix of the candidates (best first) that maximises it.
+  Under sampling (seeded runs must be reproducible, so no clock may steer them)
+  drafting stops when the best frontier node's cumulative probability falls
+  below a threshold tau, learned online from the verdicts.
+* **A frequency-ranked draft vocabulary** ("FR-Spec: Accelerating
+  Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling",
+  Zhao et al., 2025): with a 152k-token vocabulary the draft's output
+  projection is a third of its forward.  The draft scores only the
+  ``draft_vocab`` most frequent tokens plus every token of the prompt.  FR-Spec
+  counts frequencies on a corpus; we have none offline, and a BPE tokenizer's
+  ids follow its merge order, which is a frequency ranking of its training
+  corpus, so the subset is the lowest ids.  A token outside the subset can
+  still be emitted (the target's bonus token), just not drafted.
 
 Under sampling the children of a node are drawn from the (identically
 processed) draft distribution without replacement (Gumbel-top-k) and all of
@@ -36,9 +53,71 @@ import time
 
 import torch
 
+from ..core.cost_model import best_tree_size, verify_cost_for
 from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
+from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer, feed_committed
+
+DRAFT_VOCAB = 32768  # FR-Spec's subset size for Llama-3's 128k vocabulary
+
+
+class SubsetHead(torch.nn.Module):
+    """The draft's output projection restricted to ``ids`` (FR-Spec): the frequency-ranked
+    base rows (packed once per draft model) plus this generation's extra rows."""
+
+    def __init__(self, base: torch.nn.Module, base_ids: torch.Tensor, extra_ids: torch.Tensor,
+                 weight: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.extra = weight[extra_ids] if len(extra_ids) else None
+        self.ids = torch.cat([base_ids, extra_ids])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.extra is None:
+            return y
+        return torch.cat([y, torch.nn.functional.linear(x, self.extra)], dim=-1)
+
+
+def _subset_head(draft, size: int, extra: list[int]) -> SubsetHead | None:
+    """A ``SubsetHead`` over the ``size`` lowest ids plus ``extra``; None where the draft has
+    no plain head weight to slice (non-native backend) or the vocabulary is small anyway."""
+    from ..models.native import make_linear
+
+    model = draft.model
+    weight = getattr(model, "head_weight", None)
+    if weight is None or size <= 0 or model.vocab_size <= 2 * size:
+        return None
+    heads = draft.__dict__.setdefault("_subset_heads", {})
+    if size not in heads:
+        heads[size] = make_linear(weight[:size])
+    base_ids = torch.arange(size, device=weight.device)
+    extra_ids = torch.tensor(sorted({t for t in extra if size <= t < model.vocab_size}), dtype=torch.long,
+                             device=weight.device)
+    return SubsetHead(heads[size], base_ids, extra_ids, weight)
+
+
+class AcceptanceCalibration:
+    """P(a draft node is accepted | its parent was), as a function of the draft's probability
+    of the node given its parent: binned frequencies, starting from the identity."""
+
+    BINS = 10
+
+    def __init__(self, prior: float = 2.0) -> None:
+        self.hits = [prior * (b + 0.5) / self.BINS for b in range(self.BINS)]
+        self.seen = [prior] * self.BINS
+
+    def bin(self, p: float) -> int:
+        return min(int(p * self.BINS), self.BINS - 1)
+
+    def __call__(self, p: float) -> float:
+        b = self.bin(p)
+        return min(max(self.hits[b] / self.seen[b], 1e-4), 1.0)
+
+    def update(self, b: int, accepted: bool) -> None:
+        self.hits[b] += float(accepted)
+        self.seen[b] += 1.0
 
 
 class DraftModelProposer(Proposer):
@@ -53,17 +132,28 @@ class DraftModelProposer(Proposer):
         max_depth: int = 8,
         adaptive: bool = True,
         tau: float = 0.05,
+        draft_vocab: int = DRAFT_VOCAB,
     ) -> None:
-        if top_k < 1 or beam < 1 or max_depth < 1:
-            raise ValueError("top_k, beam and max_depth must be >= 1")
+        for name, v in (("top_k", top_k), ("beam", beam), ("max_depth", max_depth)):
+            if not isinstance(v, int) or v < 1:
+                raise InvalidParameterError(f"{name} must be an integer >= 1, got {v}")
+        if not isinstance(draft_vocab, int) or draft_vocab < 0:
+            raise InvalidParameterError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab}")
+        if not 0 < tau < 1:
+            raise InvalidParameterError(f"tau must be in (0, 1), got {tau}")
         self.draft = draft
         self.default_budget = tree_budget or 24
         self.top_k, self.beam, self.max_depth = top_k, beam, max_depth
         self.adaptive = adaptive
         self.tau = tau
+        self.draft_vocab = draft_vocab
         self.cache = None
         self._time = 0.0
         self._draft_forwards = 0
+        # per draft model: how draft probabilities translate into acceptances, and what a
+        # draft forward costs (both carry over between generations)
+        self.calibration: AcceptanceCalibration = draft.__dict__.setdefault("_acceptance_calibration",
+                                                                            AcceptanceCalibration())
 
     # ---------------------------------------------------------------- setup
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
@@ -81,16 +171,35 @@ class DraftModelProposer(Proposer):
         self.n_cached = 0  # tokens[:n_cached] are committed in the draft cache
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
+        self.head = _subset_head(self.draft, self.draft_vocab, tokens) if self.draft_vocab else None
         self._pending_of: dict[int, int] = {}
+        self._cost_model = self.adaptive and ctx.params.greedy
+        self._verify_cost = None  # measured at the first propose (the target's cache is idle then)
         # prefill all but the root now, so the first propose only feeds the root
         if 1 < len(tokens) <= cache.max_len:  # (a prompt the draft cannot hold: propose() drafts nothing)
             self._feed(tokens[:-1], want_logits=False)
 
     def _feed(self, new: list[int], want_logits: bool = True) -> torch.Tensor | None:
-        logits, _ = feed_committed(self.draft, self.cache, new, want_logits)
+        logits, _ = feed_committed(self.draft, self.cache, new, want_logits, head=self.head)
         self._draft_forwards += 1
         self.n_cached += len(new)
-        return None if logits is None else logits[: self.vocab]
+        return None if logits is None else self._cut(logits)
+
+    def _cut(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.head is not None else logits[..., : self.vocab]
+
+    def _ids(self, idx: list[int]) -> list[int]:
+        """Vocabulary ids of positions in the draft's logits (they differ under a subset head)."""
+        if self.head is None:
+            return idx
+        return self.head.ids[torch.tensor(idx, dtype=torch.long)].tolist() if idx else []
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        """A draft distribution over the whole (shared) vocabulary, zero outside the subset."""
+        if self.head is None:
+            return p
+        out = torch.zeros(self.vocab, dtype=p.dtype, device=p.device)
+        return out.index_copy_(0, self.head.ids, p)
 
     def _dist(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities that rank candidates (greedy) or that children are drawn from (sampling)."""
@@ -99,16 +208,17 @@ class DraftModelProposer(Proposer):
         return target_probs(logits, self.params).clamp_min(0).log()
 
     def _children(self, logp: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        """``k`` children as (vocabulary ids, draft log-probabilities): the top ``k`` (greedy) or
+        an ordered sample without replacement (Gumbel-top-k)."""
         if self.params.greedy:
             vals, idx = torch.topk(logp, k)
         else:
-            # Gumbel-top-k: an ordered sample without replacement from exp(logp)
             g = -torch.empty_like(logp).exponential_(generator=self.ctx.generator).log()
             keys = logp + g
             _, idx = torch.topk(keys, k)
             idx = idx[torch.isfinite(logp[idx])]
             vals = logp[idx]
-        return idx.tolist(), vals.tolist()
+        return self._ids(idx.tolist()), vals.tolist()
 
     # -------------------------------------------------------------- propose
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
@@ -119,26 +229,39 @@ class DraftModelProposer(Proposer):
         if self.cache.room() < len(new):  # the draft's context is full: no draft, the target goes on alone
             self._tree_to_cand, self._last_depth = {}, 0
             return TokenTree()
+        if self._cost_model and self._verify_cost is None:
+            self._verify_cost = verify_cost_for(self.ctx.target, self.ctx.cache)
+            t0 = time.perf_counter()  # the one-off measurement is not this step's drafting time
         logits = self._feed(new)
         greedy = self.params.greedy
         k = min(self.top_k, budget)
-        # candidate nodes: token, parent (candidate index), score, depth, logp row used
+        # candidates: token, parent (candidate index), score, draft probability given the parent.
+        # The score ranks candidates: the cumulative log-probability, calibrated to acceptance
+        # probabilities when the cost model steers the tree.
         cand_tok: list[int] = []
         cand_par: list[int] = []
         cand_score: list[float] = []
+        cand_p: list[float] = []
         qdist: dict[int, torch.Tensor] = {}
-        logp = self._dist(logits)
-        if not greedy:
-            qdist[-1] = logp.exp()
-        toks, vals = self._children(logp, k)
-        frontier = []
-        for t, v in zip(toks, vals):
-            cand_tok.append(t)
-            cand_par.append(-1)
-            cand_score.append(v)
-            frontier.append(len(cand_tok) - 1)
+        calib = self.calibration if self._cost_model else None
+
+        def add_children(parent: int, lp: torch.Tensor) -> list[int]:
+            if not greedy:
+                qdist[parent] = self._full(lp.exp())
+            base = cand_score[parent] if parent >= 0 else 0.0
+            added = []
+            for t, v in zip(*self._children(lp, k)):
+                p = math.exp(v)
+                cand_tok.append(t)
+                cand_par.append(parent)
+                cand_p.append(p)
+                cand_score.append(base + (math.log(calib(p)) if calib else v))
+                added.append(len(cand_tok) - 1)
+            return added
+
+        frontier = add_children(-1, self._dist(logits))
         self._pending_of = {}
-        log_tau = math.log(self.tau) if self.adaptive else -math.inf
+        log_tau = math.log(self.tau) if self.adaptive and not self._cost_model else -math.inf
         depth = 1
         while depth < self.max_depth and frontier:
             frontier.sort(key=lambda c: -cand_score[c])
@@ -149,42 +272,39 @@ class DraftModelProposer(Proposer):
                 break  # near the end of the draft's context
             if not greedy and len(cand_tok) + len(expand) * k > budget:
                 break  # sampled children are never pruned, so stop before exceeding the budget
-            parents = []
-            for c in expand:
-                p = cand_par[c]
-                parents.append(self._pending_of[p] if p >= 0 else -1)
+            if self._cost_model and not self._worth_expanding(cand_score, expand, budget, time.perf_counter() - t0):
+                break
+            parents = [self._pending_of[cand_par[c]] if cand_par[c] >= 0 else -1 for c in expand]
             base = self.cache.n_pending
             inp = torch.tensor([cand_tok[c] for c in expand], device=self.draft.device)[None]
-            out = self.draft.model.forward(inp, self.cache, parents=parents)[0, :, : self.vocab]
+            t1 = time.perf_counter()
+            out = self._cut(self.draft.model.forward(inp, self.cache, parents=parents, **self._head_arg())[0])
             self._draft_forwards += 1
             for j, c in enumerate(expand):
                 self._pending_of[c] = base + j
-            new_frontier = []
+            frontier = []
             for j, c in enumerate(expand):
-                lp = self._dist(out[j])
-                if not greedy:
-                    qdist[c] = lp.exp()
-                toks, vals = self._children(lp, k)
-                for t, v in zip(toks, vals):
-                    cand_tok.append(t)
-                    cand_par.append(c)
-                    cand_score.append(cand_score[c] + v)
-                    new_frontier.append(len(cand_tok) - 1)
-            frontier = new_frontier
+                frontier += add_children(c, self._dist(out[j]))
+            self._note_forward_cost(time.perf_counter() - t1, [cand_p[c] for c in frontier])
             depth += 1
         # choose nodes
         n = len(cand_tok)
-        if greedy and n > budget:
-            keep = sorted(range(n), key=lambda c: (-cand_score[c], c))[:budget]
-            keep_set = set(keep)
+        if greedy and self._cost_model:
+            probs = sorted((math.exp(v) for v in cand_score), reverse=True)[:budget]
+            keep_n, _ = best_tree_size(probs, time.perf_counter() - t0, self._verify_cost)
+        else:
+            keep_n = budget
+        if greedy and n > keep_n:
+            keep_set = set(sorted(range(n), key=lambda c: (-cand_score[c], c))[:keep_n])
             # ties could drop a parent; make the set ancestor-closed
             for c in list(keep_set):
                 p = cand_par[c]
                 while p >= 0 and p not in keep_set:
                     keep_set.add(p)
                     p = cand_par[p]
-            order = sorted(keep_set)[: max(budget, 0)]
-            order = [c for c in order if cand_par[c] < 0 or cand_par[c] in set(order)]
+            order = sorted(keep_set)[: max(keep_n, 0)]
+            kept = set(order)
+            order = [c for c in order if cand_par[c] < 0 or cand_par[c] in kept]
         else:
             order = list(range(n))
         tree = TokenTree()
@@ -195,9 +315,40 @@ class DraftModelProposer(Proposer):
         if not greedy:
             tree.q = {(index[c] if c >= 0 else -1): q for c, q in qdist.items() if c < 0 or c in index}
         self._tree_to_cand = {index[c]: c for c in order}
+        self._cand_p = cand_p
         self._last_depth = max(tree.depths(), default=-1) + 1
         self._time += time.perf_counter() - t0
         return tree
+
+    def _head_arg(self) -> dict:
+        return {"head": self.head} if self.head is not None else {}
+
+    # ------------------------------------------------------------ cost model
+    def _note_forward_cost(self, seconds: float, child_probs: list[float]) -> None:
+        """Running estimates of a draft forward's time and of the best child's acceptance
+        probability (what expanding one more frontier node is expected to add)."""
+        ema = self.draft.__dict__
+        prev = ema.get("_draft_forward_s")
+        ema["_draft_forward_s"] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+        if child_probs and self._cost_model:
+            top = self.calibration(max(child_probs))
+            prev = ema.get("_draft_top_accept")
+            ema["_draft_top_accept"] = top if prev is None else 0.9 * prev + 0.1 * top
+
+    def _worth_expanding(self, cand_score: list[float], expand: list[int], budget: int, spent: float) -> bool:
+        """Greedy: does one more draft level raise the expected tokens per second of this step?
+        Each expanded node is assumed to add its best child, accepted with the running mean
+        probability of a best child."""
+        fwd = self.draft.__dict__.get("_draft_forward_s")
+        if fwd is None:
+            return True  # not measured yet: draft, and learn
+        rho = self.draft.__dict__.get("_draft_top_accept", 0.5)
+        probs = sorted((math.exp(v) for v in cand_score), reverse=True)[:budget]
+        _, now = best_tree_size(probs, spent, self._verify_cost)
+        more = probs + [math.exp(cand_score[c]) * rho for c in expand]
+        more = sorted(more, reverse=True)[:budget]
+        _, then = best_tree_size(more, spent + fwd, self._verify_cost)
+        return then > now
 
     # -------------------------------------------------------------- observe
     def observe(self, tokens, tree, verdict, logits) -> None:
@@ -213,7 +364,16 @@ class DraftModelProposer(Proposer):
             self.n_cached += len(path)
         else:
             self.cache.rollback()
-        if self.adaptive and self._last_depth > 0:
+        if self._cost_model:
+            # calibrate: every verified draft node whose parent was accepted had its chance
+            accepted = set(verdict.accepted)
+            for node, cand in self._tree_to_cand.items():
+                if node >= len(tree):  # cut by the loop's budget: never verified
+                    continue
+                parent = tree.parents[node]
+                if parent < 0 or parent in accepted:
+                    self.calibration.update(self.calibration.bin(self._cand_p[cand]), node in accepted)
+        elif self.adaptive and self._last_depth > 0:
             accepted = len(verdict.accepted)
             if accepted >= self._last_depth:
                 self.tau = max(self.tau * 0.7, 1e-4)

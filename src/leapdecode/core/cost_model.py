@@ -1,0 +1,100 @@
+"""What a verification forward costs on this machine, as a function of the tree size.
+
+A hardware-aware tree size is the idea of "Sequoia: Scalable, Robust, and
+Hardware-aware Speculative Decoding" (Chen et al., 2024): the best tree is the
+one that maximises expected accepted tokens per second, and the seconds depend
+on the hardware.  Whether verifying 24 tokens costs the same as verifying one
+is a property of the machine, not a constant: on a CPU with AMX a bf16 forward
+of up to ~32 tokens costs about one token's; on a CPU with only AVX512-BF16 we
+measured a 25-token forward of the 1.5B model at 1.9x a 1-token forward.  So
+leapdecode measures it, once per target model and process, on the live cache
+(the nodes are appended as pending and rolled back, so the measurement touches
+nothing).
+
+Only decisions that cannot change the output may depend on these timings:
+greedy tree sizes (any tree gives vanilla's tokens).  Seeded sampling must be
+reproducible, so its tree shapes never depend on a clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+PROBE_SIZES = (1, 4, 8, 16, 24, 32)
+
+
+class VerifyCost:
+    """Seconds of one target forward of ``n`` tokens, interpolated from measured points."""
+
+    def __init__(self, sizes: list[int], seconds: list[float]) -> None:
+        if len(sizes) != len(seconds) or not sizes:
+            raise ValueError("need one time per size")
+        self.sizes = list(sizes)
+        # a forward of more tokens never costs less: monotone, so noise cannot favour big trees
+        self.seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]
+
+    def __call__(self, n: int) -> float:
+        s, t = self.sizes, self.seconds
+        if n <= s[0]:
+            return t[0]
+        if n >= s[-1]:  # extrapolate with the last slope
+            slope = (t[-1] - t[-2]) / (s[-1] - s[-2]) if len(s) > 1 else 0.0
+            return t[-1] + slope * (n - s[-1])
+        i = bisect.bisect_left(s, n)
+        w = (n - s[i - 1]) / (s[i] - s[i - 1])
+        return t[i - 1] + w * (t[i] - t[i - 1])
+
+    def relative(self) -> dict[int, float]:
+        return {n: round(t / self.seconds[0], 3) for n, t in zip(self.sizes, self.seconds)}
+
+
+def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, repeats: int = 2) -> VerifyCost:
+    """Time target forwards of each size (min of ``repeats``, after one untimed run that
+    warms the kernels for that shape) as pending nodes on ``cache``, rolled back after."""
+    model = loaded.model
+    sizes = tuple(n for n in sizes if n <= min(cache.room(), cache.max_pending)) or (1,)
+    device = loaded.device
+    out = []
+    for n in sizes:
+        tokens = torch.zeros(1, n, dtype=torch.long, device=device)
+        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree: the masked path
+        best = float("inf")
+        for r in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            model.forward(tokens, cache, parents=parents)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if r:
+                best = min(best, time.perf_counter() - t0)
+            cache.rollback()
+        out.append(best)
+    return VerifyCost(list(sizes), out)
+
+
+def verify_cost_for(loaded, cache) -> VerifyCost:
+    """The target's verification cost, measured on first use and kept on the model object."""
+    cost = getattr(loaded, "_verify_cost", None)
+    if cost is None:
+        cost = measure_verify_cost(loaded, cache)
+        loaded._verify_cost = cost
+    return cost
+
+
+def best_tree_size(probs: list[float], fixed_s: float, verify: VerifyCost) -> tuple[int, float]:
+    """How many of the candidate nodes to verify, best first: the ``n`` that maximises
+    (1 + sum of the ``n`` largest acceptance probabilities) / (``fixed_s`` + verify(n + 1)),
+    i.e. expected tokens emitted per second of this step.  ``probs`` must be sorted,
+    largest first.  Returns (n, rate)."""
+    best_n, best_rate = 0, 1.0 / (fixed_s + verify(1))
+    expected = 1.0
+    for i, p in enumerate(probs):
+        expected += p
+        rate = expected / (fixed_s + verify(i + 2))
+        if rate > best_rate:
+            best_n, best_rate = i + 1, rate
+    return best_n, best_rate
