@@ -98,3 +98,28 @@ def best_tree_size(probs: list[float], fixed_s: float, verify: VerifyCost) -> tu
         if rate > best_rate:
             best_n, best_rate = i + 1, rate
     return best_n, best_rate
+
+
+class ChainAcceptance:
+    """For a model-free drafter's chain: P(the token at depth ``d`` is accepted | the tokens
+    before it were), per context bucket (e.g. how long the suffix match was), learned from the
+    verdicts.  Starts from ``prior`` with the weight of ``strength`` observations."""
+
+    def __init__(self, n_buckets: int, max_depth: int, prior: float = 0.5, strength: float = 2.0) -> None:
+        self.max_depth = max_depth
+        self.hits = [[prior * strength] * max_depth for _ in range(n_buckets)]
+        self.seen = [[strength] * max_depth for _ in range(n_buckets)]
+
+    def cumulative(self, bucket: int, length: int) -> list[float]:
+        """P(the first ``d`` tokens are all accepted), d = 1..length."""
+        out, p = [], 1.0
+        for d in range(min(length, self.max_depth)):
+            p *= self.hits[bucket][d] / self.seen[bucket][d]
+            out.append(p)
+        return out
+
+    def update(self, bucket: int, verified: int, accepted: int) -> None:
+        """``verified`` chain tokens were checked, the first ``accepted`` of them accepted."""
+        for d in range(min(verified, accepted + 1, self.max_depth)):
+            self.seen[bucket][d] += 1.0
+            self.hits[bucket][d] += float(d < accepted)

@@ -38,14 +38,7 @@ from typing import Any
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer
-from .sam import SuffixAutomatonProposer
-
-# suffix-automaton match-length buckets (the bandit's context)
-MATCH_BUCKETS = (0, 1, 4, 12)
-
-
-def _bucket(match_len: int) -> int:
-    return max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)
+from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
 
 
 def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
@@ -188,7 +181,7 @@ class AutoProposer(Proposer):
         self.sam._sync(tokens)
         found = self.sam.matches()
         match_len = found[0][0] if found else 0
-        ctx = _bucket(match_len)
+        ctx = match_bucket(match_len)
         arm = self._run_bandit.choose(ctx, self._arms_for(match_len))
         self._arm, self._ctx = arm, ctx
         self._uses[arm] = self._uses.get(arm, 0) + 1
@@ -198,6 +191,8 @@ class AutoProposer(Proposer):
         if arm == "sam":
             return self.sam.propose(tokens, budget)
         chain = found[0][2] if found else []
+        if chain:  # as much of the automaton's continuation as is worth verifying on its own
+            chain = chain[: self.sam.worth_drafting(match_len, len(chain))]
         reserve = min(len(chain), budget // 3)  # room for the automaton's continuation
         tree = self.draft.propose(tokens, max(budget - reserve, 1))
         self._draft_live = True
@@ -207,6 +202,8 @@ class AutoProposer(Proposer):
 
     def observe(self, tokens, tree, verdict, logits) -> None:
         self._pending = (self._ctx, self._arm, len(verdict.accepted) + 1)
+        if self._arm == "sam":
+            self.sam.observe(tokens, tree, verdict, logits)
         if self._draft_live:
             self.draft.observe(tokens, tree, verdict, logits)
 

@@ -37,16 +37,31 @@ text continues as an overlapping copy); if the other automaton matched too
 and budget is left, its continuation becomes a second branch.  Matches
 shorter than ``min_match`` draft nothing.  All nodes are deterministic
 (``sampled=False``), so the verifier is exact under greedy and sampling.
+
+Under greedy decoding the chain is cut to the length that maximises expected
+tokens per second: the acceptance of each depth, per match-length bucket, is
+learned from the verdicts, and the verification cost per tree size is measured
+(``core/cost_model.py``).  On hardware where a 17-token forward costs well
+above a 1-token one, a long draft from a short, unreliable match costs more
+than it brings.  ``cost_aware=False`` always drafts ``draft_len`` tokens.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..core.cost_model import ChainAcceptance, best_tree_size, verify_cost_for
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer
 from .pld import check_int, copy_continuation, merge_candidates
+
+# suffix-match length buckets: how far a match's draft can be trusted (also auto's bandit context)
+MATCH_BUCKETS = (0, 1, 4, 12)
+
+
+def match_bucket(match_len: int) -> int:
+    return max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)
 
 SEPARATOR = -1  # between corpus documents: never a token, so no match crosses it
 
@@ -156,6 +171,7 @@ class SuffixAutomatonProposer(Proposer):
         min_match: int = 1,
         corpus_tokens: list[list[int]] | None = None,
         occurrence: str = "recent",
+        cost_aware: bool = True,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -170,6 +186,11 @@ class SuffixAutomatonProposer(Proposer):
             raise InvalidParameterError("corpus_tokens must be a list of token-id lists")
         self.static = build_static(corpus_tokens, self._recent) if corpus_tokens else None
         self.default_budget = tree_budget or 24
+        self.cost_aware = cost_aware
+        self.acceptance = ChainAcceptance(len(MATCH_BUCKETS), self.draft_len)
+        self._verify_cost = None
+        self._use_costs = False  # set per generation by begin()
+        self._chain: tuple[int, int] | None = None  # (bucket, length) of the last cost-aware chain
         self._reset()
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
@@ -186,6 +207,7 @@ class SuffixAutomatonProposer(Proposer):
         super().begin(ctx, tokens)
         self._reset()
         self._feed(tokens)
+        self._use_costs = self.cost_aware and ctx.params.greedy  # (sampling: no clock may steer)
 
     def _feed(self, new: Sequence[int]) -> None:
         dyn, st = self.dyn, self.static
@@ -241,11 +263,39 @@ class SuffixAutomatonProposer(Proposer):
         self._hits += 1
         self._match_total += found[0][0]
         self._static_used += found[0][1] == "static"
+        self._chain = None
+        if self._use_costs:
+            budget = self.worth_drafting(found[0][0], min(len(found[0][2]), budget))
+            if budget < 1:
+                return TokenTree()
+            self._chain = (match_bucket(found[0][0]), budget)
         # the longer match's chain first, the other as a branch with what budget is left
         cands = [(cont[:budget], len(found) - r, 0) for r, (_, _, cont) in enumerate(found)]
         tree = merge_candidates(cands, budget, self.name)
         self._nodes += len(tree)
         return tree
+
+    def worth_drafting(self, match_len: int, length: int, fixed_s: float = 0.0) -> int:
+        """Greedy: how many tokens of a ``length``-token continuation of a ``match_len``-token
+        match are worth verifying (expected tokens per second, see ``core/cost_model.py``);
+        ``length`` itself when costs are not used."""
+        if not self._use_costs:
+            return length
+        if self._verify_cost is None:
+            self._verify_cost = verify_cost_for(self.ctx.target, self.ctx.cache)
+        probs = self.acceptance.cumulative(match_bucket(match_len), length)
+        return best_tree_size(probs, fixed_s, self._verify_cost)[0]
+
+    def observe(self, tokens, tree, verdict, logits) -> None:
+        if self._chain is not None:  # learn how deep this match length's chains get accepted
+            bucket, length = self._chain
+            on_chain = 0
+            for d, node in enumerate(verdict.accepted):
+                if node != d:  # the main chain is nodes 0, 1, 2, ... (merge_candidates puts it first)
+                    break
+                on_chain += 1
+            self.acceptance.update(bucket, min(length, len(tree)), on_chain)
+            self._chain = None
 
     def stats(self) -> dict[str, Any]:
         out = {
