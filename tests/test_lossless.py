@@ -472,9 +472,11 @@ def no_eos(tiny):
     return dataclasses.replace(tiny(seed=0), eos_token_ids=set())
 
 
-def test_distribution_draft_model(tiny, no_eos, chi2):
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab):
     """Sampled token trees (recursive rejection sampling over draft children drawn without replacement,
-    two levels deep) from a noisy copy of the target."""
+    two levels deep) from a noisy copy of the target; with ``draft_vocab=64`` the draft samples from a
+    subset of the vocabulary (FR-Spec: 64 of 259 tokens plus the prompt's), zero elsewhere."""
     if "draft" not in METHODS:
         pytest.skip("no draft method")
     params = dict(temperature=0.9, top_k=5)
@@ -493,7 +495,7 @@ def test_distribution_draft_model(tiny, no_eos, chi2):
     n = 1500
     # budget 8 with beam 1: the draft's 4 sampled root children and 4 sampled grandchildren
     counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft", draft=draft,
-                                 tree_budget=8, beam=1, **params)
+                                 tree_budget=8, beam=1, draft_vocab=draft_vocab, **params)
     expected = _joint(no_eos, chosen, sp)
     stat, df, pval = _chi2_against(chi2, counts, expected)
     assert pval > ALPHA, (stat, df, pval, drafted)

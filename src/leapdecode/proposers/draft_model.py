@@ -80,20 +80,22 @@ class SubsetHead(torch.nn.Module):
         return torch.cat([y, torch.nn.functional.linear(x, self.extra)], dim=-1)
 
 
-def _subset_head(draft, size: int, extra: list[int]) -> SubsetHead | None:
-    """A ``SubsetHead`` over the ``size`` lowest ids plus ``extra``; None where the draft has
-    no plain head weight to slice (non-native backend) or the vocabulary is small anyway."""
+def _subset_head(draft, size: int, extra: list[int], vocab: int | None = None) -> SubsetHead | None:
+    """A ``SubsetHead`` over the ``size`` lowest ids plus ``extra`` (ids below ``vocab``, the
+    vocabulary shared with the target); None where the draft has no plain head weight to
+    slice (non-native backend) or the vocabulary is small anyway."""
     from ..models.native import make_linear
 
     model = draft.model
     weight = getattr(model, "head_weight", None)
-    if weight is None or size <= 0 or model.vocab_size <= 2 * size:
+    vocab = min(vocab or model.vocab_size, model.vocab_size)
+    if weight is None or size <= 0 or vocab <= 2 * size:
         return None
     heads = draft.__dict__.setdefault("_subset_heads", {})
     if size not in heads:
         heads[size] = make_linear(weight[:size])
     base_ids = torch.arange(size, device=weight.device)
-    extra_ids = torch.tensor(sorted({t for t in extra if size <= t < model.vocab_size}), dtype=torch.long,
+    extra_ids = torch.tensor(sorted({t for t in extra if size <= t < vocab}), dtype=torch.long,
                              device=weight.device)
     return SubsetHead(heads[size], base_ids, extra_ids, weight)
 
@@ -150,10 +152,6 @@ class DraftModelProposer(Proposer):
         self.cache = None
         self._time = 0.0
         self._draft_forwards = 0
-        # per draft model: how draft probabilities translate into acceptances, and what a
-        # draft forward costs (both carry over between generations)
-        self.calibration: AcceptanceCalibration = draft.__dict__.setdefault("_acceptance_calibration",
-                                                                            AcceptanceCalibration())
 
     # ---------------------------------------------------------------- setup
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
@@ -171,7 +169,11 @@ class DraftModelProposer(Proposer):
         self.n_cached = 0  # tokens[:n_cached] are committed in the draft cache
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
-        self.head = _subset_head(self.draft, self.draft_vocab, tokens) if self.draft_vocab else None
+        self.head = _subset_head(self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
+        # how this draft's probabilities translate into this target's acceptances (kept on the
+        # draft object across generations, per target), and what a draft forward costs
+        per_target = self.draft.__dict__.setdefault("_acceptance_calibration", {})
+        self.calibration = per_target.setdefault(ctx.target.name, AcceptanceCalibration())
         self._pending_of: dict[int, int] = {}
         self._cost_model = self.adaptive and ctx.params.greedy
         self._verify_cost = None  # measured at the first propose (the target's cache is idle then)

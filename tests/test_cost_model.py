@@ -1,0 +1,120 @@
+"""The cost model behind greedy tree sizes (core/cost_model.py), the draft's acceptance
+calibration and its frequency-ranked vocabulary subset (proposers/draft_model.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import leapdecode
+from leapdecode.core.cost_model import ChainAcceptance, VerifyCost, best_tree_size, measure_verify_cost
+from leapdecode.errors import InvalidParameterError
+from leapdecode.proposers.draft_model import AcceptanceCalibration, DraftModelProposer, _subset_head
+
+
+# ------------------------------------------------------------------ verify cost
+def test_verify_cost_interpolates_and_is_monotone():
+    cost = VerifyCost([1, 8, 16], [0.10, 0.09, 0.20])  # a noisy dip at 8 must not make 8 cheaper than 1
+    assert cost(1) == pytest.approx(0.10)
+    assert cost(8) == pytest.approx(0.10)
+    assert cost(12) == pytest.approx(0.15)
+    assert cost(24) == pytest.approx(0.30)  # extrapolated with the last slope
+    assert cost(0) == pytest.approx(0.10)
+    assert all(cost(n) <= cost(n + 1) for n in range(40))
+    with pytest.raises(ValueError):
+        VerifyCost([1, 2], [0.1])
+
+
+def test_measure_verify_cost_leaves_the_cache_as_it_was(tiny):
+    model = tiny(seed=0)
+    cache = model.model.new_cache(max_len=128)
+    model.model.forward(torch.tensor([[5, 6, 7]]), cache)
+    cache.commit()
+    k_before = cache.k[:, :, :, :3].clone()
+    cost = measure_verify_cost(model, cache, sizes=(1, 4, 8), repeats=1)
+    assert cost.sizes == [1, 4, 8] and all(t > 0 for t in cost.seconds)
+    assert cache.length == 3 and cache.n_pending == 0
+    assert torch.equal(cache.k[:, :, :, :3], k_before)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), max_size=12), st.floats(0.0, 0.5),
+       st.lists(st.floats(0.01, 1.0), min_size=4, max_size=4))
+def test_best_tree_size_against_brute_force(probs, fixed, steps):
+    probs = sorted(probs, reverse=True)
+    sizes = [1, 4, 8, 16]
+    seconds = [sum(steps[: i + 1]) for i in range(4)]
+    cost = VerifyCost(sizes, seconds)
+    n, rate = best_tree_size(probs, fixed, cost)
+    rates = [(1 + sum(probs[:k])) / (fixed + cost(k + 1)) for k in range(len(probs) + 1)]
+    assert rate == pytest.approx(max(rates))
+    assert rates[n] == pytest.approx(max(rates))
+
+
+def test_best_tree_size_follows_the_hardware():
+    probs = [0.9, 0.8, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1]
+    flat = VerifyCost([1, 32], [0.1, 0.1])  # verification free up to 32 tokens: take every node
+    steep = VerifyCost([1, 2], [0.1, 0.2])  # each node costs a whole forward: take none worth less than 1
+    assert best_tree_size(probs, 0.0, flat)[0] == len(probs)
+    assert best_tree_size(probs, 0.0, steep)[0] == 0
+
+
+# ------------------------------------------------------- acceptance estimates
+def test_chain_acceptance_counts_only_the_tokens_that_had_their_chance():
+    acc = ChainAcceptance(n_buckets=2, max_depth=4, prior=0.5, strength=2.0)
+    acc.update(1, verified=4, accepted=1)  # depth 0 accepted, depth 1 rejected, depths 2-3 never judged
+    assert acc.seen[1] == [3.0, 3.0, 2.0, 2.0]
+    assert acc.hits[1] == [2.0, 1.0, 1.0, 1.0]
+    assert acc.seen[0] == [2.0] * 4  # other buckets untouched
+    for _ in range(200):
+        acc.update(0, verified=4, accepted=4)
+    cum = acc.cumulative(0, 6)
+    assert len(cum) == 4 and cum[-1] > 0.95
+    assert all(a >= b for a, b in zip(cum, cum[1:]))
+
+
+def test_acceptance_calibration_learns_an_overconfident_draft():
+    cal = AcceptanceCalibration()
+    assert cal(0.95) == pytest.approx(0.95)  # starts from the identity
+    rng = random.Random(0)
+    for _ in range(2000):  # the draft says 0.95, the target agrees half the time
+        cal.update(cal.bin(0.95), rng.random() < 0.5)
+    assert cal(0.95) == pytest.approx(0.5, abs=0.05)
+    assert cal(0.15) == pytest.approx(0.15)  # other bins keep their prior
+
+
+# ---------------------------------------------------------- vocabulary subset
+def test_subset_head_scores_exactly_the_chosen_rows(tiny):
+    draft = tiny(seed=0, copy=7)  # vocab 259
+    prompt = [3, 100, 200, 100, 258]
+    head = _subset_head(draft, 64, prompt)
+    assert head is not None
+    assert head.ids.tolist() == list(range(64)) + [100, 200, 258]
+    ids = torch.tensor([[5, 100, 42]])
+    full = draft.model.forward(ids, draft.model.new_cache(max_len=16))
+    sub = draft.model.forward(ids, draft.model.new_cache(max_len=16), head=head)
+    torch.testing.assert_close(sub, full[..., head.ids])
+    assert _subset_head(draft, 200, prompt) is None  # 259 <= 2 * 200: not worth a subset
+
+
+def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny):
+    target = tiny(seed=0)
+    draft = tiny(seed=0, copy=8)
+    for prompt in ("the cat sat on the mat the cat", "def f(x): return x", "hello hello hello"):
+        want = leapdecode.generate(target, prompt, max_new_tokens=24, method="vanilla")
+        gen = leapdecode.stream(target, prompt, max_new_tokens=24, method="draft", draft=draft, draft_vocab=64)
+        got = gen.run()
+        assert gen.proposer.head is not None and len(gen.proposer.head.ids) < 259  # the subset was used
+        assert got.tokens == want.tokens
+        assert got.stats["draft_forwards"] > 0
+
+
+@pytest.mark.parametrize("opts", [dict(top_k=0), dict(beam=0), dict(max_depth=-1), dict(draft_vocab=-5),
+                                  dict(tau=0.0), dict(tau=1.5)])
+def test_draft_options_out_of_range(tiny, opts):
+    with pytest.raises(InvalidParameterError):
+        DraftModelProposer(tiny(seed=0, copy=9), **opts)
