@@ -118,3 +118,18 @@ def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny):
 def test_draft_options_out_of_range(tiny, opts):
     with pytest.raises(InvalidParameterError):
         DraftModelProposer(tiny(seed=0, copy=9), **opts)
+
+
+# ------------------------------------------------------------- staged speculation
+def test_staged_speculation_drafts_several_levels_in_one_forward(tiny):
+    """On text that repeats, the automaton's guess runs through the draft in one forward and the
+    draft agrees with it for several levels; the output is still exactly vanilla's."""
+    target = tiny(seed=0)
+    draft = tiny(seed=0, copy=10)  # the target's weights: the draft agrees with the true continuation
+    prompt = "the cat sat on the mat. " * 6
+    want = leapdecode.generate(target, prompt, max_new_tokens=40, method="vanilla")
+    on = leapdecode.generate(target, prompt, max_new_tokens=40, method="draft", draft=draft)
+    off = leapdecode.generate(target, prompt, max_new_tokens=40, method="draft", draft=draft, staged=False)
+    assert on.tokens == want.tokens == off.tokens
+    assert on.stats["staged_forwards"] > 0 and on.stats["staged_tokens"] > 0, on.stats
+    assert "staged_forwards" not in off.stats

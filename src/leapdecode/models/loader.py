@@ -15,7 +15,8 @@ from ..errors import InvalidParameterError, ModelFileError, UnknownModelError
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls run natively (and cost ~1 token for up to ~32)."""
+    """AMX or AVX512-BF16: bf16 matmuls run natively (with AMX a forward of up to ~32 tokens
+    costs about one token's; without it the cost grows past ~12: see core/cost_model.py)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -38,6 +38,13 @@ recomputed), then grows a token tree:
   ids follow its merge order, which is a frequency ranking of its training
   corpus, so the subset is the lowest ids.  A token outside the subset can
   still be emitted (the target's bonus token), just not drafted.
+* **Staged speculation** ("Accelerating LLM Inference with Staged Speculative
+  Decoding", Spector & Re, 2023; the phrase reuse of "Ouroboros", Zhao et al.,
+  2024), greedy: a suffix automaton over the text speculates for the draft
+  model.  Its continuation runs through the draft in one forward, and every
+  guessed token that is among the draft's top-k children of the one before
+  counts as a drafted level, with the draft's own children at each of them:
+  one draft forward instead of several when the text repeats itself.
 
 Under sampling the children of a node are drawn from the (identically
 processed) draft distribution without replacement (Gumbel-top-k) and all of
@@ -135,6 +142,7 @@ class DraftModelProposer(Proposer):
         adaptive: bool = True,
         tau: float = 0.05,
         draft_vocab: int = DRAFT_VOCAB,
+        staged: bool = True,
     ) -> None:
         for name, v in (("top_k", top_k), ("beam", beam), ("max_depth", max_depth)):
             if not isinstance(v, int) or v < 1:
@@ -149,6 +157,12 @@ class DraftModelProposer(Proposer):
         self.adaptive = adaptive
         self.tau = tau
         self.draft_vocab = draft_vocab
+        self.staged = None
+        if staged:
+            from .sam import SuffixAutomatonProposer
+
+            self.staged = SuffixAutomatonProposer(draft_len=max_depth, cost_aware=False)
+        self._staged_forwards = self._staged_tokens = 0
         self.cache = None
         self._time = 0.0
         self._draft_forwards = 0
@@ -169,6 +183,8 @@ class DraftModelProposer(Proposer):
         self.n_cached = 0  # tokens[:n_cached] are committed in the draft cache
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
+        if self.staged is not None:
+            self.staged.begin(ctx, tokens)
         self.head = _subset_head(self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
         # how this draft's probabilities translate into this target's acceptances (kept on the
         # draft object across generations, per target), and what a draft forward costs
@@ -265,6 +281,8 @@ class DraftModelProposer(Proposer):
         self._pending_of = {}
         log_tau = math.log(self.tau) if self.adaptive and not self._cost_model else -math.inf
         depth = 1
+        if self.staged is not None and greedy:
+            frontier, depth = self._staged_guess(tokens, frontier, cand_tok, add_children)
         while depth < self.max_depth and frontier:
             frontier.sort(key=lambda c: -cand_score[c])
             expand = [c for c in frontier[: self.beam] if cand_score[c] >= log_tau]
@@ -321,6 +339,36 @@ class DraftModelProposer(Proposer):
         self._last_depth = max(tree.depths(), default=-1) + 1
         self._time += time.perf_counter() - t0
         return tree
+
+    def _staged_guess(self, tokens, frontier, cand_tok, add_children) -> tuple[list[int], int]:
+        """Staged speculation: the suffix automaton's continuation, run through the draft in one
+        forward, stands in for as many sequential draft forwards as the draft agrees with it
+        (each guessed token must be among the draft's top-k children of the one before).
+        Returns the unexpanded candidates and the number of levels drafted."""
+        self.staged._sync(tokens)
+        found = self.staged.matches()
+        guess = found[0][2][: self.max_depth - 1] if found else []
+        node = next((c for c in frontier if cand_tok[c] == guess[0]), None) if guess else None
+        if node is None or self.cache.room() < len(guess):
+            return frontier, 1
+        base = self.cache.n_pending
+        parents = [-1] + [base + i for i in range(len(guess) - 1)]
+        inp = torch.tensor([guess], device=self.draft.device)
+        out = self._cut(self.draft.model.forward(inp, self.cache, parents=parents, **self._head_arg())[0])
+        self._draft_forwards += 1
+        self._staged_forwards += 1
+        expanded, levels = set(), 1
+        for i in range(len(guess)):
+            self._pending_of[node] = base + i
+            expanded.add(node)
+            children = add_children(node, self._dist(out[i]))
+            levels += 1
+            nxt = guess[i + 1] if i + 1 < len(guess) else None
+            node = next((c for c in children if cand_tok[c] == nxt), None)
+            if node is None:
+                break
+            self._staged_tokens += 1
+        return [c for c in range(len(cand_tok)) if c not in expanded], levels
 
     def _head_arg(self) -> dict:
         return {"head": self.head} if self.head is not None else {}
@@ -387,4 +435,7 @@ class DraftModelProposer(Proposer):
             self.cache.rollback()
 
     def stats(self) -> dict:
-        return {"draft_forwards": self._draft_forwards, "draft_tau": round(self.tau, 5)}
+        out = {"draft_forwards": self._draft_forwards, "draft_tau": round(self.tau, 5)}
+        if self.staged is not None:
+            out.update(staged_forwards=self._staged_forwards, staged_tokens=self._staged_tokens)
+        return out
