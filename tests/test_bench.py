@@ -313,3 +313,19 @@ def test_demo_configuration():
     assert cfg.methods == ["vanilla", "auto" if "auto" in METHODS else "draft"]
     assert cfg.limit == bench_cli.DEMO_PROMPTS and cfg.max_new_tokens == bench_cli.DEMO_MAX_NEW_TOKENS
     assert "hf" in cfg.peers and cfg.out == bench_cli.DEMO_OUT
+
+
+def test_demo_falls_back_to_humaneval_without_the_development_data(monkeypatch):
+    """A fresh clone has no shared/ data beside it: the demo must still run (on HumanEval)."""
+    from leapdecode.bench import cli as bench_cli
+    from leapdecode.bench import workloads
+
+    args = build_parser().parse_args(["bench", "--demo"])
+
+    def missing(starts=None):
+        raise workloads.WorkloadError("default workload not found")
+
+    monkeypatch.setattr(workloads, "find_default_workload", missing)
+    assert bench_cli.config_from_args(args).workload == "humaneval"
+    explicit = build_parser().parse_args(["bench", "--demo", "--workload", "x.jsonl"])
+    assert bench_cli.config_from_args(explicit).workload == "x.jsonl"

