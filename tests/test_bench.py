@@ -196,6 +196,7 @@ def test_humaneval_workload():
 def test_peer_names():
     assert expand_peers(["hf"]) == ["hf", "hf-assisted", "hf-pld"]
     assert expand_peers(["llama.cpp", "hf-pld"]) == ["llamacpp", "llamacpp-pld", "hf-pld"]
+    assert expand_peers(["hf-generate"]) == ["hf"]
     with pytest.raises(ValueError, match="unknown peer"):
         expand_peers(["vllm"])
 
@@ -312,7 +313,9 @@ def test_demo_configuration():
     assert cfg.model == bench_cli.DEMO_MODEL
     assert cfg.methods == ["vanilla", "auto" if "auto" in METHODS else "draft"]
     assert cfg.limit == bench_cli.DEMO_PROMPTS and cfg.max_new_tokens == bench_cli.DEMO_MAX_NEW_TOKENS
-    assert "hf" in cfg.peers and cfg.out == bench_cli.DEMO_OUT
+    assert expand_peers(cfg.peers)[0] == "hf" and cfg.out == bench_cli.DEMO_OUT
+    # the demo runs HF's plain generate only (three HF rows took it past 10 minutes on a fresh machine)
+    assert "hf-assisted" not in expand_peers(cfg.peers)
 
 
 def test_demo_falls_back_to_humaneval_without_the_development_data(monkeypatch):

@@ -16,7 +16,7 @@ from pathlib import Path
 DEMO_MODEL = "qwen2.5-coder-1.5b"
 DEMO_PROMPTS = 4
 DEMO_MAX_NEW_TOKENS = 128
-DEMO_PEERS = ["hf"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
+DEMO_PEERS = ["hf-generate"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
 DEMO_OUT = Path("bench_out") / "demo"
 
 
@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step")
     p.add_argument("--peers", default="",
                    help="comma-separated peers: hf (= hf, hf-assisted, hf-pld), llamacpp (= llamacpp, "
-                        "llamacpp-pld), or single rows")
+                        "llamacpp-pld), hf-generate (HF's plain generate alone), or single rows")
     p.add_argument("--workload", help="Spec-Bench-format jsonl, or `humaneval` "
                                       "(default: shared/data/spec_bench/questions_dev.jsonl)")
     p.add_argument("--limit", type=int, help="number of questions, sampled stratified by category")

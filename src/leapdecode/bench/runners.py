@@ -33,8 +33,9 @@ import torch
 PEER_FAMILIES = {
     "hf": ["hf", "hf-assisted", "hf-pld"],
     "llamacpp": ["llamacpp", "llamacpp-pld"],
+    "hf-generate": ["hf"],  # HF's plain generate alone (``hf`` names the whole family)
 }
-PEER_NAMES = [n for names in PEER_FAMILIES.values() for n in names]
+PEER_NAMES = list(dict.fromkeys(n for names in PEER_FAMILIES.values() for n in names))
 PEERS_INSTALL_HINT = (
     "pip install 'leapdecode[peers]' (builds llama.cpp; on x86 CPUs set "
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" first)'
@@ -348,8 +349,9 @@ class LlamaCppRunner(Runner):
 
 # --------------------------------------------------------------------------- peers
 def expand_peers(spec: list[str]) -> list[str]:
-    """``hf`` -> hf, hf-assisted, hf-pld; ``llamacpp`` -> llamacpp, llamacpp-pld; row names
-    pass through.  Unknown names raise ValueError."""
+    """``hf`` -> hf, hf-assisted, hf-pld; ``llamacpp`` -> llamacpp, llamacpp-pld;
+    ``hf-generate`` -> hf (the plain row alone); row names pass through.  Unknown names raise
+    ValueError."""
     out: list[str] = []
     for p in spec:
         p = p.strip().lower().replace("llama.cpp", "llamacpp").replace("llama-cpp", "llamacpp")
