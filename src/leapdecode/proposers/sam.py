@@ -208,6 +208,9 @@ class SuffixAutomatonProposer(Proposer):
         self._reset()
         self._feed(tokens)
         self._use_costs = self.cost_aware and ctx.params.greedy  # (sampling: no clock may steer)
+        if self._use_costs:  # what this model accepts is learned across its generations
+            shared = ctx.target.__dict__.setdefault("_sam_chain_acceptance", {})
+            self.acceptance = shared.setdefault(self.draft_len, self.acceptance)
 
     def _feed(self, new: Sequence[int]) -> None:
         dyn, st = self.dyn, self.static
