@@ -241,14 +241,18 @@ class HFCausalLM(nn.Module):
         parents: list[int] | None = None,
         logits_for: slice | list[int] | None = None,
         layers: list[int] | None = None,
+        head: None = None,
     ) -> torch.Tensor:
         """Append ``tokens`` ([B, T]) as pending nodes and return fp32 logits.
 
         Same contract as ``NativeCausalLM.forward``; ``layers`` (layer skipping)
-        is only accepted when it names every layer in order.
+        is only accepted when it names every layer in order, and a replacement
+        ``head`` not at all.
         """
         if layers is not None and list(layers) != list(range(self._n_layers)):
             raise NotImplementedError("layer skipping is not implemented on the HF backend")
+        if head is not None:
+            raise NotImplementedError("a replacement output head is not implemented on the HF backend")
         if tokens.dim() == 1:
             tokens = tokens[None]
         b, t = tokens.shape

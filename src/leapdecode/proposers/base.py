@@ -38,15 +38,14 @@ def feed_committed(model, cache: "KVCache", new: list[int], want_logits: bool = 
                    chunk: int = 512, head=None) -> tuple[torch.Tensor | None, int]:
     """Run ``new`` tokens through ``model`` (a ``LoadedModel``) and commit them to ``cache``,
     in chunks that fit the cache's pending area.  Returns (logits of the last token or None,
-    number of forwards).  ``head``: see ``NativeCausalLM.forward`` (native models only)."""
+    number of forwards).  ``head``: see ``NativeCausalLM.forward``."""
     step = min(chunk, cache.max_pending)  # a chunk is pending until committed
     logits, forwards = None, 0
     for s in range(0, len(new), step):
         last = s + step >= len(new)
         ids = torch.tensor(new[s : s + step], device=model.device)[None]
-        extra = {"head": head} if head is not None else {}
         out = model.model.forward(ids, cache, logits_for=slice(-1, None) if (last and want_logits) else slice(0, 0),
-                                  **extra)
+                                  head=head)
         cache.commit()
         forwards += 1
         if last and want_logits:

@@ -183,7 +183,7 @@ class DraftModelProposer(Proposer):
         self.n_cached = 0  # tokens[:n_cached] are committed in the draft cache
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
-        if self.staged is not None:
+        if self.staged is not None and ctx.params.greedy:  # staging drafts greedy trees only
             self.staged.begin(ctx, tokens)
         self.head = _subset_head(self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
         # how this draft's probabilities translate into this target's acceptances (kept on the
@@ -298,7 +298,7 @@ class DraftModelProposer(Proposer):
             base = self.cache.n_pending
             inp = torch.tensor([cand_tok[c] for c in expand], device=self.draft.device)[None]
             t1 = time.perf_counter()
-            out = self._cut(self.draft.model.forward(inp, self.cache, parents=parents, **self._head_arg())[0])
+            out = self._cut(self.draft.model.forward(inp, self.cache, parents=parents, head=self.head)[0])
             self._draft_forwards += 1
             for j, c in enumerate(expand):
                 self._pending_of[c] = base + j
@@ -354,7 +354,7 @@ class DraftModelProposer(Proposer):
         base = self.cache.n_pending
         parents = [-1] + [base + i for i in range(len(guess) - 1)]
         inp = torch.tensor([guess], device=self.draft.device)
-        out = self._cut(self.draft.model.forward(inp, self.cache, parents=parents, **self._head_arg())[0])
+        out = self._cut(self.draft.model.forward(inp, self.cache, parents=parents, head=self.head)[0])
         self._draft_forwards += 1
         self._staged_forwards += 1
         expanded, levels = set(), 1
@@ -369,9 +369,6 @@ class DraftModelProposer(Proposer):
                 break
             self._staged_tokens += 1
         return [c for c in range(len(cand_tok)) if c not in expanded], levels
-
-    def _head_arg(self) -> dict:
-        return {"head": self.head} if self.head is not None else {}
 
     # ------------------------------------------------------------ cost model
     def _note_forward_cost(self, seconds: float, child_probs: list[float]) -> None:
