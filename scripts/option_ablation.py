@@ -27,14 +27,19 @@ def main() -> None:
     ap.add_argument("--workload", type=Path, default=None)
     ap.add_argument("--new", type=int, default=96, help="max new tokens")
     ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--group", default=None,
+                    help="take the first PROMPTS questions of this one task group instead (e.g. rag)")
     a = ap.parse_args()
     sets = [eval(f"dict({s})") for s in a.sets]  # a developer's script: the sets are typed by hand
     path = a.workload or find_default_workload()
-    first: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        first.setdefault(q["category"], q["turns"][0])
-    prompts = [first[g] for g in GROUPS if g in first][: a.prompts]
+    questions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if a.group:
+        prompts = [q["turns"][0] for q in questions if q["category"] == a.group][: a.prompts]
+    else:
+        first: dict[str, str] = {}
+        for q in questions:
+            first.setdefault(q["category"], q["turns"][0])
+        prompts = [first[g] for g in GROUPS if g in first][: a.prompts]
     model = leapdecode.load(a.model)
     leapdecode.generate(model, "hi", max_new_tokens=8, method="draft")  # warm-up, loads the draft
     ratios: list[list[float]] = [[] for _ in sets]
@@ -46,7 +51,8 @@ def main() -> None:
             base = base or s["tokens_per_s"]
             ratios[i].append(s["tokens_per_s"] / base)
             print(opts, s["new_tokens"], "tok/s", s["tokens_per_s"], "mean accepted", s["mean_accepted"],
-                  "draft_s", s["draft_s"], "verify_s", s["verify_s"], flush=True)
+                  "prompt", s["prompt_tokens"], "wall", s["wall_s"], "prefill", s["prefill_s"],
+                  "draft_s", s["draft_s"], "verify_s", s["verify_s"], s.get("auto_arms", ""), flush=True)
     for opts, r in zip(sets, ratios):
         print(f"mean tokens/s ratio {sum(r) / len(r):.3f}  {opts}")
 

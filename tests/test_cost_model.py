@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import leapdecode
-from leapdecode.core.cost_model import ChainAcceptance, VerifyCost, best_tree_size, measure_verify_cost
+from leapdecode.core.cost_model import (AcceptanceCalibration, ChainAcceptance, VerifyCost, best_tree_size,
+                                        measure_verify_cost)
 from leapdecode.errors import InvalidParameterError
-from leapdecode.proposers.draft_model import AcceptanceCalibration, DraftModelProposer, _subset_head
+from leapdecode.proposers.draft_model import DraftModelProposer, _subset_head
 
 
 # ------------------------------------------------------------------ verify cost
@@ -114,7 +115,7 @@ def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny):
 
 
 @pytest.mark.parametrize("opts", [dict(top_k=0), dict(beam=0), dict(max_depth=-1), dict(draft_vocab=-5),
-                                  dict(tau=0.0), dict(tau=1.5)])
+                                  dict(tau=0.0), dict(tau=1.5), dict(context_window=0), dict(context_window=2.5)])
 def test_draft_options_out_of_range(tiny, opts):
     with pytest.raises(InvalidParameterError):
         DraftModelProposer(tiny(seed=0, copy=9), **opts)

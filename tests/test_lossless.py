@@ -301,6 +301,26 @@ def test_draft_with_a_shorter_context(tiny):
         assert got.tokens == want.tokens, (n, _divergence(want.tokens, got.tokens))
         if n == 100:
             assert got.stats["mean_accepted"] > 1  # it drafted while it had room
+        # reading only the attention sink and the last 64 prompt tokens, it fits and drafts
+        windowed = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=60, method="draft", draft=draft,
+                                       context_window=64)
+        assert windowed.tokens == want.tokens, (n, _divergence(want.tokens, windowed.tokens))
+        assert windowed.stats["mean_accepted"] > 1
+
+
+@pytest.mark.parametrize("window", [1, 8, 64, None])
+def test_draft_context_window(tiny, env, window):
+    """The draft reads a bounded window of a long prompt: output unchanged, and a draft with the
+    target's weights still drafts well on a repetitive prompt."""
+    model = tiny(seed=0)
+    unit = model.tokenizer.encode("the cat sat on the mat. ")
+    ids = (unit * 40)[:600]
+    want = vanilla(model, "", prompt_ids=ids, max_new_tokens=48)
+    got = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=48, method="draft",
+                              draft=env.drafts["noisy"], context_window=window)
+    assert got.tokens == want.tokens, (window, _divergence(want.tokens, got.tokens))
+    if window is None or window >= 8:
+        assert got.stats["mean_accepted"] > 1.2, got.stats
 
 
 def test_rest_datastore_by_path(tiny, env):

@@ -123,3 +123,26 @@ class ChainAcceptance:
         for d in range(min(verified, accepted + 1, self.max_depth)):
             self.seen[bucket][d] += 1.0
             self.hits[bucket][d] += float(d < accepted)
+
+
+class AcceptanceCalibration:
+    """P(a draft node is accepted | its parent was), as a function of the drafter's probability
+    of the node given its parent (a draft model's, or a retrieved continuation's frequency):
+    binned frequencies, starting from the identity."""
+
+    BINS = 10
+
+    def __init__(self, prior: float = 2.0) -> None:
+        self.hits = [prior * (b + 0.5) / self.BINS for b in range(self.BINS)]
+        self.seen = [prior] * self.BINS
+
+    def bin(self, p: float) -> int:
+        return min(int(p * self.BINS), self.BINS - 1)
+
+    def __call__(self, p: float) -> float:
+        b = self.bin(p)
+        return min(max(self.hits[b] / self.seen[b], 1e-4), 1.0)
+
+    def update(self, b: int, accepted: bool) -> None:
+        self.hits[b] += float(accepted)
+        self.seen[b] += 1.0

@@ -12,7 +12,10 @@ Arms (each one proposes a whole tree for one step):
 * ``none`` - no draft (a vanilla step), so auto can never lose much to vanilla decoding.
 
 As in SAM Decoding, a match of at least ``sam_only_match`` tokens (default 12) uses the
-automaton's draft alone.
+automaton's draft alone.  The draft model reads only the first tokens and the last
+``AUTO_DRAFT_WINDOW`` tokens of a long prompt (``draft_model.py``'s ``context_window``): the
+automaton copies from the whole text, and on a CPU the draft's prefill of a 1,400-token
+retrieval prompt cost more than a short answer saved.
 
 Which arm runs is a contextual bandit, after "BanditSpec: Adaptive Speculative Decoding
 via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of tokens it
@@ -39,6 +42,8 @@ from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer
 from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
+
+AUTO_DRAFT_WINDOW = 256  # prompt tokens the draft model reads (besides the attention sink)
 
 
 def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
@@ -237,5 +242,7 @@ def make_auto_proposer(target, draft, tree_budget: int | None, options: dict[str
     if draft is not None or getattr(target, "draft_name", None):
         dm = _load_draft(target, draft)
         if dm.tokenizer.get_vocab() == target.tokenizer.get_vocab():
-            draft_proposer = DraftModelProposer(dm, tree_budget=tree_budget)
+            # the automaton's grafted continuation copies from anywhere in the text, so the draft
+            # model needs less of a long prompt than on its own: a shorter window, a cheaper prefill
+            draft_proposer = DraftModelProposer(dm, tree_budget=tree_budget, context_window=AUTO_DRAFT_WINDOW)
     return AutoProposer(draft_proposer, tree_budget=tree_budget, stats_owner=target, **options)

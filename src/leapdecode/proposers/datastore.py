@@ -313,6 +313,9 @@ class Datastore:
             raise ModelFileError(f"datastore file not found: {path}")
         if not path.is_file():
             raise ModelFileError(f"datastore {path} is not a file")
+        if not zipfile.is_zipfile(path):  # np.load would take a .npy array or guess at pickles
+            raise ModelFileError(f"cannot read datastore {path}: not a datastore (.npz) file; "
+                                 "build one with `leapdecode datastore build`")
         try:
             with np.load(path, allow_pickle=False) as z:
                 missing = {"tokens", "sa", "meta"} - set(z.files)

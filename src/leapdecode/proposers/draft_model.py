@@ -45,6 +45,15 @@ recomputed), then grows a token tree:
   guessed token that is among the draft's top-k children of the one before
   counts as a drafted level, with the draft's own children at each of them:
   one draft forward instead of several when the text repeats itself.
+* **A bounded draft context** (``context_window``): the draft reads only the
+  first ``ATTENTION_SINK`` tokens of a long prompt and its last
+  ``context_window`` tokens, as in "Efficient Streaming Language Models with
+  Attention Sinks" (StreamingLLM, Xiao et al., 2023).  Its prefill is then
+  bounded: on a CPU a 0.5B draft's prefill of a 1,400-token prompt costs
+  about as much as decoding 15 tokens with the target, which a short answer
+  never earns back.  Long-range copying is the suffix automaton's job (staged
+  speculation, ``auto``'s hybrid).  The target always sees everything, so the
+  window changes only how good the drafts are, never the output.
 
 Under sampling the children of a node are drawn from the (identically
 processed) draft distribution without replacement (Gumbel-top-k) and all of
@@ -60,13 +69,15 @@ import time
 
 import torch
 
-from ..core.cost_model import best_tree_size, verify_cost_for
+from ..core.cost_model import AcceptanceCalibration, best_tree_size, verify_cost_for
 from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from .base import DecodeContext, Proposer, feed_committed
 
 DRAFT_VOCAB = 32768  # FR-Spec's subset size for Llama-3's 128k vocabulary
+ATTENTION_SINK = 4  # StreamingLLM keeps the first four tokens
+CONTEXT_WINDOW = 512
 
 
 class SubsetHead(torch.nn.Module):
@@ -107,28 +118,6 @@ def _subset_head(draft, size: int, extra: list[int], vocab: int | None = None) -
     return SubsetHead(heads[size], base_ids, extra_ids, weight)
 
 
-class AcceptanceCalibration:
-    """P(a draft node is accepted | its parent was), as a function of the draft's probability
-    of the node given its parent: binned frequencies, starting from the identity."""
-
-    BINS = 10
-
-    def __init__(self, prior: float = 2.0) -> None:
-        self.hits = [prior * (b + 0.5) / self.BINS for b in range(self.BINS)]
-        self.seen = [prior] * self.BINS
-
-    def bin(self, p: float) -> int:
-        return min(int(p * self.BINS), self.BINS - 1)
-
-    def __call__(self, p: float) -> float:
-        b = self.bin(p)
-        return min(max(self.hits[b] / self.seen[b], 1e-4), 1.0)
-
-    def update(self, b: int, accepted: bool) -> None:
-        self.hits[b] += float(accepted)
-        self.seen[b] += 1.0
-
-
 class DraftModelProposer(Proposer):
     name = "draft"
 
@@ -143,6 +132,7 @@ class DraftModelProposer(Proposer):
         tau: float = 0.05,
         draft_vocab: int = DRAFT_VOCAB,
         staged: bool = True,
+        context_window: int | None = CONTEXT_WINDOW,
     ) -> None:
         for name, v in (("top_k", top_k), ("beam", beam), ("max_depth", max_depth)):
             if not isinstance(v, int) or v < 1:
@@ -151,6 +141,10 @@ class DraftModelProposer(Proposer):
             raise InvalidParameterError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab}")
         if not 0 < tau < 1:
             raise InvalidParameterError(f"tau must be in (0, 1), got {tau}")
+        if context_window is not None and (not isinstance(context_window, int) or context_window < 1):
+            raise InvalidParameterError(
+                f"context_window must be an integer >= 1 or None (the whole prompt), got {context_window}")
+        self.context_window = context_window
         self.draft = draft
         self.default_budget = tree_budget or 24
         self.top_k, self.beam, self.max_depth = top_k, beam, max_depth
@@ -180,7 +174,7 @@ class DraftModelProposer(Proposer):
             self.draft._draft_cache = cache
         cache.reset()
         self.cache = cache
-        self.n_cached = 0  # tokens[:n_cached] are committed in the draft cache
+        self.n_cached = 0  # how many of the decided tokens the draft cache has seen (or skipped)
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
         if self.staged is not None and ctx.params.greedy:  # staging drafts greedy trees only
@@ -193,9 +187,15 @@ class DraftModelProposer(Proposer):
         self._pending_of: dict[int, int] = {}
         self._cost_model = self.adaptive and ctx.params.greedy
         self._verify_cost = None  # measured at the first propose (the target's cache is idle then)
-        # prefill all but the root now, so the first propose only feeds the root
-        if 1 < len(tokens) <= cache.max_len:  # (a prompt the draft cannot hold: propose() drafts nothing)
-            self._feed(tokens[:-1], want_logits=False)
+        # prefill all but the root now (or the sink and the window of a long prompt), so the first
+        # propose only feeds the root; n_cached counts tokens of ``tokens`` seen, skipped or not
+        prompt = tokens[:-1]
+        window = self.context_window
+        if window is not None and len(prompt) > ATTENTION_SINK + window:
+            prompt = prompt[:ATTENTION_SINK] + prompt[-window:]
+        if prompt and len(prompt) < cache.max_len:  # (a prompt the draft cannot hold: propose() drafts nothing)
+            self._feed(prompt, want_logits=False)
+            self.n_cached = len(tokens) - 1
 
     def _feed(self, new: list[int], want_logits: bool = True) -> torch.Tensor | None:
         logits, _ = feed_committed(self.draft, self.cache, new, want_logits, head=self.head)

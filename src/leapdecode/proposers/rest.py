@@ -16,6 +16,17 @@ text (code, or earlier answers of the model) supplies the draft:
    paper's top nodes of the trie by count; ties go to the shallower node, so
    the kept nodes form a tree) are verified as one token tree.
 
+Under greedy decoding the tree is sized by expected tokens per second, as for
+``sam`` and ``draft`` (Sequoia's hardware-aware tree size, ``core/cost_model.py``):
+a node's chance of acceptance is its continuation frequency given its parent,
+calibrated online against the verdicts per match-length bucket (a 2-token
+suffix that matches thousands of places in a code corpus predicts chat text
+badly; a 12-token one predicts well), and only the prefix of the ranked nodes
+that maximises accepted tokens per second of verification is verified.  Where
+verifying a wider tree costs more (a CPU without AMX), retrieval that keeps
+missing stops costing anything.  ``cost_aware=False`` keeps the paper's fixed
+budget.
+
 Every node is deterministic (``sampled=False``), so the verifier is exact for
 greedy decoding and for sampling.  The datastore is built offline
 (``leapdecode datastore build``, see ``datastore.py``); ``datastore=`` takes
@@ -31,25 +42,21 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..core.cost_model import AcceptanceCalibration, best_tree_size, verify_cost_for
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import Proposer
+from .base import DecodeContext, Proposer
 from .datastore import Datastore, default_path
 from .pld import check_int
 
+# suffix-match lengths whose continuations are calibrated apart (how far they can be trusted)
+MATCH_BUCKETS = (0, 4, 8)
 
-def frequency_tree(cands: Sequence[tuple[Sequence[int], int]], budget: int, source: str = "rest") -> TokenTree:
-    """Merge weighted candidates ``(tokens, count)`` into a trie and keep its ``budget`` most frequent
-    nodes.
 
-    A node's count is the total count of the candidates through it, so a child
-    never counts more than its parent; ranking by (count desc, depth asc,
-    insertion order) therefore keeps parents before their children and the
-    kept nodes form a tree, best first (any prefix is the best smaller tree).
-    """
-    tree = TokenTree()
-    if budget < 1:
-        return tree
+def _trie(cands: Sequence[tuple[Sequence[int], int]]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Weighted candidates ``(tokens, count)`` merged into a trie: per node its token, parent,
+    depth and the total count of the candidates through it (a child never counts more than
+    its parent)."""
     child: dict[tuple[int, int], int] = {}
     tok: list[int] = []
     par: list[int] = []
@@ -68,12 +75,33 @@ def frequency_tree(cands: Sequence[tuple[Sequence[int], int]], budget: int, sour
                 count.append(0)
             count[node] += w
             parent = node
-    order = sorted(range(len(tok)), key=lambda v: (-count[v], depth[v], v))[:budget]
+    return tok, par, depth, count
+
+
+def _tree_of(order: list[int], tok: list[int], par: list[int], source: str) -> TokenTree:
+    """The trie nodes ``order`` (parents before children) as a token tree."""
+    tree = TokenTree()
     index: dict[int, int] = {}
     for v in order:
         p = par[v]
         index[v] = tree.add(tok[v], index[p] if p >= 0 else -1, sampled=False, source=source)
     return tree
+
+
+def frequency_tree(cands: Sequence[tuple[Sequence[int], int]], budget: int, source: str = "rest") -> TokenTree:
+    """Merge weighted candidates ``(tokens, count)`` into a trie and keep its ``budget`` most frequent
+    nodes.
+
+    A node's count is the total count of the candidates through it, so a child
+    never counts more than its parent; ranking by (count desc, depth asc,
+    insertion order) therefore keeps parents before their children and the
+    kept nodes form a tree, best first (any prefix is the best smaller tree).
+    """
+    if budget < 1:
+        return TokenTree()
+    tok, par, depth, count = _trie(cands)
+    order = sorted(range(len(tok)), key=lambda v: (-count[v], depth[v], v))[:budget]
+    return _tree_of(order, tok, par, source)
 
 
 def resolve_datastore(target, datastore: Any = None) -> Datastore:
@@ -124,6 +152,7 @@ class RestProposer(Proposer):
         min_suffix: int = 2,
         draft_len: int = 10,
         max_candidates: int = 128,
+        cost_aware: bool = True,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -137,8 +166,22 @@ class RestProposer(Proposer):
             raise InvalidParameterError(f"datastore must be a Datastore, got {type(datastore).__name__}")
         self.datastore = datastore
         self.default_budget = tree_budget or 24
+        self.cost_aware = cost_aware
+        self._use_costs = False  # set per generation by begin()
+        self._last: tuple[AcceptanceCalibration, list[float]] | None = None
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
+
+    def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
+        super().begin(ctx, tokens)
+        self._use_costs = self.cost_aware and ctx.params.greedy  # (sampling: no clock may steer)
+        self._last = None
+        if self._use_costs:
+            # what this datastore's continuations are worth to this model, learned across generations
+            per_target = self.datastore.__dict__.setdefault("_rest_calibration", {})
+            self.calibration = per_target.setdefault(ctx.target.name,
+                                                     [AcceptanceCalibration() for _ in MATCH_BUCKETS])
+            self._verify_cost = verify_cost_for(ctx.target, ctx.cache)
 
     def candidates(self, tokens: Sequence[int], budget: int) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
         """``(match length, [(continuation, count), ...])`` for the context ``tokens``."""
@@ -157,9 +200,36 @@ class RestProposer(Proposer):
             return TokenTree()
         self._hits += 1
         self._match_total += length
-        tree = frequency_tree(cands, budget, self.name)
+        tree = self._sized_tree(cands, budget, length) if self._use_costs else frequency_tree(cands, budget, self.name)
         self._nodes += len(tree)
         return tree
+
+    def _sized_tree(self, cands, budget: int, match_len: int) -> TokenTree:
+        """The trie's nodes ranked by calibrated acceptance probability, cut to the number that
+        maximises expected tokens per second of the verification forward."""
+        tok, par, depth, count = _trie(cands)
+        total = sum(w for _, w in cands)
+        calib = self.calibration[max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)]
+        cond = [count[v] / (count[par[v]] if par[v] >= 0 else total) for v in range(len(tok))]
+        cum: list[float] = []
+        for v in range(len(tok)):  # a trie node is created after its parent
+            cum.append(calib(cond[v]) * (cum[par[v]] if par[v] >= 0 else 1.0))
+        order = sorted(range(len(tok)), key=lambda v: (-cum[v], depth[v], v))[:budget]
+        keep, _ = best_tree_size([cum[v] for v in order], 0.0, self._verify_cost)
+        order = order[:keep]
+        self._last = (calib, [cond[v] for v in order])
+        return _tree_of(order, tok, par, self.name)
+
+    def observe(self, tokens, tree, verdict, logits) -> None:
+        if self._last is None:
+            return
+        calib, cond = self._last  # tree node i is the i-th ranked trie node
+        self._last = None
+        accepted = set(verdict.accepted)
+        for node in range(min(len(tree), len(cond))):  # every verified node whose parent was accepted
+            parent = tree.parents[node]
+            if parent < 0 or parent in accepted:
+                calib.update(calib.bin(cond[node]), node in accepted)
 
     def stats(self) -> dict[str, Any]:
         return {
