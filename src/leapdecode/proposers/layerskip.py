@@ -42,22 +42,15 @@ one row.  The draft's pending nodes have no keys/values for the skipped layers, 
 they are always rolled back before the tree is returned: nothing the draft wrote survives into the
 verification forward, which recomputes every layer for every tree node.
 
-Greedy drafting is cost-aware (``cost_aware=True``): the draft's confidence in each token is
-calibrated online against the verdicts (``core/cost_model.py``'s ``AcceptanceCalibration``), and
-another draft forward runs only while it raises the step's expected tokens per second, given the
-measured time of a draft forward and the target's measured verification cost per tree size
-(SpecDec++'s stopping rule, as in ``draft_model.py``); only the prefix worth verifying is proposed.
-Where even one drafted token is not expected to pay (a skipped-layer draft costs ~60% of a target
-forward on a small model), the step is a plain one, with a draft attempt every ``PROBE_EVERY``
-steps to notice when the text turns predictable.  ``min_conf`` is then unused; it is the stopping
-rule under sampling and with ``cost_aware=False``.
-
 The draft's output projection scores only a frequency-ranked subset of the vocabulary (``draft_vocab``,
 default 32768 of Qwen2.5's 152k, plus the prompt's tokens), as "FR-Spec: Accelerating
 Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling" (Zhao et al., 2025) does
-for EAGLE's draft (see ``draft_model.py``): with the layers a draft skips gone, the 152k-row head is
-a fifth of what is left.  The other logits are -inf, so under sampling the draft distribution is
-zero there and rejection sampling stays exact; ``draft_vocab=0`` scores everything.
+for EAGLE's draft (see ``draft_model.py``).  The other logits are -inf, so under sampling the draft
+distribution is zero there and rejection sampling stays exact; ``draft_vocab=0`` scores everything.
+A cost-aware stopping rule like ``draft``'s (calibrated confidence, measured draft and verification
+costs) was tried here and measured no faster than ``min_conf`` on six Spec-Bench prompts (AMD EPYC,
+0.951x vs 0.954x of vanilla), so it was left out: acceptances come in runs that a per-token model
+misses.
 
 Defaults: ``skip`` = 30% of the layers (8 of Qwen2.5-1.5B's 28), ``k`` = 6, ``min_conf`` = 0.6,
 ``update_every`` = 4.  On qwen2.5-coder-1.5b (bf16, CPU, two prompts) that setting had the best
@@ -80,7 +73,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..core.cost_model import AcceptanceCalibration, best_tree_size, verify_cost_for
 from ..core.sampling import apply_repetition_penalty, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
@@ -89,7 +81,6 @@ from .draft_model import DRAFT_VOCAB, _subset_head
 from .pld import check_int
 
 DEFAULT_SKIP_FRACTION = 0.3
-PROBE_EVERY = 8  # greedy steps between draft attempts while drafting does not pay
 
 
 def clasp_dp(
@@ -179,7 +170,6 @@ class LayerSkipProposer(Proposer):
         min_conf: float = 0.6,
         update_every: int = 4,
         draft_vocab: int = DRAFT_VOCAB,
-        cost_aware: bool = True,
     ) -> None:
         if getattr(target, "backend", None) != "native":
             raise InvalidParameterError(
@@ -199,9 +189,6 @@ class LayerSkipProposer(Proposer):
         if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0:
             raise InvalidParameterError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r}")
         self.draft_vocab = draft_vocab
-        self.cost_aware = cost_aware
-        self._use_costs = False  # set per generation by begin()
-        self._chain_conf: list[float] = []
         self.target = target
         self.default_budget = tree_budget or self.k
         self.layers: list[int] | None = None  # the layers the draft runs
@@ -220,15 +207,6 @@ class LayerSkipProposer(Proposer):
         self._since = 0
         self.vocab = int(self.model.vocab_size)
         self.head = _subset_head(ctx.target, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
-        self._use_costs = self.cost_aware and ctx.params.greedy  # (sampling: no clock may steer)
-        self._chain_conf: list[float] = []
-        if self._use_costs:
-            # learned per model across generations: how its confidences translate into acceptances,
-            # the time of one draft forward, and the mean acceptance of a drafted token
-            self.learned = ctx.target.__dict__.setdefault("_layerskip_costs", {}).setdefault(
-                self.n_skip, {"calibration": AcceptanceCalibration(), "forward_s": None, "rho": 0.5})
-            self._verify_cost = verify_cost_for(ctx.target, ctx.cache)
-            self._idle = 0
         if self.n_skip == 0:
             self.layers = list(range(self.n_layers))
         elif self.cache.length >= 1:
@@ -280,8 +258,7 @@ class LayerSkipProposer(Proposer):
             self.cache.rollback()
         tree = TokenTree()
         n = min(self.k, budget)
-        self._chain_conf = []
-        if self.layers is not None and n >= 1 and self._worth_drafting():
+        if self.layers is not None and n >= 1:
             tree = self._draft(tokens, n)
         self._drafted += len(tree)
         if self.n_skip and (self.layers is None or self._since + 1 >= self.update_every):
@@ -297,11 +274,8 @@ class LayerSkipProposer(Proposer):
         out: list[int] = []
         qs: list[torch.Tensor] = []
         tok = tokens[-1]
-        t0 = time.perf_counter()
-        cum: list[float] = []  # calibrated P(the first i drafted tokens are all accepted)
         try:
             for _ in range(n):
-                t1 = time.perf_counter()
                 logits = model.forward(torch.tensor([[tok]], device=dev), cache, layers=self.layers,
                                        head=self.head)[0, -1]
                 if self.head is not None:  # back to the whole vocabulary: -inf outside the subset
@@ -320,50 +294,12 @@ class LayerSkipProposer(Proposer):
                     conf = q[tok]
                     qs.append(q)
                 out.append(tok)
-                if self._use_costs:
-                    self._note_forward(time.perf_counter() - t1, float(conf))
-                    self._chain_conf.append(float(conf))
-                    cum.append((cum[-1] if cum else 1.0) * self.learned["calibration"](float(conf)))
-                    if not self._worth_more(cum, time.perf_counter() - t0):
-                        break
-                elif float(conf) < self.min_conf:
+                if float(conf) < self.min_conf:
                     break
         finally:
             # the draft's nodes lack keys/values for the skipped layers: never let them reach verification
             cache.rollback()
-        if self._use_costs and cum:  # verify the prefix worth verifying
-            keep, _ = best_tree_size(cum, time.perf_counter() - t0, self._verify_cost)
-            out, self._chain_conf = out[:keep], self._chain_conf[:keep]
         return TokenTree.chain(out, source="layerskip", q=None if params.greedy else qs)
-
-    # ------------------------------------------------------------ cost model
-    def _note_forward(self, seconds: float, conf: float) -> None:
-        learned = self.learned
-        prev = learned["forward_s"]
-        learned["forward_s"] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
-        learned["rho"] = 0.9 * learned["rho"] + 0.1 * learned["calibration"](conf)
-
-    def _worth_drafting(self) -> bool:
-        """Greedy: is a first draft token expected to raise tokens per second over a plain step?
-        When it is not, draft anyway every ``PROBE_EVERY`` steps, to notice when the text becomes
-        predictable again."""
-        if not self._use_costs or self.learned["forward_s"] is None:
-            return True
-        rho, fwd, verify = self.learned["rho"], self.learned["forward_s"], self._verify_cost
-        if (1 + rho) / (fwd + verify(2)) > 1 / verify(1):
-            self._idle = 0
-            return True
-        self._idle += 1
-        return self._idle % PROBE_EVERY == 0
-
-    def _worth_more(self, cum: list[float], spent: float) -> bool:
-        """Greedy: does one more draft forward raise the step's expected tokens per second?  The
-        next token is assumed accepted with the running mean probability ``rho`` (SpecDec++'s
-        stopping rule, with measured costs, as in ``draft_model.py``)."""
-        _, now = best_tree_size(cum, spent, self._verify_cost)
-        _, then = best_tree_size(cum + [cum[-1] * self.learned["rho"]], spent + self.learned["forward_s"],
-                                 self._verify_cost)
-        return then > now
 
     # -------------------------------------------------------------- observe
     def observe(self, tokens, tree, verdict, logits) -> None:
@@ -373,12 +309,6 @@ class LayerSkipProposer(Proposer):
         self._steps += 1
         self._accepted += len(verdict.accepted)
         self._verified += len(tree)
-        if self._use_costs:  # a chain token had its chance when the ones before it were accepted
-            calib = self.learned["calibration"]
-            for i, conf in enumerate(self._chain_conf[: len(verdict.accepted) + 1]):
-                if i < len(tree):
-                    calib.update(calib.bin(conf), i < len(verdict.accepted))
-            self._chain_conf = []
         if captured is not None and len(captured) == self.n_layers + 1:
             # the last verified token: the deepest accepted node (or the root); committed at length - 1
             row = verdict.accepted[-1] + 1 if verdict.accepted else 0
