@@ -42,6 +42,65 @@ def test_measure_verify_cost_leaves_the_cache_as_it_was(tiny):
     assert torch.equal(cache.k[:, :, :, :3], k_before)
 
 
+def test_profile_is_kept_per_model_file_and_machine(tiny, tmp_path, monkeypatch):
+    """A model loaded from a file has its profile stored in the cache directory: another load of
+    the same file reuses it without measuring; a changed file, an unreadable store or an old
+    profile is measured again; a model with no file (built in-process) never touches the store."""
+    import dataclasses
+    import json
+    import os
+    import time
+
+    from leapdecode.core import cost_model
+
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"weights")
+    base = tiny(seed=0)
+    calls = []
+    real = cost_model.measure_verify_cost
+
+    def counting(loaded, cache, **kw):
+        calls.append(loaded)
+        return real(loaded, cache, sizes=(1, 4), repeats=1)
+
+    monkeypatch.setattr(cost_model, "measure_verify_cost", counting)
+
+    def fresh(path=weights):
+        m = dataclasses.replace(base, path=path)  # a new object: nothing kept on it yet
+        cache = m.model.new_cache(max_len=64)
+        m.model.forward(torch.tensor([[5, 6, 7]]), cache)
+        cache.commit()
+        return m, cache
+
+    store = tmp_path / "cache" / "verify_cost.json"
+    first = cost_model.verify_cost_for(*fresh())
+    assert len(calls) == 1 and store.is_file()
+    assert [p.name for p in store.parent.iterdir()] == ["verify_cost.json"]  # no temporary file left
+    again = cost_model.verify_cost_for(*fresh())
+    assert len(calls) == 1 and again.seconds == first.seconds  # read back, not measured
+
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))  # another version of the file
+    cost_model.verify_cost_for(*fresh())
+    assert len(calls) == 2
+    assert len(json.loads(store.read_text())) == 2
+
+    profiles = json.loads(store.read_text())
+    for entry in profiles.values():
+        entry["measured_at"] -= cost_model.PROFILE_MAX_AGE_S + 1
+    store.write_text(json.dumps(profiles))
+    cost_model.verify_cost_for(*fresh())
+    assert len(calls) == 3  # too old: measured again
+
+    store.write_text("{not json")
+    cost_model.verify_cost_for(*fresh())
+    assert len(calls) == 4 and json.loads(store.read_text())  # rewritten whole
+
+    store.unlink()
+    cost_model.verify_cost_for(*fresh(path=None))
+    assert len(calls) == 5 and not store.exists()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(0.0, 1.0), max_size=12), st.floats(0.0, 0.5),
        st.lists(st.floats(0.01, 1.0), min_size=4, max_size=4))

@@ -7,9 +7,10 @@ on the hardware.  Whether verifying 24 tokens costs the same as verifying one
 is a property of the machine, not a constant: on a CPU with AMX a bf16 forward
 of up to ~32 tokens costs about one token's; on a CPU with only AVX512-BF16 we
 measured a 25-token forward of the 1.5B model at 1.9x a 1-token forward.  So
-leapdecode measures it, once per target model and process, on the live cache
-(the nodes are appended as pending and rolled back, so the measurement touches
-nothing).
+leapdecode measures it, on the live cache (the nodes are appended as pending
+and rolled back, so the measurement touches nothing), once per target model and
+machine: the profile of a model loaded from a file is kept in
+``<cache>/verify_cost.json`` for a week.
 
 Only decisions that cannot change the output may depend on these timings:
 greedy tree sizes (any tree gives vanilla's tokens).  Seeded sampling must be
@@ -19,7 +20,12 @@ reproducible, so its tree shapes never depend on a clock.
 from __future__ import annotations
 
 import bisect
+import json
+import os
+import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,11 +82,88 @@ def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, rep
     return VerifyCost(list(sizes), out)
 
 
+PROFILE_MAX_AGE_S = 7 * 24 * 3600  # a stored profile older than this is measured again
+
+
+def _profile_key(loaded) -> str | None:
+    """What a measured profile depends on: the model file, dtype, backend and the machine (processor
+    or GPU, torch threads, torch version).  None for a model with no file (built in-process)."""
+    path = getattr(loaded, "path", None)
+    if path is None:
+        return None
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError:
+        return None
+    device = loaded.device
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    hardware = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, loaded.backend, hardware,
+                              torch.get_num_threads(), torch.__version__)))
+
+
+def _profiles_path() -> Path:
+    from ..models.registry import cache_dir
+
+    return cache_dir() / "verify_cost.json"
+
+
+def _load_profile(key: str) -> VerifyCost | None:
+    try:
+        entry = json.loads(_profiles_path().read_text()).get(key)
+        if entry and time.time() - entry["measured_at"] < PROFILE_MAX_AGE_S:
+            return VerifyCost(entry["sizes"], entry["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # no profile, or an unreadable one: measure again
+    return None
+
+
+def _store_profile(key: str, cost: VerifyCost) -> None:
+    """Add the profile to the JSON file (written to a temporary file, then renamed); a cache
+    directory that cannot be written is not an error, the profile is just measured next time."""
+    path = _profiles_path()
+    try:
+        try:
+            profiles = json.loads(path.read_text())
+            if not isinstance(profiles, dict):
+                profiles = {}
+        except (OSError, ValueError):
+            profiles = {}
+        profiles[key] = {"sizes": cost.sizes, "seconds": cost.seconds, "measured_at": time.time()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verify_cost.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(profiles, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass
+
+
 def verify_cost_for(loaded, cache) -> VerifyCost:
-    """The target's verification cost, measured on first use and kept on the model object."""
+    """The target's verification cost: kept on the model object; for a model loaded from a file
+    also in ``<cache>/verify_cost.json`` per model and machine (re-measured after a week), so a
+    one-shot CLI call does not pay the ~2 s probe each time.  Measured on first use otherwise."""
     cost = getattr(loaded, "_verify_cost", None)
     if cost is None:
-        cost = measure_verify_cost(loaded, cache)
+        key = _profile_key(loaded)
+        cost = _load_profile(key) if key is not None else None
+        if cost is None:
+            cost = measure_verify_cost(loaded, cache)
+            if key is not None:
+                _store_profile(key, cost)
         loaded._verify_cost = cost
     return cost
 
