@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.cost_model import synchronize
+
 PEER_FAMILIES = {
     "hf": ["hf", "hf-assisted", "hf-pld"],
     "llamacpp": ["llamacpp", "llamacpp-pld"],
@@ -134,11 +136,6 @@ class PeakMemory:
             self.peak_gpu_mb = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # --------------------------------------------------------------------------- runners
 class Runner:
     name = "runner"
@@ -150,10 +147,10 @@ class Runner:
     def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
             seed: int | None = None) -> RunOutput:
         with PeakMemory(self.device) as mem:
-            _sync(self.device)
+            synchronize(self.device)
             t0 = time.perf_counter()
             out = self._run(prompt_ids, max_new_tokens, temperature, seed)
-            _sync(self.device)
+            synchronize(self.device)
             out.wall_s = time.perf_counter() - t0
         out.peak_rss_mb, out.peak_gpu_mb = mem.peak_rss_mb, mem.peak_gpu_mb
         return out

@@ -8,7 +8,6 @@ first turn is the history every runner gets for the second turn), ``repeats`` ti
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,17 +61,11 @@ def validate_methods(methods: list[str]) -> list[str]:
 def _machine(loaded) -> str:
     import torch
 
+    from ..core.cost_model import hardware_name
+
     if loaded.device.type == "cuda":
-        return f"{torch.cuda.get_device_name(loaded.device)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+        return f"{hardware_name(loaded.device)}, torch {torch.__version__}"
+    return f"{hardware_name(loaded.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def encode_turn(loaded, q: Question, history: list[dict], turn: str) -> list[int]:

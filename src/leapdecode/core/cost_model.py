@@ -69,17 +69,35 @@ def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, rep
         parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree: the masked path
         best = float("inf")
         for r in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             t0 = time.perf_counter()
             model.forward(tokens, cache, parents=parents)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             if r:
                 best = min(best, time.perf_counter() - t0)
             cache.rollback()
         out.append(best)
     return VerifyCost(list(sizes), out)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock reading covers it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hardware_name(device: torch.device) -> str:
+    """The GPU's name, or the processor's model name (``/proc/cpuinfo``, else ``platform``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name
 
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600  # a stored profile older than this is measured again
@@ -95,19 +113,7 @@ def _profile_key(loaded) -> str | None:
         stamp = Path(path).stat().st_mtime_ns
     except OSError:
         return None
-    device = loaded.device
-    if device.type == "cuda":
-        hardware = torch.cuda.get_device_name(device)
-    else:
-        hardware = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    hardware = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, loaded.backend, hardware,
+    return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, loaded.backend, hardware_name(loaded.device),
                               torch.get_num_threads(), torch.__version__)))
 
 
