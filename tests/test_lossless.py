@@ -496,11 +496,12 @@ def no_eos(tiny):
     return dataclasses.replace(tiny(seed=0), eos_token_ids=set())
 
 
-@pytest.mark.parametrize("draft_vocab", [0, 64])
-def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab):
+@pytest.mark.parametrize("draft_vocab,context_window", [(0, None), (64, None), (0, 2)])
+def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_window):
     """Sampled token trees (recursive rejection sampling over draft children drawn without replacement,
     two levels deep) from a noisy copy of the target; with ``draft_vocab=64`` the draft samples from a
-    subset of the vocabulary (FR-Spec: 64 of 259 tokens plus the prompt's), zero elsewhere."""
+    subset of the vocabulary (FR-Spec: 64 of 259 tokens plus the prompt's), zero elsewhere; with
+    ``context_window=2`` the draft reads only the attention sink and the last two prompt tokens."""
     if "draft" not in METHODS:
         pytest.skip("no draft method")
     params = dict(temperature=0.9, top_k=5)
@@ -516,14 +517,18 @@ def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab):
             chosen = ids
             break
     assert chosen is not None, "no candidate prompt gives a usable draft; extend CANDIDATE_PROMPTS"
+    if context_window is not None:
+        assert len(chosen) - 1 > 4 + context_window  # the window really cuts this prompt
     n = 1500
     # budget 8 with beam 1: the draft's 4 sampled root children and 4 sampled grandchildren
     counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft", draft=draft,
-                                 tree_budget=8, beam=1, draft_vocab=draft_vocab, **params)
+                                 tree_budget=8, beam=1, draft_vocab=draft_vocab,
+                                 context_window=context_window, **params)
     expected = _joint(no_eos, chosen, sp)
     stat, df, pval = _chi2_against(chi2, counts, expected)
     assert pval > ALPHA, (stat, df, pval, drafted)
-    assert 0.1 * n < drafted < 0.95 * n, drafted  # drafts both accepted and rejected
+    # drafts both accepted and rejected (a draft that reads two prompt tokens is right less often)
+    assert (0.1 if context_window is None else 0.02) * n < drafted < 0.95 * n, drafted
     # power: the draft's own joint distribution, and a 20% bias towards its favourite token, are rejected
     q_joint = _joint(draft, chosen, sp)
     assert _chi2_against(chi2, counts, q_joint)[2] < ALPHA
