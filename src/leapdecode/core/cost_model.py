@@ -159,18 +159,16 @@ def _store_profile(key: str, cost: VerifyCost) -> None:
 
 
 def verify_cost_for(loaded, cache) -> VerifyCost:
-    """The target's verification cost: kept on the model object; for a model loaded from a file
-    also in ``<cache>/verify_cost.json`` per model and machine (re-measured after a week), so a
-    one-shot CLI call does not pay the ~2 s probe each time.  Measured on first use otherwise."""
-    cost = getattr(loaded, "_verify_cost", None)
+    """The target's verification cost.  For a model loaded from a file it is kept in
+    ``<cache>/verify_cost.json`` per model and machine (re-measured after a week), so a one-shot
+    CLI call does not pay the ~2 s probe each time; measured on ``cache`` otherwise.  The runner
+    (``core/runner.py``) keeps the result for the generations of its process."""
+    key = _profile_key(loaded)
+    cost = _load_profile(key) if key is not None else None
     if cost is None:
-        key = _profile_key(loaded)
-        cost = _load_profile(key) if key is not None else None
-        if cost is None:
-            cost = measure_verify_cost(loaded, cache)
-            if key is not None:
-                _store_profile(key, cost)
-        loaded._verify_cost = cost
+        cost = measure_verify_cost(loaded, cache)
+        if key is not None:
+            _store_profile(key, cost)
     return cost
 
 

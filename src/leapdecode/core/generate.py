@@ -1,9 +1,16 @@
 """The generation loop: propose -> verify -> commit -> update the proposer.
 
-It is the same loop for every method.  Vanilla decoding is the case where the
-proposer proposes nothing, so every step verifies just the root and emits the
-target's next token.  End-of-sequence, stop strings and the token limit act on
-committed tokens only.
+It is the same loop for every method.  Vanilla decoding is the case where there is no
+proposer, so every step verifies just the root and emits the target's next token.
+End-of-sequence, stop strings and the token limit act on committed tokens only.
+
+A ``Generation`` holds one sequence's state: its KV cache (a slot the runner hands out for the
+generation's lifetime, so generations in flight never share one), its proposer, its random
+generator and its text.  ``step()`` runs one iteration and returns what it decided; a batched
+scheduler calls it, and iterating a ``Generation`` calls it until the sequence finishes.
+
+This module knows proposers only through the interface of ``core/proposer.py``; which method
+builds which proposer is decided a layer up (``leapdecode.api``, ``leapdecode.proposers``).
 """
 
 from __future__ import annotations
@@ -11,14 +18,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
+from .detokenizer import IncrementalDetokenizer, StopChecker
+from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
 from .tree import TokenTree
 from .verifier import verify
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 PREFILL_CHUNK = 512
 TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
@@ -37,6 +49,26 @@ class GenerationResult:
                 "prompt_tokens": self.prompt_tokens, "stats": self.stats}
 
 
+@dataclass
+class StepOutput:
+    """What one ``step()`` decided: the text that can be shown now, the tokens it kept, and
+    whether the generation is over (then ``finish_reason`` says why)."""
+
+    text: str
+    tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+def _check_message(m: Any, i: int) -> None:
+    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        raise InvalidParameterError(f"message {i} must be a {{'role': ..., 'content': ...}} mapping, got {m!r:.80}")
+    if not isinstance(m["role"], str) or not m["role"]:
+        raise InvalidParameterError(f"message {i}: 'role' must be a non-empty string, got {m['role']!r:.80}")
+    if not isinstance(m["content"], str):
+        raise InvalidParameterError(f"message {i}: 'content' must be a string, got {type(m['content']).__name__}")
+
+
 def encode_prompt(model, prompt, chat: bool | None = None) -> list[int]:
     """A string (plain, or as one user message with ``chat=True``) or a list of chat messages."""
     tok = model.tokenizer
@@ -48,10 +80,13 @@ def encode_prompt(model, prompt, chat: bool | None = None) -> list[int]:
             if not ids:
                 raise InvalidParameterError("the prompt is empty")
             return ids
-    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        raise InvalidParameterError("prompt must be a string or a list of {'role', 'content'} messages")
+    if not isinstance(prompt, list):
+        raise InvalidParameterError(
+            f"prompt must be a string or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}")
     if not prompt:
         raise InvalidParameterError("the message list is empty")
+    for i, m in enumerate(prompt):
+        _check_message(m, i)
     if not getattr(tok, "chat_template", None):
         raise InvalidParameterError(f"model {model.name} has no chat template; pass a plain string prompt")
     out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
@@ -60,57 +95,68 @@ def encode_prompt(model, prompt, chat: bool | None = None) -> list[int]:
     return list(out)
 
 
+def check_max_new_tokens(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r:.80}")
+    return list(stops)
+
+
 class Generation:
-    """One generation; iterate for text pieces as they are decided, then read ``.result``."""
+    """One generation on a runner; iterate for text pieces as they are decided, or call
+    ``step()``; then read ``.result``.  ``close()`` (called at the end, and by ``cancel`` when
+    iteration stops) gives the KV cache back to the runner."""
 
     def __init__(
         self,
-        model,
-        prompt,
+        runner: "ModelRunner",
+        prompt_ids: list[int],
+        params: SamplingParams,
+        proposer: Proposer | None = None,
+        method: str = "vanilla",
         max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        typical_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        method: str = "auto",
-        draft: str | None = None,
+        stop: list[str] | None = None,
         tree_budget: int | None = None,
-        chat: bool | None = None,
-        prompt_ids: list[int] | None = None,
-        **method_options: Any,
     ) -> None:
-        from ..proposers import make_proposer
-
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidParameterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
-        self.params = SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
-        if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
-            raise InvalidParameterError(f"tree_budget must be an integer >= 1, got {tree_budget}")
+        model = runner.model
+        self.runner = runner
         self.model = model
-        self.max_new_tokens = max_new_tokens
-        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidParameterError("stop strings must be non-empty strings")
-        self.prompt_ids = list(prompt_ids) if prompt_ids is not None else encode_prompt(model, prompt, chat)
+        self.params = params
+        self.method = method
+        self.max_new_tokens = check_max_new_tokens(max_new_tokens)
+        self.stop = check_stop(stop)
+        if not prompt_ids:
+            raise InvalidParameterError("the prompt is empty")
+        self.prompt_ids = list(prompt_ids)
         if len(self.prompt_ids) + 1 > model.max_seq_len:
             raise PromptTooLongError(
                 f"prompt has {len(self.prompt_ids)} tokens; the context of {model.name} holds "
                 f"{model.max_seq_len} (prompt + at least 1 new token)"
             )
-        self.method = method
-        self.proposer = make_proposer(method, model, draft=draft, tree_budget=tree_budget, params=self.params,
-                                      **method_options)
-        self.tree_budget = tree_budget or getattr(self.proposer, "default_budget", 0)
+        self.proposer = proposer
+        self.tree_budget = (tree_budget or proposer.default_budget) if proposer is not None else 0
         self.result: GenerationResult | None = None
         self._cancelled = False
+        self._started = False
+        self._closed = False
+        self.cache = None
 
+    # -------------------------------------------------------------- control
     def cancel(self) -> None:
         """Stop at the next step (e.g. the client went away)."""
         self._cancelled = True
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
 
     def run(self) -> GenerationResult:
         for _ in self:
@@ -118,156 +164,183 @@ class Generation:
         assert self.result is not None
         return self.result
 
-    # ------------------------------------------------------------------ loop
-    def _cache(self, needed: int):
-        target = self.model.model
-        cache = getattr(self.model, "_cache", None)
-        if cache is None or cache.max_len < needed or cache.batch_size != 1:
-            self.model._cache = cache = None  # free the old one before allocating
-            cache = target.new_cache(batch_size=1, max_len=needed)
-            self.model._cache = cache
-        cache.reset()
-        return cache
-
     def __iter__(self) -> Iterator[str]:
-        from ..proposers.base import DecodeContext
+        try:
+            while self.result is None:
+                out = self.step()
+                if out.text:
+                    yield out.text
+        finally:
+            if self.result is None:  # the consumer stopped iterating early
+                self._finish("cancelled")
 
+    # ---------------------------------------------------------------- start
+    def start(self) -> None:
+        """Take a cache slot from the runner, prefill the prompt (all but its last token, which is
+        the first step's root) and start the proposer.  ``step()`` calls it when needed."""
+        if self._started:
+            return
+        self._started = True
         model, target, params = self.model, self.model.model, self.params
-        tok = model.tokenizer
-        t_start = time.perf_counter()
+        self._t_start = time.perf_counter()
         device = target.device
-        gen = torch.Generator(device=device)
+        self.generator = gen = torch.Generator(device=device)
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         ids = self.prompt_ids
-        cache = self._cache(min(model.max_seq_len, len(ids) + self.max_new_tokens + TREE_MARGIN))
-        step = min(PREFILL_CHUNK, cache.max_pending)  # a chunk is pending until committed
-        for s in range(0, len(ids) - 1, step):
-            chunk = torch.tensor(ids[s : min(s + step, len(ids) - 1)], device=device)
-            target.forward(chunk[None], cache, logits_for=slice(0, 0))
-            cache.commit()
-        prefill_s = time.perf_counter() - t_start
-
-        tokens = list(ids)  # decided so far; the last one is the root (not yet in the cache)
-        generated: list[int] = []
-        proposer = self.proposer
-        ctx = DecodeContext(model, cache, params, gen, len(ids), self.max_new_tokens)
-        if proposer is not None:
-            proposer.begin(ctx, tokens)
-        hist: Counter[int] = Counter()
-        draft_s = verify_s = 0.0
-        forwards = 0
-        finish = None
-        text, shown = "", 0
-        history = torch.tensor(tokens, device=device) if params.repetition_penalty != 1.0 else None
+        self.cache = cache = self.runner.acquire_cache(
+            model, min(model.max_seq_len, len(ids) + self.max_new_tokens + TREE_MARGIN))
+        self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
         try:
-            while finish is None:
-                if self._cancelled:
-                    finish = "cancelled"
-                    break
-                if cache.room() < 1:
-                    finish = "length"
-                    break
-                remaining = self.max_new_tokens - len(generated)
-                budget = min(self.tree_budget, cache.room() - 1, max(remaining - 1, 0))
-                t0 = time.perf_counter()
-                tree = proposer.propose(tokens, budget) if proposer is not None and budget > 0 else TokenTree()
-                tree = tree.truncated(max(budget, 0))
-                t1 = time.perf_counter()
-                chain = all(p == i - 1 for i, p in enumerate(tree.parents))
-                flat = torch.tensor([tokens[-1]] + tree.tokens, device=device)
-                logits = target.forward(flat[None], cache, parents=None if chain else tree.flattened_parents())[0]
-                verdict = verify(tree, logits, params, history, gen)
-                cache.commit([0] + [a + 1 for a in verdict.accepted])
-                verify_s += time.perf_counter() - t1
-                draft_s += t1 - t0
-                forwards += 1
-                emitted = verdict.tokens
-                hist[len(verdict.accepted)] += 1
-                kept = []
-                for t in emitted:
-                    if t in model.eos_token_ids:
-                        finish = "stop"
-                        break
-                    kept.append(t)
-                    if len(generated) + len(kept) >= self.max_new_tokens:
-                        finish = "length"
-                        break
-                generated.extend(kept)
-                tokens.extend(emitted)
-                if history is not None:
-                    history = torch.tensor(tokens, device=device)
-                if proposer is not None and finish is None:
-                    t2 = time.perf_counter()
-                    proposer.observe(tokens, tree, verdict, logits)
-                    draft_s += time.perf_counter() - t2
-                text = tok.decode(generated, skip_special_tokens=True)
-                if self.stop:
-                    cut = self._find_stop(text, shown)
-                    if cut is not None:
-                        text = text[:cut]
-                        generated = self._tokens_covering(generated, cut)
-                        finish = "stop"
-                safe = len(text) if finish else self._safe_length(text)
-                if safe > shown:
-                    yield text[shown:safe]
-                    shown = safe
+            step = min(PREFILL_CHUNK, cache.max_pending)  # a chunk is pending until committed
+            for s in range(0, len(ids) - 1, step):
+                chunk = torch.tensor(ids[s : min(s + step, len(ids) - 1)], device=device)
+                target.forward(chunk[None], cache, logits_for=slice(0, 0))
+                cache.commit()
+            self._prefill_s = time.perf_counter() - self._t_start
+            self.tokens = list(ids)  # decided so far; the last one is the root (not yet in the cache)
+            self.generated: list[int] = []
+            self._hist: Counter[int] = Counter()
+            self._draft_s = self._verify_s = 0.0
+            self._forwards = 0
+            self._detok = IncrementalDetokenizer(model.tokenizer)
+            self._stops = StopChecker(self.stop)
+            self._shown = 0
+            self._history = torch.tensor(self.tokens, device=device) if params.repetition_penalty != 1.0 else None
+            if self.proposer is not None:
+                if self.proposer.needs_verify_cost(params):
+                    self.ctx.verify_cost = self.runner.verify_cost(cache)
+                self.proposer.begin(self.ctx, self.tokens)
+        except BaseException:
+            self._release()
+            raise
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> StepOutput:
+        """One propose -> verify -> commit iteration."""
+        if self.result is not None:
+            return StepOutput("", [], True, self.result.finish_reason)
+        self.start()
+        try:
+            return self._step()
+        except BaseException:
+            self._release()
+            raise
+
+    def _step(self) -> StepOutput:
+        if self._cancelled:
+            return self._finish("cancelled")
+        cache, target, proposer = self.cache, self.model.model, self.proposer
+        if cache.room() < 1:
+            return self._finish("length")
+        tokens, generated = self.tokens, self.generated
+        remaining = self.max_new_tokens - len(generated)
+        budget = min(self.tree_budget, cache.room() - 1, max(remaining - 1, 0))
+        t0 = time.perf_counter()
+        tree = proposer.propose(tokens, budget) if proposer is not None and budget > 0 else TokenTree()
+        if cache.n_pending:
+            raise RuntimeError(f"proposer {proposer.name!r} left {cache.n_pending} nodes pending in the target's "
+                               "cache; a proposer must roll back what it appends")
+        tree = tree.truncated(max(budget, 0))
+        hidden = [] if proposer is not None and proposer.wants_hidden() else None
+        t1 = time.perf_counter()
+        chain = all(p == i - 1 for i, p in enumerate(tree.parents))
+        flat = torch.tensor([tokens[-1]] + tree.tokens, device=target.device)
+        kwargs = {"hidden_states": hidden} if hidden is not None else {}
+        logits = target.forward(flat[None], cache, parents=None if chain else tree.flattened_parents(), **kwargs)[0]
+        verdict = verify(tree, logits, self.params, self._history, self.generator)
+        cache.commit([0] + [a + 1 for a in verdict.accepted])
+        self._verify_s += time.perf_counter() - t1
+        self._draft_s += t1 - t0
+        self._forwards += 1
+        self._hist[len(verdict.accepted)] += 1
+        finish = None
+        kept: list[int] = []
+        for t in verdict.tokens:
+            if t in self.model.eos_token_ids:
+                finish = "stop"
+                break
+            kept.append(t)
+            if len(generated) + len(kept) >= self.max_new_tokens:
+                finish = "length"
+                break
+        generated.extend(kept)
+        tokens.extend(verdict.tokens)
+        if self._history is not None:
+            self._history = torch.tensor(tokens, device=target.device)
+        if proposer is not None and finish is None:
+            t2 = time.perf_counter()
+            proposer.observe(tokens, tree, verdict, logits, hidden)
+            self._draft_s += time.perf_counter() - t2
+        detok = self._detok
+        before = len(detok.text)
+        detok.add(kept)
+        if finish is not None:
+            detok.flush()
+        text = detok.text
+        cut = self._stops.find(text, before)
+        if cut is not None:
+            text = text[:cut]
+            self.generated = generated = detok.tokens_covering(cut)
+            finish = "stop"
+        safe = len(text) if finish else self._stops.safe_length(text)
+        piece = ""
+        if safe > self._shown:
+            piece = text[self._shown : safe]
+            self._shown = safe
+        if finish is not None:
+            self._finish(finish, text)
+            return StepOutput(piece, kept, True, finish)
+        return StepOutput(piece, kept, False)
+
+    # --------------------------------------------------------------- finish
+    def _finish(self, reason: str, text: str | None = None) -> StepOutput:
+        if self.result is not None:
+            return StepOutput("", [], True, self.result.finish_reason)
+        if not self._started:
+            self.result = GenerationResult("", [], len(self.prompt_ids), reason, {"method": self.method})
+            return StepOutput("", [], True, reason)
+        try:
+            if self.proposer is not None:
+                self.proposer.end()
         finally:
-            if proposer is not None:
-                proposer.end()
-        wall = time.perf_counter() - t_start
-        n = len(generated)
+            self._release()
+        if text is None:
+            text = self._detok.text
+        wall = time.perf_counter() - self._t_start
+        n = len(self.generated)
+        forwards = self._forwards
         stats: dict[str, Any] = {
             "method": self.method,
             "new_tokens": n,
-            "prompt_tokens": len(ids),
+            "prompt_tokens": len(self.prompt_ids),
             "target_forwards": forwards,
             "mean_accepted": round(n / forwards, 4) if forwards else 0.0,
-            "accept_hist": {str(k): hist[k] for k in sorted(hist)},
+            "accept_hist": {str(k): self._hist[k] for k in sorted(self._hist)},
             "wall_s": round(wall, 4),
-            "prefill_s": round(prefill_s, 4),
-            "draft_s": round(draft_s, 4),
-            "verify_s": round(verify_s, 4),
+            "prefill_s": round(self._prefill_s, 4),
+            "draft_s": round(self._draft_s, 4),
+            "verify_s": round(self._verify_s, 4),
             "tokens_per_s": round(n / wall, 3) if wall > 0 else 0.0,
         }
-        if proposer is not None:
-            stats.update(proposer.stats())
-        self.result = GenerationResult(text, generated, len(ids), finish or "length", stats)
+        if self.proposer is not None:
+            stats.update(self.proposer.stats())
+        self.result = GenerationResult(text, list(self.generated), len(self.prompt_ids), reason, stats)
+        return StepOutput("", [], True, reason)
 
-    # ------------------------------------------------------------ stop strings
-    def _find_stop(self, text: str, since: int) -> int | None:
-        cuts = []
-        for s in self.stop:
-            i = text.find(s, max(0, since - len(s)))
-            if i >= 0:
-                cuts.append(i)
-        return min(cuts) if cuts else None
+    def close(self) -> None:
+        """Give the cache back now (a generation abandoned before its end)."""
+        if self.result is None:
+            self._finish("cancelled")
 
-    def _tokens_covering(self, generated: list[int], n_chars: int) -> list[int]:
-        """The shortest prefix of ``generated`` whose text reaches ``n_chars`` characters."""
-        tok = self.model.tokenizer
-        for k in range(len(generated) + 1):
-            if len(tok.decode(generated[:k], skip_special_tokens=True)) >= n_chars:
-                return generated[:k]
-        return generated
+    def _release(self) -> None:
+        if self.cache is not None and not self._closed:
+            self._closed = True
+            self.ctx.release_all()
+            self.runner.release_cache(self.cache)
 
-    def _safe_length(self, text: str) -> int:
-        """How much of ``text`` can be shown: not a half-decoded character, not a possible stop prefix."""
-        n = len(text)
-        while n and text[n - 1] == "\ufffd":
-            n -= 1
-        for s in self.stop:
-            for k in range(min(len(s) - 1, n), 0, -1):
-                if text[n - k : n] == s[:k]:
-                    n -= k
-                    break
-        return n
-
-
-def generate(model, prompt, **kwargs) -> GenerationResult:
-    """Generate a continuation; see ``Generation`` for the parameters."""
-    return Generation(model, prompt, **kwargs).run()
-
-
-def stream(model, prompt, **kwargs) -> Generation:
-    """Like ``generate`` but iterate for text pieces; ``.result`` is set at the end."""
-    return Generation(model, prompt, **kwargs)
+    def __del__(self) -> None:  # an abandoned generation still returns its cache slot
+        try:
+            if self._started and not self._closed:
+                self._release()
+        except Exception:
+            pass

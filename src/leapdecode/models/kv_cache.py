@@ -14,9 +14,12 @@ Only the kept nodes' keys/values move (to slots ``length .. length+len(path)``);
 a chain that is already in place (the usual case for a linear draft) copies
 nothing.  ``rollback`` is just dropping pending nodes: no copy at all.
 
-The tensors have a batch dimension (``[layers, batch, kv_heads, max_len,
-head_dim]``) so batched decoding can share the layout; tree bookkeeping is per
-cache, i.e. all rows of a batch share one tree shape for now.
+The tensors have a batch (slot) dimension (``[layers, batch, kv_heads, max_len,
+head_dim]``).  Tree bookkeeping is per cache: all rows of one cache share one tree
+shape.  ``split_slots()`` turns a cache of ``batch`` rows into ``batch`` one-row
+caches over the same storage, each with its own length and tree: independent
+sequences in one allocation (the runner hands one slot to each generation in
+flight; a batched scheduler can run several slots in one forward).
 """
 
 from __future__ import annotations
@@ -48,6 +51,19 @@ class KVCache:
         self._depths: list[int] = []
         # ancestor-or-self relation among pending nodes, on the cache's device
         self._anc = torch.zeros(max_pending, max_pending, dtype=torch.bool, device=device)
+
+    def split_slots(self) -> list["KVCache"]:
+        """One-row caches over this cache's storage, one per batch row (views, no copy)."""
+        out = []
+        for i in range(self.batch_size):
+            c = KVCache.__new__(KVCache)
+            c.k, c.v = self.k[:, i : i + 1], self.v[:, i : i + 1]
+            c.max_len, c.batch_size, c.device = self.max_len, 1, self.device
+            c.length, c.max_pending = 0, self.max_pending
+            c._parents, c._depths = [], []
+            c._anc = torch.zeros_like(self._anc)
+            out.append(c)
+        return out
 
     # ----------------------------------------------------------------- queries
     @property

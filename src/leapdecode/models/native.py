@@ -201,10 +201,6 @@ class NativeCausalLM(nn.Module):
     """Llama/Qwen2 decoder with a tree-aware static KV cache."""
 
     backend = "native"
-    # When a list, every forward also appends its per-layer hidden states to it (as
-    # ``hidden_states=`` does); lets a proposer read the states of a forward it does not
-    # call itself, e.g. the verification forward (layer-skip self-speculation).
-    capture_hidden: list | None = None
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
@@ -284,7 +280,7 @@ class NativeCausalLM(nn.Module):
         leave their cache slots unwritten, so such a forward must be rolled back
         before a full forward reuses the slots.
 
-        ``hidden_states`` (a list; ``capture_hidden`` when not given) receives the
+        ``hidden_states`` (a list) receives the
         residual stream ``[B, T, hidden]`` after the embedding and after each layer
         that runs (references to tensors the forward makes anyway: no copies).
 
@@ -303,7 +299,7 @@ class NativeCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(self.dtype)
         sin = self.rope_sin[positions].to(self.dtype)
         x = self.embed(tokens)
-        hidden = hidden_states if hidden_states is not None else self.capture_hidden
+        hidden = hidden_states
         if hidden is not None:
             hidden.append(x)
         for i in layers if layers is not None else range(self.cfg.n_layers):

@@ -13,7 +13,7 @@ Arms (each one proposes a whole tree for one step):
 
 As in SAM Decoding, a match of at least ``sam_only_match`` tokens (default 12) uses the
 automaton's draft alone.  The draft model reads only the first tokens and the last
-``AUTO_DRAFT_WINDOW`` tokens of a long prompt (``draft_model.py``'s ``context_window``): the
+``AUTO_DRAFT_WINDOW`` tokens (``common.py``) of a long prompt (``draft_model.py``'s ``context_window``): the
 automaton copies from the whole text, and on a CPU the draft's prefill of a 1,400-token
 retrieval prompt cost more than a short answer saved.
 
@@ -23,8 +23,8 @@ emitted divided by its wall time (draft + verify, measured from one ``propose`` 
 next), the context is how long the suffix automaton's current match is (a long match
 predicts that copying pays off, whatever the draft model says), and the policy is UCB1
 on exponentially discounted means, so that it follows a text that changes character
-(prose to code to a repeated list).  The statistics live on the target model object, so
-later generations start from what earlier ones learned.
+(prose to code to a repeated list).  The statistics live in the runner's memory, so later
+generations on the same target start from what earlier ones learned.
 
 Every arm proposes an ordinary token tree, so auto is exactly as lossless as the
 verifier: greedy output is vanilla's, and sampling keeps the target distribution (draft
@@ -39,11 +39,8 @@ import time
 from typing import Any
 
 from ..core.tree import TokenTree
-from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, Proposer
 from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
-
-AUTO_DRAFT_WINDOW = 256  # prompt tokens the draft model reads (besides the attention sink)
 
 
 def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
@@ -106,34 +103,23 @@ class AutoProposer(Proposer):
 
     def __init__(self, draft_proposer: Proposer | None = None, tree_budget: int | None = None,
                  sam_len: int = 16, sam_only_match: int = MATCH_BUCKETS[3], explore: float = 0.15,
-                 discount: float = 0.99,
-                 stats_owner: Any = None) -> None:
-        if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
-            raise InvalidParameterError(f"tree_budget must be an integer >= 1, got {tree_budget}")
-        if not 0 < discount <= 1:
-            raise InvalidParameterError(f"discount must be in (0, 1], got {discount}")
-        if explore < 0:
-            raise InvalidParameterError(f"explore must be >= 0, got {explore}")
-        if not isinstance(sam_only_match, int) or sam_only_match < 1:
-            raise InvalidParameterError(f"sam_only_match must be an integer >= 1, got {sam_only_match}")
+                 discount: float = 0.99) -> None:
         self.sam_only_match = sam_only_match
         self.sam = SuffixAutomatonProposer(draft_len=sam_len)
         self.draft = draft_proposer
-        arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) + ["none"]
-        key = "_auto_bandit_" + "_".join(arms)
-        bandit = getattr(stats_owner, key, None) if stats_owner is not None else None
-        if bandit is None:
-            bandit = BanditStats(arms, discount=discount, explore=explore)
-            if stats_owner is not None:
-                setattr(stats_owner, key, bandit)
-        self.bandit = bandit
+        self.arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) + ["none"]
+        self.discount, self.explore = discount, explore
+        self.bandit: BanditStats | None = None  # the runner's, shared by this target's generations
         self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) or 24
-        self._run_bandit = bandit
+        self._run_bandit: BanditStats | None = None
         self._deterministic = False
         self._pending: tuple[int, str, int] | None = None
         self._t_step = 0.0
         self._draft_live = False
         self._uses: dict[str, int] = {}
+
+    def needs_verify_cost(self, params) -> bool:
+        return self.sam.needs_verify_cost(params) or (self.draft is not None and self.draft.needs_verify_cost(params))
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
@@ -142,8 +128,10 @@ class AutoProposer(Proposer):
         # step uses.  Such runs learn from scratch with a deterministic cost model instead:
         # a step costs one target forward plus (draft size / target size) per draft forward.
         self._deterministic = not ctx.params.greedy and ctx.params.seed is not None
+        self.bandit = ctx.remember(("auto", "bandit", tuple(self.arms), self.discount, self.explore),
+                                   lambda: BanditStats(self.arms, discount=self.discount, explore=self.explore))
         if self._deterministic:
-            self._run_bandit = BanditStats(self.bandit.arms, self.bandit.discount, self.bandit.explore)
+            self._run_bandit = BanditStats(self.arms, self.discount, self.explore)
             self._cost_ratio = _size_ratio(self.draft, ctx.target) if self.draft is not None else 0.0
         else:
             self._run_bandit = self.bandit
@@ -183,7 +171,7 @@ class AutoProposer(Proposer):
         self._close_step()
         self._t_step = time.perf_counter()
         self._forwards_before = self._draft_forwards()
-        self.sam._sync(tokens)
+        self.sam.sync(tokens)
         found = self.sam.matches()
         match_len = found[0][0] if found else 0
         ctx = match_bucket(match_len)
@@ -205,7 +193,7 @@ class AutoProposer(Proposer):
             graft(tree, chain, budget, "sam")
         return tree
 
-    def observe(self, tokens, tree, verdict, logits) -> None:
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._pending = (self._ctx, self._arm, len(verdict.accepted) + 1)
         if self._arm == "sam":
             self.sam.observe(tokens, tree, verdict, logits)
@@ -231,18 +219,3 @@ def _size_ratio(draft_proposer, target) -> float:
 
     return size(draft_proposer.draft) / size(target)
 
-
-def make_auto_proposer(target, draft, tree_budget: int | None, options: dict[str, Any]) -> AutoProposer:
-    """The draft arm exists when a draft is given or registered for the target and has the
-    same tokenizer; a missing or unusable draft leaves auto model-free (never an error)."""
-    from .draft_model import DraftModelProposer
-    from . import _load_draft
-
-    draft_proposer = None
-    if draft is not None or getattr(target, "draft_name", None):
-        dm = _load_draft(target, draft)
-        if dm.tokenizer.get_vocab() == target.tokenizer.get_vocab():
-            # the automaton's grafted continuation copies from anywhere in the text, so the draft
-            # model needs less of a long prompt than on its own: a shorter window, a cheaper prefill
-            draft_proposer = DraftModelProposer(dm, tree_budget=tree_budget, context_window=AUTO_DRAFT_WINDOW)
-    return AutoProposer(draft_proposer, tree_budget=tree_budget, stats_owner=target, **options)

@@ -78,14 +78,6 @@ def vocab_sha256(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def model_vocab_sha256(model) -> str:
-    """``vocab_sha256`` of a ``LoadedModel``'s tokenizer, computed once per model object."""
-    cached = model.__dict__.get("_vocab_sha256")
-    if cached is None:
-        cached = model.__dict__["_vocab_sha256"] = vocab_sha256(model.tokenizer)
-    return cached
-
-
 # --------------------------------------------------------------------------- suffix array
 def suffix_array(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """Start positions of the suffixes of ``tokens`` in lexicographic order (prefix doubling).
@@ -267,11 +259,11 @@ class Datastore:
         return sorted(counts.items(), key=lambda kv: -kv[1])
 
     # ------------------------------------------------------------------ tokenizer check
-    def check_tokenizer(self, model) -> None:
+    def check_tokenizer(self, model, have: str | None = None) -> None:
         """Raise ``InvalidParameterError`` unless ``model`` (a ``LoadedModel``) has the tokenizer this
-        datastore was built with."""
+        datastore was built with (``have``: its ``vocab_sha256``, when the caller keeps it)."""
         want = self.vocab_sha256
-        have = model_vocab_sha256(model)
+        have = have or vocab_sha256(model.tokenizer)
         if want != have:
             where = f"datastore {self.path}" if self.path else "the datastore"
             raise InvalidParameterError(

@@ -69,53 +69,12 @@ import time
 
 import torch
 
-from ..core.cost_model import AcceptanceCalibration, best_tree_size, verify_cost_for
+from ..core.cost_model import AcceptanceCalibration, best_tree_size
 from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer, feed_committed
-
-DRAFT_VOCAB = 32768  # FR-Spec's subset size for Llama-3's 128k vocabulary
-ATTENTION_SINK = 4  # StreamingLLM keeps the first four tokens
-CONTEXT_WINDOW = 512
-
-
-class SubsetHead(torch.nn.Module):
-    """The draft's output projection restricted to ``ids`` (FR-Spec): the frequency-ranked
-    base rows (packed once per draft model) plus this generation's extra rows."""
-
-    def __init__(self, base: torch.nn.Module, base_ids: torch.Tensor, extra_ids: torch.Tensor,
-                 weight: torch.Tensor) -> None:
-        super().__init__()
-        self.base = base
-        self.extra = weight[extra_ids] if len(extra_ids) else None
-        self.ids = torch.cat([base_ids, extra_ids])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self.extra is None:
-            return y
-        return torch.cat([y, torch.nn.functional.linear(x, self.extra)], dim=-1)
-
-
-def _subset_head(draft, size: int, extra: list[int], vocab: int | None = None) -> SubsetHead | None:
-    """A ``SubsetHead`` over the ``size`` lowest ids plus ``extra`` (ids below ``vocab``, the
-    vocabulary shared with the target); None where the draft has no plain head weight to
-    slice (non-native backend) or the vocabulary is small anyway."""
-    from ..models.native import make_linear
-
-    model = draft.model
-    weight = getattr(model, "head_weight", None)
-    vocab = min(vocab or model.vocab_size, model.vocab_size)
-    if weight is None or size <= 0 or vocab <= 2 * size:
-        return None
-    heads = draft.__dict__.setdefault("_subset_heads", {})
-    if size not in heads:
-        heads[size] = make_linear(weight[:size])
-    base_ids = torch.arange(size, device=weight.device)
-    extra_ids = torch.tensor(sorted({t for t in extra if size <= t < vocab}), dtype=torch.long,
-                             device=weight.device)
-    return SubsetHead(heads[size], base_ids, extra_ids, weight)
+from ..core.proposer import DecodeContext, Proposer, feed_committed
+from .common import ATTENTION_SINK, CONTEXT_WINDOW, DRAFT_VOCAB, subset_head
 
 
 class DraftModelProposer(Proposer):
@@ -161,32 +120,27 @@ class DraftModelProposer(Proposer):
         self._time = 0.0
         self._draft_forwards = 0
 
+    def needs_verify_cost(self, params: SamplingParams) -> bool:
+        return self.adaptive and params.greedy
+
     # ---------------------------------------------------------------- setup
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
-        needed = min(self.draft.max_seq_len, ctx.prompt_len + ctx.max_new_tokens + 256)
-        # not ``_cache``: that is the generation's cache when the draft is also used as a target
-        # (``draft=`` the target's own LoadedModel); sharing it would corrupt both
-        cache = getattr(self.draft, "_draft_cache", None)
-        if cache is None or cache.max_len < needed:
-            self.draft._draft_cache = None
-            cache = self.draft.model.new_cache(max_len=needed)
-            self.draft._draft_cache = cache
-        cache.reset()
-        self.cache = cache
+        # a cache of the runner's for this generation (a draft that is the target itself gets its own)
+        self.cache = cache = ctx.acquire_cache(self.draft, ctx.prompt_len + ctx.max_new_tokens + 256)
         self.n_cached = 0  # how many of the decided tokens the draft cache has seen (or skipped)
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)
         if self.staged is not None and ctx.params.greedy:  # staging drafts greedy trees only
             self.staged.begin(ctx, tokens)
-        self.head = _subset_head(self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
-        # how this draft's probabilities translate into this target's acceptances (kept on the
-        # draft object across generations, per target), and what a draft forward costs
-        per_target = self.draft.__dict__.setdefault("_acceptance_calibration", {})
-        self.calibration = per_target.setdefault(ctx.target.name, AcceptanceCalibration())
+        self.head = subset_head(ctx, self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
+        # how this draft's probabilities translate into this target's acceptances, and what a draft
+        # forward costs: learned across generations, kept in the runner's memory (per draft model)
+        self.calibration, self.ema = ctx.remember(("draft", "calibration", id(self.draft.model)),
+                                                  lambda: (AcceptanceCalibration(), {}, self.draft.model))[:2]
         self._pending_of: dict[int, int] = {}
         self._cost_model = self.adaptive and ctx.params.greedy
-        self._verify_cost = None  # measured at the first propose (the target's cache is idle then)
+        self._verify_cost = ctx.verify_cost
         # prefill all but the root now (or the sink and the window of a long prompt), so the first
         # propose only feeds the root; n_cached counts tokens of ``tokens`` seen, skipped or not
         prompt = tokens[:-1]
@@ -247,9 +201,6 @@ class DraftModelProposer(Proposer):
         if self.cache.room() < len(new):  # the draft's context is full: no draft, the target goes on alone
             self._tree_to_cand, self._last_depth = {}, 0
             return TokenTree()
-        if self._cost_model and self._verify_cost is None:
-            self._verify_cost = verify_cost_for(self.ctx.target, self.ctx.cache)
-            t0 = time.perf_counter()  # the one-off measurement is not this step's drafting time
         logits = self._feed(new)
         greedy = self.params.greedy
         k = min(self.top_k, budget)
@@ -345,7 +296,7 @@ class DraftModelProposer(Proposer):
         forward, stands in for as many sequential draft forwards as the draft agrees with it
         (each guessed token must be among the draft's top-k children of the one before).
         Returns the unexpanded candidates and the number of levels drafted."""
-        self.staged._sync(tokens)
+        self.staged.sync(tokens)
         found = self.staged.matches()
         guess = found[0][2][: self.max_depth - 1] if found else []
         node = next((c for c in frontier if cand_tok[c] == guess[0]), None) if guess else None
@@ -374,7 +325,7 @@ class DraftModelProposer(Proposer):
     def _note_forward_cost(self, seconds: float, child_probs: list[float]) -> None:
         """Running estimates of a draft forward's time and of the best child's acceptance
         probability (what expanding one more frontier node is expected to add)."""
-        ema = self.draft.__dict__
+        ema = self.ema
         prev = ema.get("_draft_forward_s")
         ema["_draft_forward_s"] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
         if child_probs and self._cost_model:
@@ -386,10 +337,10 @@ class DraftModelProposer(Proposer):
         """Greedy: does one more draft level raise the expected tokens per second of this step?
         Each expanded node is assumed to add its best child, accepted with the running mean
         probability of a best child."""
-        fwd = self.draft.__dict__.get("_draft_forward_s")
+        fwd = self.ema.get("_draft_forward_s")
         if fwd is None:
             return True  # not measured yet: draft, and learn
-        rho = self.draft.__dict__.get("_draft_top_accept", 0.5)
+        rho = self.ema.get("_draft_top_accept", 0.5)
         probs = sorted((math.exp(v) for v in cand_score), reverse=True)[:budget]
         _, now = best_tree_size(probs, spent, self._verify_cost)
         more = probs + [math.exp(cand_score[c]) * rho for c in expand]
@@ -398,7 +349,7 @@ class DraftModelProposer(Proposer):
         return then > now
 
     # -------------------------------------------------------------- observe
-    def observe(self, tokens, tree, verdict, logits) -> None:
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         # keep the accepted draft nodes that the draft already forwarded
         path = []
         for node in verdict.accepted:

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ..core.tree import TokenTree
-from .base import DecodeContext, Proposer
-from .pld import check_int
+from ..core.proposer import DecodeContext, Proposer
+from .common import check_int
 
 
 class JacobiProposer(Proposer):
@@ -79,7 +79,7 @@ class JacobiProposer(Proposer):
         self._last = tree
         return tree
 
-    def observe(self, tokens: list[int], tree: TokenTree, verdict, logits: torch.Tensor) -> None:
+    def observe(self, tokens: list[int], tree: TokenTree, verdict, logits: torch.Tensor, hidden=None) -> None:
         last, self._last = self._last, None
         predicted: dict[int, int] = {}
         n = len(tree)

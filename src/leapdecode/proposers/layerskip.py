@@ -28,7 +28,7 @@ Cadence.  CLaSp re-optimises after every verification.  On a CPU that would add 
 ``M + 1``-token forward to every step, so here the DP runs every ``update_every`` verifications
 (default 4) and once before the first step (on the last prompt token, with the full model's own path
 riding along as one extra row to provide the targets).  In the other cases the hidden states come
-free from the verification forward: ``NativeCausalLM.capture_hidden`` is switched on for that one
+free from the verification forward: the proposer asks the loop for them (``wants_hidden``) for that one
 forward (it keeps references to tensors the forward makes anyway); the row of the last accepted token
 is used.
 
@@ -76,9 +76,9 @@ import torch.nn.functional as F
 from ..core.sampling import apply_repetition_penalty, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer
-from .draft_model import DRAFT_VOCAB, _subset_head
-from .pld import check_int
+from ..core.proposer import DecodeContext, Proposer
+from .common import DRAFT_VOCAB, subset_head
+from .common import check_int
 
 DEFAULT_SKIP_FRACTION = 0.3
 
@@ -201,12 +201,12 @@ class LayerSkipProposer(Proposer):
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         self.model = ctx.target.model
-        self.model.capture_hidden = None
+        self._want_hidden = False
         self.cache = ctx.cache
         self.layers = None
         self._since = 0
         self.vocab = int(self.model.vocab_size)
-        self.head = _subset_head(ctx.target, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
+        self.head = subset_head(ctx, ctx.target, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
         if self.n_skip == 0:
             self.layers = list(range(self.n_layers))
         elif self.cache.length >= 1:
@@ -262,9 +262,12 @@ class LayerSkipProposer(Proposer):
             tree = self._draft(tokens, n)
         self._drafted += len(tree)
         if self.n_skip and (self.layers is None or self._since + 1 >= self.update_every):
-            # the verification forward that follows records its hidden states for the DP
-            self.model.capture_hidden = []
+            # the verification forward that follows hands its hidden states to observe, for the DP
+            self._want_hidden = True
         return tree
+
+    def wants_hidden(self) -> bool:
+        return self._want_hidden
 
     def _draft(self, tokens: list[int], n: int) -> TokenTree:
         model, cache, params = self.model, self.cache, self.ctx.params
@@ -302,9 +305,9 @@ class LayerSkipProposer(Proposer):
         return TokenTree.chain(out, source="layerskip", q=None if params.greedy else qs)
 
     # -------------------------------------------------------------- observe
-    def observe(self, tokens, tree, verdict, logits) -> None:
-        captured = self.model.capture_hidden
-        self.model.capture_hidden = None
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
+        captured = hidden if self._want_hidden else None
+        self._want_hidden = False
         self._since += 1
         self._steps += 1
         self._accepted += len(verdict.accepted)
@@ -314,11 +317,6 @@ class LayerSkipProposer(Proposer):
             row = verdict.accepted[-1] + 1 if verdict.accepted else 0
             states = torch.stack([h[0, row] for h in captured])
             self._optimise(tokens[-2], states[1:], x0=states[0])
-
-    def end(self) -> None:
-        model = getattr(self, "model", None)
-        if model is not None:
-            model.capture_hidden = None
 
     def stats(self) -> dict[str, Any]:
         skipped = sorted(set(range(self.n_layers)) - set(self.layers or range(self.n_layers)))
@@ -332,16 +330,3 @@ class LayerSkipProposer(Proposer):
             "layerskip_accept_rate": round(self._accepted / self._verified, 4) if self._verified else 0.0,
         }
 
-
-def make_layerskip_proposer(target, tree_budget: int | None, options: dict[str, Any]) -> LayerSkipProposer:
-    """``make_proposer("layerskip", ...)``: options are the ``LayerSkipProposer`` parameters."""
-    import inspect
-
-    accepted = [n for n in inspect.signature(LayerSkipProposer.__init__).parameters
-                if n not in ("self", "target", "tree_budget")]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise InvalidParameterError(
-            f"method 'layerskip' does not take option(s) {', '.join(unknown)}; it takes: {', '.join(accepted)}"
-        )
-    return LayerSkipProposer(target, tree_budget=tree_budget, **options)

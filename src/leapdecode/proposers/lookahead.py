@@ -83,8 +83,8 @@ from typing import Any, Sequence
 import torch
 
 from ..core.tree import TokenTree
-from .base import DecodeContext, Proposer
-from .pld import check_int, merge_candidates
+from ..core.proposer import DecodeContext, Proposer
+from .common import check_int, merge_candidates
 
 
 class NGramPool:
@@ -231,7 +231,7 @@ class LookaheadProposer(Proposer):
         self._last = tree
         return tree
 
-    def observe(self, tokens: list[int], tree: TokenTree, verdict, logits: torch.Tensor) -> None:
+    def observe(self, tokens: list[int], tree: TokenTree, verdict, logits: torch.Tensor, hidden=None) -> None:
         outputs: dict[int, int] = {}
         last, self._last = self._last, None
         if last is not None and len(tree) <= len(last) and tree.tokens == last.tokens[: len(tree)]:

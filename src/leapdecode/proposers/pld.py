@@ -46,75 +46,8 @@ from typing import Any, Iterable, Sequence
 
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer
-
-
-def check_int(name: str, value: Any, low: int = 1) -> int:
-    """An integer option ``>= low`` (bools are not integers here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidParameterError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def copy_continuation(text: Sequence[int], start: int, length: int) -> list[int]:
-    """``length`` tokens copied from ``text[start:]``; past the end the copy continues from its own
-    output (LZ77-style overlapping copy), so it predicts that the text repeats with period
-    ``len(text) - start``.  ``start`` must be ``< len(text)``."""
-    out = list(text[start : start + length])
-    if len(out) < length:
-        end = len(text)
-        for j in range(len(out), length):
-            out.append(out[start + j - end])
-    return out
-
-
-def merge_candidates(cands: Iterable[tuple[Sequence[int], int, int]], budget: int, source: str) -> TokenTree:
-    """Merge candidate continuations into a trie and keep its ``budget`` best nodes.
-
-    Each candidate is ``(tokens, rank, recency)``.  A node scores
-    ``(max rank, number of candidates through it, max recency)`` over the
-    candidates passing through it; a child never scores above its parent (it
-    is supported by a subset of the parent's candidates), and ties go to the
-    shallower node, so the best ``budget`` nodes form a tree and the returned
-    node order (best first) keeps parents before children: any prefix of the
-    tree is again the best tree of that size.
-    """
-    tree = TokenTree()
-    if budget < 1:
-        return tree
-    child: dict[tuple[int, int], int] = {}
-    tok: list[int] = []
-    par: list[int] = []
-    depth: list[int] = []
-    best_rank: list[int] = []
-    count: list[int] = []
-    recency: list[int] = []
-    for toks, rank, rec in cands:
-        parent = -1
-        for d, t in enumerate(toks):
-            node = child.get((parent, t))
-            if node is None:
-                node = len(tok)
-                child[(parent, t)] = node
-                tok.append(t)
-                par.append(parent)
-                depth.append(d)
-                best_rank.append(rank)
-                count.append(0)
-                recency.append(rec)
-            else:
-                if rank > best_rank[node]:
-                    best_rank[node] = rank
-                if rec > recency[node]:
-                    recency[node] = rec
-            count[node] += 1
-            parent = node
-    order = sorted(range(len(tok)), key=lambda v: (-best_rank[v], -count[v], -recency[v], depth[v], v))[:budget]
-    index: dict[int, int] = {}
-    for v in order:
-        p = par[v]
-        index[v] = tree.add(tok[v], index[p] if p >= 0 else -1, sampled=False, source=source)
-    return tree
+from ..core.proposer import DecodeContext, Proposer
+from .common import check_int, copy_continuation, merge_candidates
 
 
 class NGramIndex:
@@ -186,7 +119,7 @@ class PromptLookupProposer(Proposer):
         self.index = NGramIndex(self.max_ngram)
         self.index.extend(tokens)
 
-    def _sync(self, tokens: list[int]) -> None:
+    def sync(self, tokens: list[int]) -> None:
         """Index the tokens decided since the last call (the text only grows within a generation)."""
         idx = self.index
         n = len(idx)
@@ -216,7 +149,7 @@ class PromptLookupProposer(Proposer):
         return out
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
-        self._sync(tokens)
+        self.sync(tokens)
         self._steps += 1
         cands = self.candidates(budget)
         if not cands:

@@ -47,8 +47,8 @@ import torch
 
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer
-from .pld import check_int
+from ..core.proposer import DecodeContext, Proposer
+from .common import check_int
 
 RANK_PRIOR = (0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.02, 0.01)
 DEPTH_CAPS = (8, 4, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1)
@@ -163,11 +163,8 @@ class TokenRecyclingProposer(Proposer):
         super().begin(ctx, tokens)
         vocab = int(getattr(ctx.target.model, "vocab_size", 0) or 0)
         if self.persist:
-            store = ctx.target.__dict__.setdefault("_token_recycling", {})
-            m = store.get(self.k)
-            if m is None:
-                m = store[self.k] = AdjacencyMatrix(self.k, vocab)
-            self.matrix = m
+            # one matrix per target and k, learned across its generations (the runner's memory)
+            self.matrix = ctx.remember(("recycling", "matrix", self.k), lambda: AdjacencyMatrix(self.k, vocab))
         elif self.matrix is None:
             self.matrix = AdjacencyMatrix(self.k, vocab)
 
@@ -201,7 +198,7 @@ class TokenRecyclingProposer(Proposer):
         self._nodes += len(tree)
         return tree
 
-    def observe(self, tokens, tree, verdict, logits) -> None:
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self.matrix is None:
             return
         n = len(tree) + 1

@@ -37,17 +37,16 @@ datastores are cached on the model object by path (and file mtime/size).
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.cost_model import AcceptanceCalibration, best_tree_size, verify_cost_for
+from ..core.cost_model import AcceptanceCalibration, best_tree_size
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer
-from .datastore import Datastore, default_path
-from .pld import check_int
+from ..core.proposer import DecodeContext, Proposer
+from .datastore import Datastore, default_path, vocab_sha256
+from .common import check_int
 
 # suffix-match lengths whose continuations are calibrated apart (how far they can be trusted)
 MATCH_BUCKETS = (0, 4, 8)
@@ -104,9 +103,11 @@ def frequency_tree(cands: Sequence[tuple[Sequence[int], int]], budget: int, sour
     return _tree_of(order, tok, par, source)
 
 
-def resolve_datastore(target, datastore: Any = None) -> Datastore:
-    """A ``Datastore`` for ``target`` from a path, a loaded object or the default location; loaded files
-    are cached on the model object, and the tokenizer is checked."""
+def resolve_datastore(runner, datastore: Any = None) -> Datastore:
+    """A ``Datastore`` for the runner's target from a path, a loaded object or the default location;
+    loaded files are kept in the runner's memory (keyed by path, mtime and size), and the tokenizer
+    is checked."""
+    target = runner.model
     if isinstance(datastore, Datastore):
         ds = datastore
     else:
@@ -129,15 +130,8 @@ def resolve_datastore(target, datastore: Any = None) -> Datastore:
             key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
         except OSError:
             key = None  # Datastore.load reports it
-        cache = target.__dict__.setdefault("_rest_datastores", {})
-        ds = cache.get(key) if key is not None else None
-        if ds is None:
-            ds = Datastore.load(path)
-            if key is not None:
-                for k in [k for k in cache if k[0] == key[0]]:
-                    del cache[k]  # an older version of the same file
-                cache[key] = ds
-    ds.check_tokenizer(target)
+        ds = runner.memory.get(("rest", "datastore", key), lambda: Datastore.load(path)) if key else Datastore.load(path)
+    ds.check_tokenizer(target, runner.memory.get(("vocab_sha256",), lambda: vocab_sha256(target.tokenizer)))
     return ds
 
 
@@ -172,16 +166,21 @@ class RestProposer(Proposer):
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
 
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
+
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
-        self._use_costs = self.cost_aware and ctx.params.greedy  # (sampling: no clock may steer)
+        # (sampling: no clock may steer)
+        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
         self._last = None
         if self._use_costs:
             # what this datastore's continuations are worth to this model, learned across generations
-            per_target = self.datastore.__dict__.setdefault("_rest_calibration", {})
-            self.calibration = per_target.setdefault(ctx.target.name,
-                                                     [AcceptanceCalibration() for _ in MATCH_BUCKETS])
-            self._verify_cost = verify_cost_for(ctx.target, ctx.cache)
+            # (the entry holds the datastore too, so its id is not reused while the entry lives)
+            self.calibration = ctx.remember(
+                ("rest", "calibration", id(self.datastore)),
+                lambda: ([AcceptanceCalibration() for _ in MATCH_BUCKETS], self.datastore))[0]
+            self._verify_cost = ctx.verify_cost
 
     def candidates(self, tokens: Sequence[int], budget: int) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
         """``(match length, [(continuation, count), ...])`` for the context ``tokens``."""
@@ -220,7 +219,7 @@ class RestProposer(Proposer):
         self._last = (calib, [cond[v] for v in order])
         return _tree_of(order, tok, par, self.name)
 
-    def observe(self, tokens, tree, verdict, logits) -> None:
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._last is None:
             return
         calib, cond = self._last  # tree node i is the i-th ranked trie node
@@ -239,22 +238,3 @@ class RestProposer(Proposer):
             "draft_nodes": self._nodes,
         }
 
-
-def make_rest_proposer(target, tree_budget: int | None, options: dict[str, Any]) -> RestProposer:
-    """``make_proposer("rest", ...)``: options are ``datastore`` (path or ``Datastore``; default: the
-    model's stdlib datastore in the cache) and the ``RestProposer`` parameters."""
-    accepted = [n for n in inspect.signature(RestProposer.__init__).parameters if n not in ("self", "tree_budget")]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise InvalidParameterError(
-            f"method 'rest' does not take option(s) {', '.join(unknown)}; it takes: {', '.join(accepted)}"
-        )
-    options = dict(options)
-    if tree_budget is not None:
-        check_int("tree_budget", tree_budget)
-    # validate the cheap parameters before loading a datastore
-    for name in ("max_suffix", "min_suffix", "draft_len", "max_candidates"):
-        if name in options:
-            check_int(name, options[name])
-    ds = resolve_datastore(target, options.pop("datastore", None))
-    return RestProposer(ds, tree_budget=tree_budget, **options)

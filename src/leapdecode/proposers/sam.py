@@ -50,11 +50,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..core.cost_model import ChainAcceptance, best_tree_size, verify_cost_for
+from ..core.cost_model import ChainAcceptance, best_tree_size
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from .base import DecodeContext, Proposer
-from .pld import check_int, copy_continuation, merge_candidates
+from ..core.proposer import DecodeContext, Proposer
+from .common import check_int, copy_continuation, merge_candidates
 
 # suffix-match length buckets: how far a match's draft can be trusted (also auto's bandit context)
 MATCH_BUCKETS = (0, 1, 4, 12)
@@ -203,14 +203,18 @@ class SuffixAutomatonProposer(Proposer):
         self.st_state = self.st_len = 0
         self.st_pos = -1
 
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
+
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         self._reset()
         self._feed(tokens)
-        self._use_costs = self.cost_aware and ctx.params.greedy  # (sampling: no clock may steer)
+        # (sampling: no clock may steer)
+        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
+        self._verify_cost = ctx.verify_cost
         if self._use_costs:  # what this model accepts is learned across its generations
-            shared = ctx.target.__dict__.setdefault("_sam_chain_acceptance", {})
-            self.acceptance = shared.setdefault(self.draft_len, self.acceptance)
+            self.acceptance = ctx.remember(("sam", "chain_acceptance", self.draft_len), lambda: self.acceptance)
 
     def _feed(self, new: Sequence[int]) -> None:
         dyn, st = self.dyn, self.static
@@ -231,7 +235,7 @@ class SuffixAutomatonProposer(Proposer):
             if st is not None:
                 self.st_state, self.st_len, self.st_pos = st.step(self.st_state, self.st_len, self.st_pos, c)
 
-    def _sync(self, tokens: list[int]) -> None:
+    def sync(self, tokens: list[int]) -> None:
         n = len(self.dyn)
         if n > len(tokens) or (n and tokens[n - 1] != self.dyn.text[n - 1]):
             self._reset()  # a different text: start over
@@ -258,7 +262,7 @@ class SuffixAutomatonProposer(Proposer):
         return out
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
-        self._sync(tokens)
+        self.sync(tokens)
         self._steps += 1
         found = self.matches()
         if not found or budget < 1:
@@ -284,12 +288,10 @@ class SuffixAutomatonProposer(Proposer):
         ``length`` itself when costs are not used."""
         if not self._use_costs:
             return length
-        if self._verify_cost is None:
-            self._verify_cost = verify_cost_for(self.ctx.target, self.ctx.cache)
         probs = self.acceptance.cumulative(match_bucket(match_len), length)
         return best_tree_size(probs, fixed_s, self._verify_cost)[0]
 
-    def observe(self, tokens, tree, verdict, logits) -> None:
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._chain is not None:  # learn how deep this match length's chains get accepted
             bucket, length = self._chain
             on_chain = 0

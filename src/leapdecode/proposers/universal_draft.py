@@ -51,10 +51,9 @@ from typing import Any
 import torch
 
 from ..core.tree import TokenTree
-from .base import DecodeContext, Proposer, feed_committed
+from ..core.proposer import DecodeContext, Proposer, feed_committed
 
 _SENTINELS = ("\x00leapdecode-system\x00", "\x00leapdecode-user\x00")
-_IGNORED_OPTIONS = {"top_k", "beam", "max_depth", "tau"}  # DraftModelProposer's (same-tokenizer) options
 
 
 class _Tok:
@@ -185,11 +184,7 @@ class UniversalDraftProposer(Proposer):
         adaptive: bool = True,
         window: int = 6,
         anchor_lag: int = 8,
-        **options: Any,
     ) -> None:
-        unknown = set(options) - _IGNORED_OPTIONS
-        if unknown:
-            raise TypeError(f"unknown option(s) for the universal draft proposer: {', '.join(sorted(unknown))}")
         if not 1 <= min_draft_len <= max_draft_len:
             raise ValueError("need 1 <= min_draft_len <= max_draft_len")
         if window < 1 or anchor_lag < 1:
@@ -237,13 +232,7 @@ class UniversalDraftProposer(Proposer):
         ratio = min(max(len(self.dtok.encode(sample)) / t_len, 1.0), 8.0) if sample else 2.0
         needed = len(head) + len(self.dtok.encode(self.tail)) + math.ceil(ratio * ctx.max_new_tokens) + 64
         needed = min(self.draft.max_seq_len, needed + self.max_len + 64)
-        cache = getattr(self.draft, "_cache", None)
-        if cache is None or cache.max_len < needed or cache.batch_size != 1:
-            self.draft._cache = None
-            cache = self.draft.model.new_cache(max_len=needed)
-            self.draft._cache = cache
-        cache.reset()
-        self.cache = cache
+        self.cache = cache = ctx.acquire_cache(self.draft, needed)
         self.D: list[int] = []  # draft tokens committed in the draft cache
         if len(head) + 1 > cache.max_len:
             self.disabled = True
@@ -373,7 +362,7 @@ class UniversalDraftProposer(Proposer):
         return TokenTree.chain(new, source="draft")
 
     # -------------------------------------------------------------- observe
-    def observe(self, tokens, tree, verdict, logits) -> None:
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         # keep what the draft forwarded: the next re-encoding truncates what the text disowns
         if self.cache.n_pending:
             self.cache.commit()

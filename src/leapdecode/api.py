@@ -1,0 +1,85 @@
+"""The Python API: ``load``, ``generate``, ``stream``.
+
+``generate(model, prompt, max_new_tokens=..., temperature=..., method="draft",
+options={"top_k": 8})``: sampling parameters are keyword arguments (``SamplingParams``), a
+method's own options go in ``options`` (validated against the method's typed config, see
+``leapdecode.proposers.registry``), or ``method`` is a config object (``DraftConfig(top_k=8)``).
+Everything is validated before any model work starts.
+
+``model`` is what ``load()`` returned (its runner is found with ``runner_for``), or a
+``ModelRunner`` (isolated state, e.g. a server's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core.config import MethodConfig
+from .core.generate import Generation, GenerationResult, check_max_new_tokens, check_stop, encode_prompt
+from .core.runner import ModelRunner, runner_for
+from .core.sampling import SamplingParams
+from .errors import InvalidParameterError
+from .models.loader import LoadedModel, load
+from .proposers.registry import DEFAULT_METHOD, build_proposer, method_config
+
+
+def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    typical_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None) -> SamplingParams:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise InvalidParameterError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
+    return SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
+
+
+def start_generation(
+    model: LoadedModel | ModelRunner,
+    prompt: Any = None,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    typical_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: str | list[str] | None = None,
+    method: str | MethodConfig = DEFAULT_METHOD,
+    options: dict[str, Any] | None = None,
+    chat: bool | None = None,
+    prompt_ids: list[int] | None = None,
+) -> Generation:
+    """A ``Generation`` (not started): validates every parameter, then builds the method's proposer
+    (loading a draft model or datastore through the runner where the method needs one)."""
+    if not isinstance(model, (LoadedModel, ModelRunner)):
+        raise InvalidParameterError(f"model must be what leapdecode.load() returned, got {type(model).__name__}")
+    params = sampling_params(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
+    check_max_new_tokens(max_new_tokens)
+    stops = check_stop(stop)
+    cfg = method_config(method, options)
+    runner = runner_for(model)
+    if prompt_ids is not None:
+        if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise InvalidParameterError("prompt_ids must be a list of token ids")
+        vocab = runner.model.model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParameterError(f"prompt_ids must be token ids in [0, {vocab})")
+        ids = list(prompt_ids)
+    else:
+        ids = encode_prompt(runner.model, prompt, chat)
+    proposer = build_proposer(cfg, runner)
+    return Generation(runner, ids, params, proposer, method=cfg.method, max_new_tokens=max_new_tokens,
+                      stop=stops, tree_budget=cfg.tree_budget)
+
+
+def generate(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> GenerationResult:
+    """Generate a continuation; see ``start_generation`` for the parameters."""
+    return start_generation(model, prompt, **kwargs).run()
+
+
+def stream(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> Generation:
+    """Like ``generate`` but iterate for text pieces; ``.result`` is set at the end."""
+    return start_generation(model, prompt, **kwargs)
+
+
+__all__ = ["load", "generate", "stream", "start_generation", "sampling_params", "Generation",
+           "GenerationResult", "ModelRunner", "runner_for"]

@@ -1,0 +1,133 @@
+"""What a proposer is: a leaf that proposes a token tree and learns from the verdict.
+
+Proposers never decide what is emitted; the verifier does.  Any proposer is therefore
+lossless through the verifier, and a buggy proposer can only make decoding slower.
+
+A proposer gets everything it may use through its ``DecodeContext``: the target, the
+target's KV cache for this generation (self-speculative methods use its pending area as
+scratch and roll it back: the loop checks that nothing is left pending after ``propose``),
+caches for its own models (``ctx.acquire_cache``), the measured verification cost, and the
+runner's bounded memory for what it learns across generations (``ctx.memory``).  It never
+loads a model, patches the target or times the target inside ``propose``.
+
+This is the interface the generation loop (``core/generate.py``) calls; the drafting
+methods themselves live in ``leapdecode.proposers``, one file each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+import torch
+
+from .sampling import SamplingParams
+from .tree import TokenTree
+
+if TYPE_CHECKING:
+    from ..models.kv_cache import KVCache
+    from ..models.loader import LoadedModel
+    from .cost_model import VerifyCost
+    from .runner import ModelRunner
+    from .verifier import Verdict
+
+T = TypeVar("T")
+
+
+@dataclass
+class DecodeContext:
+    """What a proposer may look at during one generation."""
+
+    runner: "ModelRunner"
+    cache: "KVCache"  # the target's cache for this generation (self-speculation shares it)
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_len: int
+    max_new_tokens: int
+    verify_cost: "VerifyCost | None" = None  # measured before ``begin`` when the proposer asks for it
+    _acquired: list = field(default_factory=list, repr=False)
+
+    @property
+    def target(self) -> "LoadedModel":
+        return self.runner.model
+
+    def remember(self, key: tuple, factory: Callable[[], T]) -> T:
+        """The runner's memory entry ``key`` (created by ``factory`` on first use): what a method
+        learns across generations on this target (bandit statistics, calibration, n-gram pools)."""
+        return self.runner.memory.get(key, factory)
+
+    def acquire_cache(self, model: "LoadedModel", max_len: int) -> "KVCache":
+        """A KV cache for one of the proposer's own models (a draft), empty, with room for at least
+        ``max_len`` tokens; the runner takes it back when the generation ends."""
+        cache = self.runner.acquire_cache(model, max_len)
+        self._acquired.append(cache)
+        return cache
+
+    def release_all(self) -> None:
+        for cache in self._acquired:
+            self.runner.release_cache(cache)
+        self._acquired.clear()
+
+
+class Proposer:
+    """Base class; subclasses implement ``propose`` and may override the hooks.
+
+    ``default_budget``: the tree size the method drafts when the user sets no ``tree_budget``.
+    """
+
+    name = "base"
+
+    def __init__(self, default_budget: int) -> None:
+        if not isinstance(default_budget, int) or default_budget < 1:
+            raise ValueError(f"{type(self).__name__}: default_budget must be an integer >= 1")
+        self.default_budget = default_budget
+
+    def needs_verify_cost(self, params: SamplingParams) -> bool:
+        """Should the runner measure the target's verification cost per tree size before ``begin``
+        (``ctx.verify_cost``)?  Cost-aware tree sizing reads it."""
+        return False
+
+    def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
+        """A generation starts; ``tokens`` is the prompt (its last token is the root)."""
+        self.ctx = ctx
+
+    def propose(self, tokens: list[int], budget: int) -> TokenTree:
+        """Draft continuations of ``tokens`` (whose last token is the root), at most ``budget`` nodes."""
+        raise NotImplementedError
+
+    def wants_hidden(self) -> bool:
+        """Asked after ``propose``: should the verification forward hand its per-layer hidden
+        states to ``observe`` (``hidden``)?"""
+        return False
+
+    def observe(self, tokens: list[int], tree: TokenTree, verdict: "Verdict", logits: torch.Tensor,
+                hidden: list[torch.Tensor] | None = None) -> None:
+        """After verification: ``tokens`` now includes the emitted tokens; ``logits`` are the target's
+        (row 0 = root, row i + 1 = node i); ``hidden``: the residual stream after the embedding and
+        after each layer (``[1, T, hidden]`` each) when ``wants_hidden()`` said so."""
+
+    def end(self) -> None:
+        """The generation finished (or was cancelled)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def feed_committed(model: "LoadedModel", cache: "KVCache", new: list[int], want_logits: bool = True,
+                   chunk: int = 512, head=None) -> tuple[torch.Tensor | None, int]:
+    """Run ``new`` tokens through ``model`` and commit them to ``cache``, in chunks that fit the
+    cache's pending area (a prefill).  Returns (logits of the last token or None, number of
+    forwards).  ``head``: see ``NativeCausalLM.forward``."""
+    step = min(chunk, cache.max_pending)  # a chunk is pending until committed
+    logits, forwards = None, 0
+    for s in range(0, len(new), step):
+        last = s + step >= len(new)
+        ids = torch.tensor(new[s : s + step], device=model.device)[None]
+        kwargs = {"head": head} if head is not None else {}
+        out = model.model.forward(ids, cache, logits_for=slice(-1, None) if (last and want_logits) else slice(0, 0),
+                                  **kwargs)
+        cache.commit()
+        forwards += 1
+        if last and want_logits:
+            logits = out[0, -1]
+    return logits, forwards

@@ -1,0 +1,176 @@
+"""The model runner: one per loaded target, owner of every piece of decoding state.
+
+In the spirit of gpt-fast's ``setup_caches`` and vLLM's model runner, the runner owns
+
+* the KV caches: one per generation in flight (so two interleaved streams on one model never
+  share a cache), reused across generations, for the target and for any draft model;
+* the measured verification cost of the target (per tree size), probed once per process
+  (or read from the profile store, ``core/cost_model.py``);
+* the draft models a method may use: loaded by the caller that builds the proposer (the API
+  or the server at start-up), never by a proposer; a runner can refuse to load more
+  (``allow_draft_loading=False``: the server loads its drafts at start-up only);
+* a bounded proposer memory: what methods learn across generations on this target (bandit
+  statistics, acceptance calibration, n-gram pools, datastores), least recently used first out.
+
+Models hold weights only.  ``runner_for(model)`` gives the runner of a ``LoadedModel``
+(created on first use); a caller that wants isolated state builds a ``ModelRunner`` itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from ..errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from ..models.kv_cache import KVCache
+    from ..models.loader import LoadedModel
+    from .cost_model import VerifyCost
+
+T = TypeVar("T")
+
+CACHE_ROUND = 256  # cache lengths are rounded up to this, so a slightly longer request reuses a cache
+IDLE_CACHES = 2  # idle caches kept per model for reuse
+
+
+class ProposerMemory:
+    """A bounded mapping from a key (by convention ``(method, what, ...)``) to what a method keeps
+    across generations; the least recently used entry is dropped past ``max_entries``."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, factory: Callable[[], T]) -> T:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        value = factory()  # outside the lock: a factory may be slow (loading a datastore)
+        with self._lock:
+            value = self._entries.setdefault(key, value)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+            return value
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+class ModelRunner:
+    """Decoding state for one loaded target; see the module docstring."""
+
+    def __init__(self, model: "LoadedModel", memory_entries: int = 64, allow_draft_loading: bool = True) -> None:
+        self.model = model
+        self.memory = ProposerMemory(memory_entries)
+        self.allow_draft_loading = allow_draft_loading
+        self._drafts: dict[str, "LoadedModel"] = {}
+        self._idle: dict[int, list["KVCache"]] = {}  # id(decoder) -> free caches
+        self._busy: dict[int, int] = {}  # id(cache) -> id(decoder)
+        self._verify_cost: "VerifyCost | None" = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ModelRunner({self.model.name!r}, drafts={sorted(self._drafts)}, busy_caches={len(self._busy)})"
+
+    # ----------------------------------------------------------------- caches
+    def acquire_cache(self, model: "LoadedModel", max_len: int) -> "KVCache":
+        """An empty cache for ``model`` (the target or a draft) with room for ``max_len`` tokens
+        (capped at the model's context), for the caller's use until ``release_cache``."""
+        decoder = model.model
+        want = min(-(-max_len // CACHE_ROUND) * CACHE_ROUND, model.max_seq_len)
+        want = max(want, min(max_len, model.max_seq_len))
+        with self._lock:
+            idle = self._idle.setdefault(id(decoder), [])
+            cache = next((c for c in idle if c.max_len >= want), None)
+            if cache is not None:
+                idle.remove(cache)
+            elif idle and len(idle) >= IDLE_CACHES:
+                idle.pop(0)  # too small for this request: free one before allocating
+        if cache is None:
+            cache = decoder.new_cache(batch_size=1, max_len=want)
+        cache.reset()
+        with self._lock:
+            self._busy[id(cache)] = id(decoder)
+        return cache
+
+    def release_cache(self, cache: "KVCache") -> None:
+        with self._lock:
+            owner = self._busy.pop(id(cache), None)
+            if owner is None:
+                return
+            cache.reset()
+            idle = self._idle.setdefault(owner, [])
+            idle.append(cache)
+            while len(idle) > IDLE_CACHES:
+                idle.pop(0)
+
+    @property
+    def caches_in_use(self) -> int:
+        return len(self._busy)
+
+    # ---------------------------------------------------------- verify cost
+    def verify_cost(self, cache: "KVCache") -> "VerifyCost":
+        """The target's verification cost per tree size, measured once (on ``cache``, which must
+        have nothing pending; the probe's nodes are rolled back) or read from the profile store."""
+        if self._verify_cost is None:
+            from .cost_model import verify_cost_for
+
+            self._verify_cost = verify_cost_for(self.model, cache)
+        return self._verify_cost
+
+    # ----------------------------------------------------------------- drafts
+    def add_draft(self, name: str, draft: "LoadedModel") -> None:
+        self._drafts[name] = draft
+
+    @property
+    def drafts(self) -> dict[str, "LoadedModel"]:
+        return dict(self._drafts)
+
+    def draft(self, name: str | None = None) -> "LoadedModel":
+        """The draft model ``name`` (default: the target's registered pair), loaded on first use
+        with the target's dtype and device unless this runner only serves drafts loaded up front."""
+        from ..models.loader import load
+
+        if name is None:
+            name = self.model.draft_name
+            if name is None:
+                raise InvalidParameterError(
+                    f"method needs a draft model: {self.model.name} has no registered draft; pass one "
+                    "(--draft NAME, or the option draft=NAME)")
+        if not isinstance(name, str):
+            raise InvalidParameterError(f"draft must be a model name or path (a string), got {name!r}")
+        if name not in self._drafts:
+            if not self.allow_draft_loading:
+                loaded = ", ".join(sorted(self._drafts)) or "none"
+                raise InvalidParameterError(f"draft model {name!r} is not loaded here (loaded: {loaded})")
+            self._drafts[name] = load(name, dtype=self.model.dtype, device=self.model.device, backend="auto")
+        return self._drafts[name]
+
+
+_RUNNERS: "weakref.WeakKeyDictionary[LoadedModel, ModelRunner]" = weakref.WeakKeyDictionary()
+_RUNNERS_LOCK = threading.Lock()
+
+
+def runner_for(model: "LoadedModel | ModelRunner") -> ModelRunner:
+    """The runner of a loaded model (one per model object, created on first use); a runner is
+    returned as it is."""
+    if isinstance(model, ModelRunner):
+        return model
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(model)
+        if runner is None:
+            runner = _RUNNERS[model] = ModelRunner(model)
+        return runner

@@ -1,0 +1,122 @@
+"""Helpers shared by several proposers: option checks, copying continuations, merging
+candidate continuations into a tree, and FR-Spec's vocabulary-subset draft head."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..core.proposer import DecodeContext
+from ..core.tree import TokenTree
+from ..errors import InvalidParameterError
+
+DRAFT_VOCAB = 32768  # FR-Spec's subset size for Llama-3's 128k vocabulary
+ATTENTION_SINK = 4  # StreamingLLM keeps the first four tokens
+CONTEXT_WINDOW = 512  # prompt tokens a draft model reads besides the attention sink
+AUTO_DRAFT_WINDOW = 256  # the same for auto's draft (its automaton copies from the whole text)
+
+
+def check_int(name: str, value: Any, low: int = 1) -> int:
+    """An integer option ``>= low`` (bools are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidParameterError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def copy_continuation(text: Sequence[int], start: int, length: int) -> list[int]:
+    """``length`` tokens copied from ``text[start:]``; past the end the copy continues from its own
+    output (LZ77-style overlapping copy), so it predicts that the text repeats with period
+    ``len(text) - start``.  ``start`` must be ``< len(text)``."""
+    out = list(text[start : start + length])
+    if len(out) < length:
+        end = len(text)
+        for j in range(len(out), length):
+            out.append(out[start + j - end])
+    return out
+
+
+def merge_candidates(cands: Iterable[tuple[Sequence[int], int, int]], budget: int, source: str) -> TokenTree:
+    """Merge candidate continuations into a trie and keep its ``budget`` best nodes.
+
+    Each candidate is ``(tokens, rank, recency)``.  A node scores
+    ``(max rank, number of candidates through it, max recency)`` over the
+    candidates passing through it; a child never scores above its parent (it
+    is supported by a subset of the parent's candidates), and ties go to the
+    shallower node, so the best ``budget`` nodes form a tree and the returned
+    node order (best first) keeps parents before children: any prefix of the
+    tree is again the best tree of that size.
+    """
+    tree = TokenTree()
+    if budget < 1:
+        return tree
+    child: dict[tuple[int, int], int] = {}
+    tok: list[int] = []
+    par: list[int] = []
+    depth: list[int] = []
+    best_rank: list[int] = []
+    count: list[int] = []
+    recency: list[int] = []
+    for toks, rank, rec in cands:
+        parent = -1
+        for d, t in enumerate(toks):
+            node = child.get((parent, t))
+            if node is None:
+                node = len(tok)
+                child[(parent, t)] = node
+                tok.append(t)
+                par.append(parent)
+                depth.append(d)
+                best_rank.append(rank)
+                count.append(0)
+                recency.append(rec)
+            else:
+                if rank > best_rank[node]:
+                    best_rank[node] = rank
+                if rec > recency[node]:
+                    recency[node] = rec
+            count[node] += 1
+            parent = node
+    order = sorted(range(len(tok)), key=lambda v: (-best_rank[v], -count[v], -recency[v], depth[v], v))[:budget]
+    index: dict[int, int] = {}
+    for v in order:
+        p = par[v]
+        index[v] = tree.add(tok[v], index[p] if p >= 0 else -1, sampled=False, source=source)
+    return tree
+
+
+class SubsetHead(torch.nn.Module):
+    """The draft's output projection restricted to ``ids`` (FR-Spec): the frequency-ranked
+    base rows (packed once per draft model) plus this generation's extra rows."""
+
+    def __init__(self, base: torch.nn.Module, base_ids: torch.Tensor, extra_ids: torch.Tensor,
+                 weight: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.extra = weight[extra_ids] if len(extra_ids) else None
+        self.ids = torch.cat([base_ids, extra_ids])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.extra is None:
+            return y
+        return torch.cat([y, torch.nn.functional.linear(x, self.extra)], dim=-1)
+
+
+def subset_head(ctx: DecodeContext, draft, size: int, extra: list[int], vocab: int | None = None) -> SubsetHead | None:
+    """A ``SubsetHead`` over the ``size`` lowest ids plus ``extra`` (ids below ``vocab``, the
+    vocabulary shared with the target); None where the draft has no plain head weight to
+    slice (non-native backend) or the vocabulary is small anyway."""
+    from ..models.native import make_linear
+
+    model = draft.model
+    weight = getattr(model, "head_weight", None)
+    vocab = min(vocab or model.vocab_size, model.vocab_size)
+    if weight is None or size <= 0 or vocab <= 2 * size:
+        return None
+    # the frequency-ranked base rows, packed once per draft model and kept in the runner's memory
+    base = ctx.remember(("subset_head", id(model), size), lambda: make_linear(weight[:size]))
+    base_ids = torch.arange(size, device=weight.device)
+    extra_ids = torch.tensor(sorted({t for t in extra if size <= t < vocab}), dtype=torch.long,
+                             device=weight.device)
+    return SubsetHead(base, base_ids, extra_ids, weight)

@@ -1,0 +1,289 @@
+"""The method registry: one typed config per decoding method, and what builds its proposer.
+
+``METHODS`` maps a method name to a ``MethodSpec``: its config class (the options a user can
+set: API ``options={...}``, CLI ``--option KEY=VALUE``, server ``leapdecode.options``) and a
+``build`` function that turns a validated config and a runner into a proposer.  Configs are
+validated when built (``method_config``), before any model loads; ``build_proposer`` then loads
+what the method needs through the runner (a draft model, a datastore) and hands it to the
+proposer, which never loads anything itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..core.config import MethodConfig, option
+from ..errors import InvalidParameterError
+from .common import AUTO_DRAFT_WINDOW, CONTEXT_WINDOW, DRAFT_VOCAB
+
+if TYPE_CHECKING:
+    from ..core.proposer import Proposer
+    from ..core.runner import ModelRunner
+
+
+
+# ------------------------------------------------------------------ configs
+@dataclass(frozen=True, kw_only=True)
+class VanillaConfig(MethodConfig):
+    method = "vanilla"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftConfig(MethodConfig):
+    method = "draft"
+    draft: str | None = option(None, "draft model name or path (default: the target's registered pair)")
+    top_k: int = option(4, "children expanded per node of the draft tree (same tokenizer)", low=1)
+    beam: int = option(4, "nodes expanded per tree level (same tokenizer)", low=1)
+    max_depth: int = option(8, "deepest draft tree level (same tokenizer)", low=1)
+    adaptive: bool = option(True, "size trees from measured costs and calibrated acceptance (greedy); "
+                                  "other tokenizer: adapt the chain length")
+    tau: float = option(0.05, "stop expanding below this path probability (same tokenizer)", low=0, low_open=True,
+                        high=0.999999)
+    draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec frequency-ranked vocabulary subset of the draft head "
+                                           "(0: whole vocabulary)", low=0)
+    staged: bool = option(True, "a suffix automaton speculates for the draft model (greedy)")
+    context_window: int | None = option(CONTEXT_WINDOW, "prompt tokens the draft reads besides the attention "
+                                                        "sink (None: all)", low=1)
+    draft_len: int = option(6, "initial chain length (other tokenizer)", low=1)
+    min_draft_len: int = option(2, "shortest adaptive chain (other tokenizer)", low=1)
+    max_draft_len: int = option(12, "longest adaptive chain (other tokenizer)", low=1)
+    window: int = option(6, "tokens re-tokenized around the anchor (other tokenizer)", low=1)
+    anchor_lag: int = option(8, "how far back the re-tokenization anchor trails (other tokenizer)", low=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_draft_len > self.max_draft_len:
+            raise InvalidParameterError(f"option 'min_draft_len' of method 'draft' ({self.min_draft_len}) must be "
+                                        f"<= max_draft_len ({self.max_draft_len})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoConfig(MethodConfig):
+    method = "auto"
+    draft: str | None = option(None, "draft model for the hybrid arm (default: the registered pair, if any)")
+    use_draft: bool = option(True, "use a draft model arm when one is available")
+    sam_len: int = option(16, "longest suffix-automaton chain", low=1)
+    sam_only_match: int = option(12, "a match this long uses the automaton's draft alone", low=1)
+    explore: float = option(0.15, "UCB exploration weight", low=0)
+    discount: float = option(0.99, "per-step discount of the bandit's evidence", low=0, low_open=True, high=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PldConfig(MethodConfig):
+    method = "pld"
+    max_ngram: int = option(4, "longest n-gram looked up", low=1)
+    min_ngram: int = option(1, "shortest n-gram looked up", low=1)
+    draft_len: int = option(10, "tokens copied per match", low=1)
+    max_matches: int = option(4, "matches kept per n-gram length", low=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_ngram > self.max_ngram:
+            raise InvalidParameterError(f"option 'min_ngram' of method 'pld' ({self.min_ngram}) must be <= "
+                                        f"max_ngram ({self.max_ngram})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamConfig(MethodConfig):
+    method = "sam"
+    draft_len: int = option(16, "longest chain copied from the match", low=1)
+    min_match: int = option(1, "shortest suffix match that drafts", low=1)
+    occurrence: str = option("recent", "which earlier occurrence to copy from", choices=("recent", "first"))
+    cost_aware: bool = option(True, "cut chains by per-depth acceptance and measured verify cost (greedy)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecyclingConfig(MethodConfig):
+    method = "recycling"
+    k: int = option(8, "top-k candidates kept per token", low=1)
+    persist: bool = option(True, "keep the adjacency matrix across generations on this model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookaheadConfig(MethodConfig):
+    method = "lookahead"
+    window: int = option(5, "Jacobi window width", low=1)
+    ngram: int = option(4, "n-gram size of the pool", low=2)
+    guesses: int | None = option(None, "n-gram guesses verified per step (default: window)", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JacobiConfig(MethodConfig):
+    method = "jacobi"
+    k: int = option(8, "tokens guessed per Jacobi iteration", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestConfig(MethodConfig):
+    method = "rest"
+    datastore: str | None = option(None, "datastore path (default: the model's stdlib datastore)")
+    max_suffix: int = option(16, "longest suffix matched", low=1)
+    min_suffix: int = option(2, "shortest suffix matched", low=1)
+    draft_len: int = option(10, "continuation length", low=1)
+    max_candidates: int = option(128, "continuations read per match", low=1)
+    cost_aware: bool = option(True, "size trees from calibrated frequencies and measured verify cost (greedy)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_suffix > self.max_suffix:
+            raise InvalidParameterError(f"option 'min_suffix' of method 'rest' ({self.min_suffix}) must be <= "
+                                        f"max_suffix ({self.max_suffix})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSkipConfig(MethodConfig):
+    method = "layerskip"
+    skip: float | None = option(None, "layers skipped: a count, or a fraction in (0, 1) (default 0.3)", low=0)
+    k: int = option(6, "longest draft chain", low=1)
+    min_conf: float = option(0.6, "stop drafting below this confidence", low=0, high=0.999999)
+    update_every: int = option(4, "re-run the layer-selection DP every N verifications", low=1)
+    draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the draft head (0: whole)", low=0)
+
+
+# ------------------------------------------------------------------- builders
+def _build_vanilla(cfg: VanillaConfig, runner: "ModelRunner") -> None:
+    return None
+
+
+def _same_vocab(a, b) -> bool:
+    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def _build_draft(cfg: DraftConfig, runner: "ModelRunner") -> "Proposer":
+    from .draft_model import DraftModelProposer
+    from .universal_draft import UniversalDraftProposer
+
+    dm = runner.draft(cfg.draft)
+    if not _same_vocab(dm, runner.model):
+        return UniversalDraftProposer(dm, tree_budget=cfg.tree_budget, draft_len=cfg.draft_len,
+                                      min_draft_len=cfg.min_draft_len, max_draft_len=cfg.max_draft_len,
+                                      adaptive=cfg.adaptive, window=cfg.window, anchor_lag=cfg.anchor_lag)
+    return DraftModelProposer(dm, tree_budget=cfg.tree_budget, top_k=cfg.top_k, beam=cfg.beam,
+                              max_depth=cfg.max_depth, adaptive=cfg.adaptive, tau=cfg.tau,
+                              draft_vocab=cfg.draft_vocab, staged=cfg.staged, context_window=cfg.context_window)
+
+
+def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
+    """The draft arm exists when a draft is given or registered for the target and has the same
+    tokenizer; a missing or unusable registered draft leaves auto model-free (never an error)."""
+    from .auto import AutoProposer
+    from .draft_model import DraftModelProposer
+
+    draft_proposer = None
+    if cfg.use_draft and (cfg.draft is not None or runner.model.draft_name):
+        if cfg.draft is not None:
+            dm = runner.draft(cfg.draft)
+        else:
+            try:
+                dm = runner.draft()
+            except InvalidParameterError:  # the registered pair is not loaded on this runner
+                dm = None
+        if dm is not None and _same_vocab(dm, runner.model):
+            draft_proposer = DraftModelProposer(dm, tree_budget=cfg.tree_budget, context_window=AUTO_DRAFT_WINDOW)
+    return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
+                        sam_only_match=cfg.sam_only_match, explore=cfg.explore, discount=cfg.discount)
+
+
+def _build_pld(cfg: PldConfig, runner: "ModelRunner") -> "Proposer":
+    from .pld import PromptLookupProposer
+
+    return PromptLookupProposer(tree_budget=cfg.tree_budget, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
+                                draft_len=cfg.draft_len, max_matches=cfg.max_matches)
+
+
+def _build_sam(cfg: SamConfig, runner: "ModelRunner") -> "Proposer":
+    from .sam import SuffixAutomatonProposer
+
+    return SuffixAutomatonProposer(tree_budget=cfg.tree_budget, draft_len=cfg.draft_len, min_match=cfg.min_match,
+                                   occurrence=cfg.occurrence, cost_aware=cfg.cost_aware)
+
+
+def _build_recycling(cfg: RecyclingConfig, runner: "ModelRunner") -> "Proposer":
+    from .recycling import TokenRecyclingProposer
+
+    return TokenRecyclingProposer(tree_budget=cfg.tree_budget, k=cfg.k, persist=cfg.persist)
+
+
+def _build_lookahead(cfg: LookaheadConfig, runner: "ModelRunner") -> "Proposer":
+    from .lookahead import LookaheadProposer
+
+    return LookaheadProposer(tree_budget=cfg.tree_budget, window=cfg.window, ngram=cfg.ngram, guesses=cfg.guesses)
+
+
+def _build_jacobi(cfg: JacobiConfig, runner: "ModelRunner") -> "Proposer":
+    from .jacobi import JacobiProposer
+
+    return JacobiProposer(tree_budget=cfg.tree_budget, k=cfg.k)
+
+
+def _build_rest(cfg: RestConfig, runner: "ModelRunner") -> "Proposer":
+    from .rest import RestProposer, resolve_datastore
+
+    ds = resolve_datastore(runner, cfg.datastore)
+    return RestProposer(ds, tree_budget=cfg.tree_budget, max_suffix=cfg.max_suffix, min_suffix=cfg.min_suffix,
+                        draft_len=cfg.draft_len, max_candidates=cfg.max_candidates, cost_aware=cfg.cost_aware)
+
+
+def _build_layerskip(cfg: LayerSkipConfig, runner: "ModelRunner") -> "Proposer":
+    from .layerskip import LayerSkipProposer
+
+    skip = cfg.skip
+    if isinstance(skip, float) and skip.is_integer():
+        skip = int(skip)
+    return LayerSkipProposer(runner.model, tree_budget=cfg.tree_budget, skip=skip, k=cfg.k, min_conf=cfg.min_conf,
+                             update_every=cfg.update_every, draft_vocab=cfg.draft_vocab)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    config: type[MethodConfig]
+    build: Callable[[Any, "ModelRunner"], "Proposer | None"]
+    summary: str
+    uses_draft_model: bool = False
+
+
+METHODS: dict[str, MethodSpec] = {s.name: s for s in (
+    MethodSpec("auto", AutoConfig, _build_auto,
+               "a bandit choosing per step between the suffix automaton, draft model + automaton, or no draft",
+               uses_draft_model=True),
+    MethodSpec("vanilla", VanillaConfig, _build_vanilla, "one target forward per token, nothing drafted"),
+    MethodSpec("draft", DraftConfig, _build_draft, "a smaller model drafts a dynamic token tree (or a "
+               "re-tokenized chain when its tokenizer differs)", uses_draft_model=True),
+    MethodSpec("pld", PldConfig, _build_pld, "n-gram lookup in prompt + output"),
+    MethodSpec("sam", SamConfig, _build_sam, "suffix automaton over prompt + output"),
+    MethodSpec("recycling", RecyclingConfig, _build_recycling, "top-k candidates recycled from earlier forwards"),
+    MethodSpec("lookahead", LookaheadConfig, _build_lookahead, "Jacobi iterations with an n-gram pool"),
+    MethodSpec("jacobi", JacobiConfig, _build_jacobi, "Jacobi iterations in the same forward"),
+    MethodSpec("rest", RestConfig, _build_rest, "retrieval from a suffix-array datastore"),
+    MethodSpec("layerskip", LayerSkipConfig, _build_layerskip, "the target itself with some layers skipped"),
+)}
+DEFAULT_METHOD = "auto"
+
+
+def method_spec(method: str) -> MethodSpec:
+    if not isinstance(method, str) or method not in METHODS:
+        raise InvalidParameterError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return METHODS[method]
+
+
+def method_config(method: "str | MethodConfig", options: dict[str, Any] | None = None) -> MethodConfig:
+    """A validated config: from a method name and its options, or a config given as it is."""
+    if isinstance(method, MethodConfig):
+        if options:
+            return method.from_options({**method.as_dict(), **options})
+        return method
+    if options is not None and not isinstance(options, dict):
+        raise InvalidParameterError(f"options must be a mapping of option names to values, got {options!r:.80}")
+    return method_spec(method).config.from_options(options)
+
+
+def build_proposer(cfg: MethodConfig, runner: "ModelRunner") -> "Proposer | None":
+    """The proposer of a validated config (``None`` for vanilla), with what it needs loaded."""
+    proposer = method_spec(cfg.method).build(cfg, runner)
+    if proposer is not None:
+        budget = getattr(proposer, "default_budget", None)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise TypeError(f"proposer of method {cfg.method!r} has no default_budget (an integer >= 1)")
+    return proposer
