@@ -66,6 +66,8 @@ def start_generation(
         ids = list(prompt_ids)
     else:
         ids = encode_prompt(runner.model, prompt, chat)
+    # never more than the context can hold (the cache is sized from this)
+    max_new_tokens = min(max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
     proposer = build_proposer(cfg, runner)
     return Generation(runner, ids, params, proposer, method=cfg.method, max_new_tokens=max_new_tokens,
                       stop=stops, tree_budget=cfg.tree_budget)

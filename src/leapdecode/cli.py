@@ -14,7 +14,7 @@ import sys
 from .errors import LeapdecodeError
 
 # subcommands that live in their own packages: module exposing add_parser(subparsers)
-PLUGIN_COMMANDS = ["leapdecode.bench.cli", "leapdecode.server.cli", "leapdecode.proposers.datastore_cli"]
+PLUGIN_COMMANDS = ["leapdecode.bench.cli", "leapdecode.server.cli", "leapdecode.datastore_cli"]
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
@@ -31,56 +31,80 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    from .proposers import METHODS
+    from .proposers import DEFAULT_METHOD, METHODS
 
-    p.add_argument("--method", default="auto" if "auto" in METHODS else "vanilla",
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), metavar="METHOD",
                    help=f"decoding method: {', '.join(METHODS)} (default: %(default)s); all are lossless")
-    p.add_argument("--draft", help="draft model for draft-based methods (default: the model's registered pair)")
-    p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step")
-    p.add_argument("--datastore", help="REST datastore for --method rest (see `leapdecode datastore build`)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="an option of the method (repeatable); `leapdecode methods` lists each method's options")
+    p.add_argument("--draft", help="draft model for --method draft/auto (same as --option draft=NAME)")
+    p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step (--option tree_budget=N)")
+    p.add_argument("--datastore", help="REST datastore for --method rest (--option datastore=PATH; see "
+                                       "`leapdecode datastore build`)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many new tokens (capped at "
+                                                                   "the model's context; default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--typical-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass")
+    p.add_argument("--min-p", type=float, default=0.0, help="sampling: drop tokens below min_p x the top probability")
+    p.add_argument("--typical-p", type=float, default=1.0, help="sampling: locally typical mass")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="random seed (sampling)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
+def method_options(a: argparse.Namespace) -> dict:
+    """The method's options from ``--option KEY=VALUE`` and the shortcut flags, typed by its config."""
+    from .core.config import parse_option_assignments
+    from .proposers import method_spec
+
+    options = parse_option_assignments(method_spec(a.method).config, a.option)
+    for flag, key in (("draft", "draft"), ("tree_budget", "tree_budget"), ("datastore", "datastore")):
+        value = getattr(a, flag, None)
+        if value is not None:
+            if key in options and options[key] != value:
+                raise LeapdecodeError(f"--{flag.replace('_', '-')} and --option {key}= disagree")
+            options[key] = value
+    return options
+
+
 def decoding_kwargs(a: argparse.Namespace) -> dict:
-    options = {}
-    if getattr(a, "datastore", None):
-        if a.method != "rest":
-            raise LeapdecodeError("--datastore applies to --method rest")
-        options["datastore"] = a.datastore
-    return dict(**options, method=a.method, draft=a.draft, tree_budget=a.tree_budget, max_new_tokens=a.max_new_tokens,
-                temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                typical_p=a.typical_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
+    """Keyword arguments for ``leapdecode.api.start_generation``, validated before any model loads."""
+    from .api import sampling_params
+    from .core.generate import check_max_new_tokens
+    from .proposers import method_config
+
+    options = method_options(a)
+    method_config(a.method, options)  # unknown or invalid options fail here, before loading
+    sampling_params(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty, a.seed)
+    check_max_new_tokens(a.max_new_tokens)
+    return dict(method=a.method, options=options, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, typical_p=a.typical_p,
+                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
 
 
 def load_from_args(a: argparse.Namespace):
-    from .core.sampling import SamplingParams
     from .models.loader import load
-
-    # bad parameters fail before a model is loaded
-    if getattr(a, "temperature", None) is not None:
-        SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty, a.seed)
-        if a.max_new_tokens < 1:
-            raise LeapdecodeError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
 
     return load(a.model, dtype=a.dtype, device=a.device, backend=a.backend)
 
 
+def read_stdin_text() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LeapdecodeError(f"standard input is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+
+
 # ---------------------------------------------------------------- commands
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .core.generate import Generation
+    from .api import start_generation
 
-    prompt = a.prompt if a.prompt != "-" else sys.stdin.read()
     kwargs = decoding_kwargs(a)
+    prompt = a.prompt if a.prompt != "-" else read_stdin_text()
     model = load_from_args(a)
-    gen = Generation(model, prompt, chat=a.chat, **kwargs)
+    gen = start_generation(model, prompt, chat=a.chat, **kwargs)
     if a.json:
         res = gen.run()
         print(json.dumps({"text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
@@ -96,10 +120,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from .core.generate import Generation
+    from .api import runner_for, start_generation
 
     kwargs = decoding_kwargs(a)
     model = load_from_args(a)
+    runner = runner_for(model)
     messages: list[dict] = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
@@ -110,10 +135,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        except UnicodeDecodeError:
+            print("leapdecode: error: that line is not valid UTF-8; type it again", file=sys.stderr)
+            continue
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
-        gen = Generation(model, messages, **kwargs)
+        gen = start_generation(runner, messages, **kwargs)
         sys.stdout.write("bot> ")
         try:
             for piece in gen:
@@ -160,6 +188,39 @@ def cmd_models(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def methods_markdown() -> str:
+    """The option table of every method, as docs/methods.md shows them (generated from the configs)."""
+    from .proposers import METHODS
+
+    out = []
+    for name, spec in METHODS.items():
+        out.append(f"### `{name}` options\n\n| option | default | meaning |\n|---|---|---|")
+        for opt, default, help_text in spec.config.options_table():
+            out.append(f"| `{opt}` | `{default}` | {help_text} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def cmd_methods(a: argparse.Namespace) -> int:
+    from .proposers import METHODS
+
+    if a.markdown:
+        print(methods_markdown())
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for name, spec in METHODS.items():
+        t = Table(title=f"{name}: {spec.summary}", title_justify="left")
+        for col in ("option", "default", "meaning"):
+            t.add_column(col)
+        for opt, default, help_text in spec.config.options_table():
+            t.add_row(opt, default, help_text)
+        console.print(t)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="leapdecode",
@@ -185,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="system message")
     c.add_argument("--stats", action="store_true", help="print speed after each reply")
     c.set_defaults(func=cmd_chat)
+
+    mt = sub.add_parser("methods", help="decoding methods and their options (--option KEY=VALUE)")
+    mt.add_argument("--markdown", action="store_true", help="print the option tables as Markdown")
+    mt.set_defaults(func=cmd_methods)
 
     m = sub.add_parser("models", help="embedded models: list | fetch NAME | verify NAME")
     m.add_argument("action", choices=["list", "fetch", "verify"])

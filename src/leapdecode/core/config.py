@@ -14,6 +14,7 @@ loads: an unknown option or a value of the wrong type or out of range is an
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -137,6 +138,13 @@ class MethodConfig:
                     return float(text)
                 except ValueError:
                     pass
+            elif t is list:
+                try:
+                    value = json.loads(text)
+                except ValueError:
+                    continue
+                if isinstance(value, list):
+                    return value
             elif t is str or t is object:
                 return text
         raise InvalidParameterError(

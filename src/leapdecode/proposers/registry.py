@@ -91,6 +91,8 @@ class SamConfig(MethodConfig):
     min_match: int = option(1, "shortest suffix match that drafts", low=1)
     occurrence: str = option("recent", "which earlier occurrence to copy from", choices=("recent", "first"))
     cost_aware: bool = option(True, "cut chains by per-depth acceptance and measured verify cost (greedy)")
+    corpus_tokens: list | None = option(None, "token-id lists of a static corpus for a second automaton "
+                                              "(API only)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +100,7 @@ class RecyclingConfig(MethodConfig):
     method = "recycling"
     k: int = option(8, "top-k candidates kept per token", low=1)
     persist: bool = option(True, "keep the adjacency matrix across generations on this model")
+    template: list | None = option(None, "static tree template: rank paths (default: the paper's shape)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,13 +199,14 @@ def _build_sam(cfg: SamConfig, runner: "ModelRunner") -> "Proposer":
     from .sam import SuffixAutomatonProposer
 
     return SuffixAutomatonProposer(tree_budget=cfg.tree_budget, draft_len=cfg.draft_len, min_match=cfg.min_match,
-                                   occurrence=cfg.occurrence, cost_aware=cfg.cost_aware)
+                                   occurrence=cfg.occurrence, cost_aware=cfg.cost_aware,
+                                   corpus_tokens=cfg.corpus_tokens)
 
 
 def _build_recycling(cfg: RecyclingConfig, runner: "ModelRunner") -> "Proposer":
     from .recycling import TokenRecyclingProposer
 
-    return TokenRecyclingProposer(tree_budget=cfg.tree_budget, k=cfg.k, persist=cfg.persist)
+    return TokenRecyclingProposer(tree_budget=cfg.tree_budget, k=cfg.k, persist=cfg.persist, template=cfg.template)
 
 
 def _build_lookahead(cfg: LookaheadConfig, runner: "ModelRunner") -> "Proposer":

@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import InvalidParameterError
+from .errors import InvalidParameterError
 
 PRESETS = ["stdlib", "self-answers"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..cli import add_model_args
+    from .cli import add_model_args
 
     p = subparsers.add_parser("datastore", help="build or inspect a REST datastore (--method rest)",
                               description="Retrieval datastores for --method rest (REST, He et al., 2024).")
@@ -91,7 +91,7 @@ def _progress(enabled: bool, total: int, description: str):
 
 
 def _file_texts(files: list[Path]) -> Iterator[str]:
-    from .datastore import read_documents
+    from .proposers.datastore import read_documents
 
     for f in files:
         yield from read_documents(f)
@@ -99,9 +99,9 @@ def _file_texts(files: list[Path]) -> Iterator[str]:
 
 def _self_answers(a: argparse.Namespace, show: bool) -> tuple[object, list[str], dict]:
     """Generate the model's greedy answers to the workload's prompts: (model, texts, sources)."""
-    from ..bench.workloads import load_workload, select
-    from ..cli import load_from_args
-    from ..core.generate import Generation
+    from .bench.workloads import load_workload, select
+    from .cli import load_from_args
+    from .api import generate
 
     questions, desc = load_workload(a.workload)
     questions = select(questions, a.limit)
@@ -120,8 +120,7 @@ def _self_answers(a: argparse.Namespace, show: bool) -> tuple[object, list[str],
                     prompt, use_chat = list(messages), None
                 else:
                     prompt, use_chat = turn, False
-                res = Generation(model, prompt, chat=use_chat, max_new_tokens=a.answer_tokens,
-                                 method="pld").run()
+                res = generate(model, prompt, chat=use_chat, max_new_tokens=a.answer_tokens, method="pld")
                 texts.append(res.text)
                 if chat and q.chat:
                     messages.append({"role": "assistant", "content": res.text})
@@ -131,7 +130,7 @@ def _self_answers(a: argparse.Namespace, show: bool) -> tuple[object, list[str],
 
 
 def cmd_build(a: argparse.Namespace) -> int:
-    from .datastore import (DEFAULT_MAX_MB, build_datastore, corpus_files, default_path, load_tokenizer,
+    from .proposers.datastore import (DEFAULT_MAX_MB, build_datastore, corpus_files, default_path, load_tokenizer,
                             stdlib_files)
 
     if a.max_tokens is not None and a.max_tokens < 1:
@@ -147,6 +146,9 @@ def cmd_build(a: argparse.Namespace) -> int:
         raise InvalidParameterError("--out PATH is needed when building from files")
     if a.preset != "self-answers" and (a.workload or a.limit is not None):
         raise InvalidParameterError("--workload/--limit go with --preset self-answers")
+    if a.out is not None and Path(a.out).expanduser().is_dir():
+        raise InvalidParameterError(f"--out {a.out} is a directory; give the path of the datastore file to write "
+                                    f"(e.g. {Path(a.out) / 'datastore.npz'})")
     show = not a.no_progress
     max_mb = a.max_mb if a.max_mb is not None else (DEFAULT_MAX_MB if a.preset == "stdlib" else None)
     max_chars = int(max_mb * 1e6) if max_mb is not None else None
@@ -193,7 +195,7 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from .datastore import Datastore
+    from .proposers.datastore import Datastore
 
     ds = Datastore.load(a.path)
     print(json.dumps({**ds.describe(), "sources": ds.meta.get("sources")}, indent=2))
