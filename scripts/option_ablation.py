@@ -4,7 +4,8 @@ prompts, interleaved per prompt; prints each run and the mean tokens/s ratio to 
     python scripts/option_ablation.py -m qwen2.5-coder-1.5b --new 96 --prompts 6 \\
         "method='vanilla'" "method='draft'" "method='draft', draft_vocab=0" "method='draft', adaptive=False"
 
-Each set is the body of a Python ``dict(...)``.  The prompts are the first turn of the first
+Each set is the body of a Python ``dict(...)``: ``method`` and that method's options (its typed
+config's fields, see ``leapdecode methods``).  The prompts are the first turn of the first
 question of each of six Spec-Bench task groups in the workload file (greedy, chat template).
 """
 
@@ -46,7 +47,10 @@ def main() -> None:
     for p in prompts:
         base = None
         for i, opts in enumerate(sets):
-            r = leapdecode.generate(model, [{"role": "user", "content": p}], max_new_tokens=a.new, **opts)
+            opts = dict(opts)
+            method = opts.pop("method", "auto")
+            r = leapdecode.generate(model, [{"role": "user", "content": p}], max_new_tokens=a.new, method=method,
+                                    options=opts)
             s = r.stats
             base = base or s["tokens_per_s"]
             ratios[i].append(s["tokens_per_s"] / base)

@@ -167,18 +167,37 @@ class LeapdecodeRunner(Runner):
 
     system = "leapdecode"
 
-    def __init__(self, loaded, method: str, draft: str | None = None, tree_budget: int | None = None) -> None:
+    def __init__(self, loaded, method: str, draft: str | None = None, tree_budget: int | None = None,
+                 options: dict | None = None, drafts: dict | None = None) -> None:
+        """``drafts``: draft models already loaded by other rows (name -> LoadedModel), shared so
+        that each draft loads once per bench; this row adds the ones it loads."""
+        from ..core.runner import ModelRunner
+        from ..proposers import method_config
+
         super().__init__(loaded.device)
         self.loaded, self.name, self.method = loaded, method, method
-        self.draft, self.tree_budget = draft, tree_budget
+        opts = dict(options or {})
+        fields = method_config(method).option_names()
+        if draft is not None and "draft" in fields:
+            opts.setdefault("draft", draft)
+        if tree_budget is not None:
+            opts.setdefault("tree_budget", tree_budget)
+        self.config = method_config(method, opts)
+        # one runner per bench row: each method learns across the bench's prompts, as in a process
+        # that serves one method, without sharing what it learns with the other rows
+        self.runner = ModelRunner(loaded)
+        if drafts is not None:
+            for name, d in drafts.items():
+                self.runner.add_draft(name, d)
+            name = getattr(self.config, "draft", None) or loaded.draft_name
+            if "draft" in fields and name is not None and name not in drafts:
+                drafts[name] = self.runner.draft(name)
 
     def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
-        from ..core.generate import Generation
+        from ..api import start_generation
 
-        gen = Generation(self.loaded, None, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                         temperature=temperature, seed=seed, method=self.method, draft=self.draft,
-                         tree_budget=self.tree_budget)
-        res = gen.run()
+        res = start_generation(self.runner, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, method=self.config).run()
         return RunOutput(tokens=list(res.tokens), wall_s=0.0, target_forwards=res.stats.get("target_forwards"),
                          text=res.text, finish_reason=res.finish_reason, extra={"stats": res.stats})
 
@@ -195,9 +214,9 @@ def model_dir(name_or_path: str) -> Path | None:
     the in-process tiny models."""
     if name_or_path.startswith("tiny-random"):
         return None
-    from ..models.loader import _local_model_dir
+    from ..models.loader import local_model_dir
 
-    return _local_model_dir(name_or_path)[1]
+    return local_model_dir(name_or_path)[1]
 
 
 @contextlib.contextmanager

@@ -109,7 +109,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
 
     t_start = time.perf_counter()
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend)
-    runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget)
+    drafts: dict = {}
+    runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget, drafts=drafts)
                              for m in methods]
     if peers:
         runners += make_peers(peers, loaded, cfg.model, cfg.draft, n_ctx=loaded.max_seq_len, say=note)
