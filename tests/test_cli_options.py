@@ -1,0 +1,72 @@
+"""CLI method options: ``--option KEY=VALUE`` is typed by the method's config and checked before any
+model loads; a mistake is one line on stderr and exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from leapdecode import cli
+from leapdecode.models import loader
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(loader, "load", refuse)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--method", "draft", "--option", "bogus=1"], "bogus"),
+    (["--method", "pld", "--option", "max_ngram=x"], "max_ngram"),
+    (["--method", "pld", "--option", "max_ngram=0"], "max_ngram"),
+    (["--method", "sam", "--option", "occurrence=middle"], "occurrence"),
+    (["--method", "pld", "--option", "novalue"], "KEY=VALUE"),
+    (["--method", "pld", "--draft", "smollm2-135m"], "draft"),
+    (["--method", "pld", "--datastore", "x.npz"], "datastore"),
+    (["--method", "draft", "--tree-budget", "0"], "tree_budget"),
+])
+def test_bad_option_exits_2_naming_it_before_loading(no_loading, capsys, argv, named):
+    rc = cli.main(["generate", "-m", "smollm2-135m", *argv, "hi"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("leapdecode: error:") and named in err
+
+
+def test_option_values_are_typed_by_the_config():
+    from leapdecode.proposers import method_config
+
+    a = cli.build_parser().parse_args(["generate", "--method", "draft", "--option", "max_depth=3",
+                                       "--option", "adaptive=false", "--option", "context_window=none",
+                                       "--option", "tau=0.1", "--draft", "tiny-random:1", "hi"])
+    opts = cli.method_options(a)
+    assert opts == {"max_depth": 3, "adaptive": False, "context_window": None, "tau": 0.1, "draft": "tiny-random:1"}
+    cfg = method_config("draft", opts)
+    assert (cfg.max_depth, cfg.adaptive, cfg.context_window, cfg.draft) == (3, False, None, "tiny-random:1")
+
+
+def test_sampling_top_k_is_not_the_draft_top_k():
+    a = cli.build_parser().parse_args(["generate", "--method", "draft", "--top-k", "5", "--option", "top_k=2", "hi"])
+    kw = cli.decoding_kwargs(a)
+    assert kw["top_k"] == 5 and kw["options"]["top_k"] == 2
+
+
+def test_cli_bogus_option_in_a_fresh_process():
+    """The issue's own command: exit 2, one line naming the option (in a subprocess, as a user runs it)."""
+    p = subprocess.run([sys.executable, "-m", "leapdecode.cli", "generate", "-m", "smollm2-135m", "--method", "draft",
+                        "--option", "bogus=1", "hi"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bogus" in lines[0], p.stderr
+
+
+def test_methods_command_lists_every_method(capsys):
+    from leapdecode.proposers import METHODS
+
+    assert cli.main(["methods", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    for name in METHODS:
+        assert f"### `{name}` options" in out
