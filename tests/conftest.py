@@ -22,6 +22,9 @@ import torch
 torch.set_num_threads(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")))
 
 
+_SHARED_MODELS: list = []  # every model ``_tiny`` built: their runners' memory is cleared before each test
+
+
 @functools.lru_cache(maxsize=None)
 def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0, layers: int = 2,
           hidden: int = 64):
@@ -39,6 +42,7 @@ def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0,
         with torch.no_grad():
             for p in lm.model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * noise)
+    _SHARED_MODELS.append(lm)
     return lm
 
 
@@ -46,6 +50,51 @@ def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0,
 def tiny():
     """``tiny(seed=0, copy=0, noise=0.0, noise_seed=0, layers=2, hidden=64)`` -> cached LoadedModel."""
     return _tiny
+
+
+@pytest.fixture(autouse=True)
+def _forget_what_shared_models_learned():
+    """The cached tiny models are shared by the whole session, and so are their runners
+    (``runner_for``): what a method learned on one in an earlier test (bandit statistics,
+    acceptance calibration, n-gram pools) is forgotten before each test, so that no test
+    depends on which tests ran before it (the suite runs in random order).  Tests whose
+    thresholds depend on learned state or on measured costs use ``fresh_runner`` instead."""
+    from leapdecode import runner_for
+
+    for lm in _SHARED_MODELS:
+        runner_for(lm).memory.clear()
+    yield
+
+
+def flat_verify_cost():
+    """A verification cost that does not grow with the tree: cost-aware methods draft all they can."""
+    from leapdecode.core.cost_model import VerifyCost
+
+    return VerifyCost([1, 64], [1.0, 1.0])
+
+
+@pytest.fixture
+def fresh_runner():
+    """``fresh_runner(model, verify_cost=None, drafts=None, **runner_kwargs)`` -> a new ``ModelRunner``
+    (empty memory, no measured costs) for ``model``.
+
+    ``verify_cost``: a ``VerifyCost`` (or ``"flat"``: ``flat_verify_cost()``) used instead of
+    measuring the target (so thresholds do not depend on this machine's timings); ``drafts``:
+    ``{name: LoadedModel}`` added with ``add_draft`` (options then name them: ``{"draft": name}``)."""
+    from leapdecode import ModelRunner
+
+    def make(model, verify_cost=None, drafts=None, **kwargs):
+        runner = ModelRunner(model, **kwargs)
+        if isinstance(verify_cost, str):
+            assert verify_cost == "flat", verify_cost
+            verify_cost = flat_verify_cost()
+        if verify_cost is not None:
+            runner.verify_cost = lambda cache, cost=verify_cost: cost
+        for name, draft in (drafts or {}).items():
+            runner.add_draft(name, draft)
+        return runner
+
+    return make
 
 
 def chi2_gof(observed, expected_probs, min_expected: float = 5.0) -> tuple[float, int, float]:

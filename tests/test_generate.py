@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -263,11 +262,22 @@ def test_paths_that_do_not_exist(tmp_path):
         leapdecode.load(str(tmp_path / "empty"))
 
 
-def test_hub_id_fails_fast_and_clearly():
-    t0 = time.monotonic()
+def test_hub_id_fails_fast_and_clearly(monkeypatch):
+    """An unknown hub id is refused without waiting on the network: with every connection attempt
+    failing at once (as offline), the error is still the clear one naming the id."""
+    import socket
+
+    attempts = []
+
+    def no_network(self, *args, **kwargs):
+        attempts.append(args)
+        raise OSError("network disabled in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UnknownModelError) as err:
         leapdecode.load("someorg/somemodel")
-    assert time.monotonic() - t0 < 60
     assert "someorg/somemodel" in str(err.value) and "registered" in str(err.value)
 
 
@@ -293,7 +303,15 @@ BAD_PARAMS = [
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=-3), "max_new_tokens"),
     (dict(max_new_tokens=2.5), "max_new_tokens"),
-    (dict(tree_budget=0, method="pld"), "tree_budget"),
+    (dict(options={"tree_budget": 0}, method="pld"), "tree_budget"),
+    (dict(options={"tree_budget": 0}, method="vanilla"), "tree_budget"),
+    (dict(method="pld", options={"max_ngram": 0}), "max_ngram"),
+    (dict(method="pld", options={"bogus": 1}), "bogus"),
+    (dict(method="pld", options="max_ngram=2"), "options"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(prompt_ids=[1, 10**6]), "prompt_ids"),
+    (dict(prompt_ids=[1, True]), "prompt_ids"),
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(method="bogus"), "bogus"),
@@ -315,8 +333,11 @@ def test_unknown_method_lists_the_methods(model):
         assert m in str(err.value)
 
 
-@pytest.mark.parametrize("prompt,word", [("", "empty"), ([], "empty"), ([{"role": "user"}], "messages"),
-                                         (5, "prompt"), ([{"content": "hi"}], "messages")])
+@pytest.mark.parametrize("prompt,word", [("", "empty"), ([], "empty"), ([{"role": "user"}], "message 0"),
+                                         (5, "prompt"), ([{"content": "hi"}], "message 0"),
+                                         ([{"role": "user", "content": "hi"}, "hi"], "message 1"),
+                                         ([{"role": "", "content": "hi"}], "role"),
+                                         ([{"role": "user", "content": 5}], "content")])
 def test_bad_prompts(model, prompt, word):
     with pytest.raises(InvalidParameterError, match=word):
         vanilla(model, prompt, max_new_tokens=2)
@@ -355,10 +376,9 @@ def _bad_cli_cases(tmp: Path):
         (gen + ["--top-p", "0", "hi"], ["top_p"]),
         (gen + ["--top-p", "1.5", "hi"], ["top_p"]),
         (gen + ["--top-k", "-2", "hi"], ["top_k"]),
-        (gen + ["--max-new-tokens", "0", "hi"], ["max-new-tokens"]),
-        (gen + ["--max-new-tokens", "-5", "hi"], ["max-new-tokens"]),
+        (gen + ["--max-new-tokens", "0", "hi"], ["max_new_tokens"]),
+        (gen + ["--max-new-tokens", "-5", "hi"], ["max_new_tokens"]),
         (gen + ["--repetition-penalty", "0", "hi"], ["repetition_penalty"]),
-        (gen + ["--method", "bogus", "hi"], ["bogus", "vanilla"]),
         (gen + ["--method", "pld", "--tree-budget", "0", "hi"], ["tree_budget"]),
         (gen + ["--dtype", "fp8", "hi"], ["dtype"]),
         (gen + ["--stop", "", "hi"], ["stop"]),
@@ -373,12 +393,18 @@ def test_cli_bad_inputs(capsys, tmp_path):
         _assert_one_line_error(rc, out, err, *words)
 
 
-def test_cli_bad_choice_is_an_argparse_error(capsys):
+@pytest.mark.parametrize("argv,words", [
+    (["--backend", "bogus"], ["--backend"]),
+    (["--method", "bogus"], ["--method", "bogus", "vanilla"]),  # the error lists the methods
+])
+def test_cli_bad_choice_is_an_argparse_error(capsys, argv, words):
     with pytest.raises(SystemExit) as e:
-        main(["generate", "-m", "tiny-random", "--backend", "bogus", "hi"])
+        main(["generate", "-m", "tiny-random", *argv, "hi"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "--backend" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err.strip().splitlines()[-1], (w, err)
 
 
 def test_cli_json(capsys, model):
@@ -429,7 +455,7 @@ def test_cli_seed_stop_chat_and_stdin(capsys, monkeypatch, model):
     assert data["text"] == full.text[: full.text.find(stop)] and data["finish_reason"] == "stop"
     data = json.loads(_cli(capsys, *args, "--chat", "hi")[1])
     assert data["tokens"] == vanilla(model, [{"role": "user", "content": "hi"}], max_new_tokens=20).tokens
-    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode()), encoding="utf-8"))
     data = json.loads(_cli(capsys, *args, "-")[1])
     assert data["tokens"] == full.tokens
 
@@ -441,10 +467,9 @@ def test_console_script_bad_input():
     if not exe:
         pytest.skip("the leapdecode console script is not installed")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    t0 = time.monotonic()
+    # (the timeout only keeps a hung process from hanging the suite; it is not a speed check)
     p = subprocess.run([str(exe), "generate", "-m", "no-such-model", "--max-new-tokens", "4", "hi"],
                        capture_output=True, text=True, timeout=300, env=env)
-    assert time.monotonic() - t0 < 300
     _assert_one_line_error(p.returncode, p.stdout, p.stderr, "no-such-model")
 
 

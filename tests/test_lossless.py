@@ -33,10 +33,15 @@ datastore built here); any other method runs with its defaults.
    draft with a shorter context, a draft that is the target object itself, stop strings,
    REST with a datastore file, long runs.
 
-A target and its draft must be distinct objects: a ``LoadedModel`` keeps the
-generation's KV cache on itself (``_cache``), so the conftest gives identical
-weights under ``copy=1``; ``test_draft_may_be_the_target_object`` checks that
-passing the very same object as its own draft works too.
+Draft models are named in ``options={"draft": NAME}``; the tests add their tiny drafts to
+the target's runner under such names (``runner.add_draft``).  The drafts are distinct
+objects from the targets (the conftest gives identical weights under ``copy=1``);
+``test_draft_may_be_the_target_object`` checks that the very same object as its own draft
+works too (the runner hands each its own KV cache).
+
+Thresholds on how much gets drafted (not on the tokens) run on a runner of their own
+(``fresh_runner``: nothing learned before) with a hand-set verification cost, so they do
+not depend on this machine's timings or on the tests that ran before.
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
 import leapdecode
+from leapdecode import ModelRunner, runner_for
 from leapdecode.core.generate import Generation
 from leapdecode.core.sampling import SamplingParams, target_probs
-from leapdecode.proposers import METHODS, make_proposer
+from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
 
 ALPHA = 0.01
@@ -83,17 +89,37 @@ class Env:
         return f"Env(drafts={sorted(self.drafts)}, datastore={self.datastore_path})"
 
 
+def draft_name(kind: str) -> str:
+    return f"test-draft-{kind}"
+
+
+def with_drafts(model_or_runner, env: Env):
+    """The model (or runner), with every draft kind of ``env`` added to its runner by name."""
+    runner = runner_for(model_or_runner)
+    for kind, draft in env.drafts.items():
+        runner.add_draft(draft_name(kind), draft)
+    return model_or_runner
+
+
 def method_inputs(method: str, env: Env, draft_kind: str | None = "copy") -> dict:
-    """Extra ``generate`` keyword arguments a method needs; ``{}`` for any method not listed.
+    """The method ``options`` a method needs; ``{}`` for any method not listed.  Drafts are named:
+    run on a model or runner passed through ``with_drafts``.
 
     ``draft_kind`` None: no draft where one is optional ("auto" then stays model-free)."""
     if method == "draft":
-        return {"draft": env.drafts[draft_kind or "copy"]}
+        return {"draft": draft_name(draft_kind or "copy")}
     if method == "auto":
-        return {} if draft_kind is None else {"draft": env.drafts[draft_kind]}
+        return {} if draft_kind is None else {"draft": draft_name(draft_kind)}
     if method == "rest":
-        return {"datastore": env.datastore}
+        return {"datastore": env.datastore_path}
     return {}
+
+
+def run(model, prompt, method: str, env: Env, draft_kind: str | None = "copy", options: dict | None = None,
+        **kw):
+    """``generate`` with ``method`` and the options it needs (plus ``options``)."""
+    opts = {**method_inputs(method, env, draft_kind), **(options or {})}
+    return leapdecode.generate(with_drafts(model, env), prompt, method=method, options=opts, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +243,7 @@ def _model_for(tiny, case):
     return base if case["eos"] is None else _with_eos(base, tuple(sorted(base.eos_token_ids | {case["eos"]})))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", list(METHODS))
 @seed(SEED)
 @settings(max_examples=EXAMPLES, **HSET)
 @given(case=greedy_cases())
@@ -226,8 +252,7 @@ def test_greedy_equals_vanilla(tiny, env, method, case):
     kw = dict(max_new_tokens=case["max_new_tokens"], repetition_penalty=case["repetition_penalty"],
               prompt_ids=case["ids"])
     want = _vanilla(model, **kw)
-    got = leapdecode.generate(model, "", method=method, tree_budget=case["tree_budget"],
-                              **method_inputs(method, env, case["draft_kind"]), **kw)
+    got = run(model, "", method, env, case["draft_kind"], options={"tree_budget": case["tree_budget"]}, **kw)
     assert got.tokens == want.tokens, (method, case, _divergence(want.tokens, got.tokens))
     assert got.text == want.text and got.finish_reason == want.finish_reason
     check_stats(got, case["max_new_tokens"], case["tree_budget"], method, model)
@@ -240,17 +265,14 @@ def _divergence(want: list[int], got: list[int]) -> str:
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "vanilla"])
-def test_drafts_are_accepted_on_repetitive_text(tiny, env, method):
+def test_drafts_are_accepted_on_repetitive_text(tiny, env, fresh_runner, method):
     """Guard against a vacuous pass: on text the target repeats, drafts really get accepted (a method
-    that never proposed anything would pass every equality test above)."""
+    that never proposed anything would pass every equality test above).  A runner of its own
+    (nothing learned before) with a flat verification cost: cost-aware trees (draft, sam, rest,
+    auto) do not follow this machine's timings."""
     model = tiny(seed=0)
     want = vanilla(model, REPETITIVE, max_new_tokens=64)
-    # rest's cost-aware trees follow this machine's timings of the tiny model and what the shared
-    # datastore learned from the random prompts above; its fixed trees show that retrieval works
-    # (tests/test_rest.py checks the cost-aware trees under set costs)
-    extra = {"cost_aware": False} if method == "rest" else {}
-    got = leapdecode.generate(model, REPETITIVE, max_new_tokens=64, method=method,
-                              **method_inputs(method, env, "copy"), **extra)
+    got = run(fresh_runner(model, verify_cost="flat"), REPETITIVE, method, env, "copy", max_new_tokens=64)
     assert got.tokens == want.tokens
     if method in ("jacobi",):  # Jacobi iteration from a random-ish guess rarely converges on noise
         return
@@ -265,12 +287,11 @@ def test_long_generation_all_methods(tiny, env):
     prompt = "def f(x):\n    return x\n" * 3
     want = vanilla(model, prompt, max_new_tokens=256)
     for method in METHODS:
-        got = leapdecode.generate(model, prompt, max_new_tokens=256, method=method,
-                                  **method_inputs(method, env, "noisy"))
+        got = run(model, prompt, method, env, "noisy", max_new_tokens=256)
         assert got.tokens == want.tokens, (method, _divergence(want.tokens, got.tokens))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", list(METHODS))
 def test_long_prompts_and_the_end_of_the_context(tiny, env, method):
     """Prompts longer than one prefill chunk, and generation running into the context limit (2048 for
     the tiny models): the tree budget shrinks to the room left, and output stops where vanilla's does."""
@@ -279,17 +300,17 @@ def test_long_prompts_and_the_end_of_the_context(tiny, env, method):
     for n, n_new in ((300, 24), (700, 12), (model.max_seq_len - 12, 40), (model.max_seq_len - 1, 5)):
         ids = (unit * (n // len(unit) + 1))[:n]
         want = vanilla(model, "", prompt_ids=ids, max_new_tokens=n_new)
-        got = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=n_new, method=method,
-                                  **method_inputs(method, env, "copy"))
+        got = run(model, "", method, env, "copy", prompt_ids=ids, max_new_tokens=n_new)
         assert got.tokens == want.tokens, (method, n, _divergence(want.tokens, got.tokens))
         assert got.finish_reason == want.finish_reason
         # the last new token is never fed to the model: prompt + new tokens <= context + 1
         assert n + len(got.tokens) <= model.max_seq_len + 1
 
 
-def test_draft_with_a_shorter_context(tiny):
+def test_draft_with_a_shorter_context(tiny, fresh_runner):
     """A draft whose context is shorter than the prompt, or than prompt + output: drafting stops where
-    the draft runs out of room, decoding goes on."""
+    the draft runs out of room, decoding goes on.  (Its own runner with a flat verification cost:
+    how much the adaptive draft drafts does not follow this machine's timings.)"""
     from leapdecode.models.native import NativeCausalLM
     from leapdecode.models.tiny import tiny_config
 
@@ -297,52 +318,57 @@ def test_draft_with_a_shorter_context(tiny):
     short = NativeCausalLM(tiny_config(), max_seq_len=128).eval()
     short.load_state_dict(twin.model.state_dict())
     draft = dataclasses.replace(twin, model=short)
+    runner = fresh_runner(model, verify_cost="flat", drafts={"short": draft})
     unit = model.tokenizer.encode("the cat sat on the mat. ")
     for n in (100, 300):
         ids = (unit * 20)[:n]
         want = vanilla(model, "", prompt_ids=ids, max_new_tokens=60)
-        got = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=60, method="draft", draft=draft)
+        got = leapdecode.generate(runner, "", prompt_ids=ids, max_new_tokens=60, method="draft",
+                                  options={"draft": "short"})
         assert got.tokens == want.tokens, (n, _divergence(want.tokens, got.tokens))
         if n == 100:
             assert got.stats["mean_accepted"] > 1  # it drafted while it had room
         # reading only the attention sink and the last 64 prompt tokens, it fits and drafts
-        windowed = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=60, method="draft", draft=draft,
-                                       context_window=64)
+        windowed = leapdecode.generate(runner, "", prompt_ids=ids, max_new_tokens=60, method="draft",
+                                       options={"draft": "short", "context_window": 64})
         assert windowed.tokens == want.tokens, (n, _divergence(want.tokens, windowed.tokens))
         assert windowed.stats["mean_accepted"] > 1
 
 
 @pytest.mark.parametrize("window", [1, 8, 64, None])
-def test_draft_context_window(tiny, env, window):
+def test_draft_context_window(tiny, env, fresh_runner, window):
     """The draft reads a bounded window of a long prompt: output unchanged, and a draft with the
-    target's weights still drafts well on a repetitive prompt."""
+    target's weights still drafts well on a repetitive prompt (its own runner, a flat verification
+    cost)."""
     model = tiny(seed=0)
     unit = model.tokenizer.encode("the cat sat on the mat. ")
     ids = (unit * 40)[:600]
     want = vanilla(model, "", prompt_ids=ids, max_new_tokens=48)
-    got = leapdecode.generate(model, "", prompt_ids=ids, max_new_tokens=48, method="draft",
-                              draft=env.drafts["noisy"], context_window=window)
+    got = run(fresh_runner(model, verify_cost="flat"), "", "draft", env, "noisy", prompt_ids=ids,
+              max_new_tokens=48, options={"context_window": window})
     assert got.tokens == want.tokens, (window, _divergence(want.tokens, got.tokens))
     if window is None or window >= 8:
         assert got.stats["mean_accepted"] > 1.2, got.stats
 
 
 def test_rest_datastore_by_path(tiny, env):
-    if "rest" not in METHODS:
-        pytest.skip("no rest method")
+    assert "rest" in METHODS
     model = tiny(seed=0)
     want = vanilla(model, REPETITIVE, max_new_tokens=40)
-    got = leapdecode.generate(model, REPETITIVE, max_new_tokens=40, method="rest", datastore=env.datastore_path)
+    got = leapdecode.generate(model, REPETITIVE, max_new_tokens=40, method="rest",
+                              options={"datastore": env.datastore_path})
     assert got.tokens == want.tokens
     assert got.stats["rest_hit_rate"] > 0
 
 
-def test_draft_may_be_the_target_object(tiny):
-    """``draft=`` the target's own ``LoadedModel``: the draft's KV cache must not be the target's."""
+def test_draft_may_be_the_target_object(tiny, fresh_runner):
+    """The draft is the target's own ``LoadedModel``: the draft's KV cache must not be the target's.
+    (Its own runner with a flat verification cost, for the drafting threshold.)"""
     model = tiny(seed=0)
+    runner = fresh_runner(model, verify_cost="flat", drafts={"itself": model})
     for prompt in (REPETITIVE, "abc", "the cat sat on the mat"):
         want = vanilla(model, prompt, max_new_tokens=40)
-        got = leapdecode.generate(model, prompt, max_new_tokens=40, method="draft", draft=model)
+        got = leapdecode.generate(runner, prompt, max_new_tokens=40, method="draft", options={"draft": "itself"})
         assert got.tokens == want.tokens, (prompt, _divergence(want.tokens, got.tokens))
         assert got.stats["mean_accepted"] > 1  # a draft equal to the target: whole trees accepted
 
@@ -357,8 +383,7 @@ def test_stop_strings_with_speculation(tiny, env):
         want = vanilla(model, prompt, max_new_tokens=60, stop=stop)
         assert want.finish_reason == "stop"
         for method in METHODS:
-            got = leapdecode.generate(model, prompt, max_new_tokens=60, stop=stop, method=method,
-                                      **method_inputs(method, env, "copy"))
+            got = run(model, prompt, method, env, "copy", max_new_tokens=60, stop=stop)
             assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, "stop"), (method, stop)
 
 
@@ -378,7 +403,7 @@ def _sampled_nodes_drafted(gen: Generation) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", list(METHODS))
 @seed(SEED)
 @settings(max_examples=max(EXAMPLES // 3, 10), **HSET)
 @given(case=greedy_cases(), sample_seed=st.integers(0, 2**31 - 1),
@@ -393,8 +418,8 @@ def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
     want = _vanilla(model, **kw)
     runs = []
     while len(runs) < 2:
-        gen = Generation(model, "", method=method, tree_budget=case["tree_budget"],
-                         **method_inputs(method, env, case["draft_kind"]), **kw)
+        options = {**method_inputs(method, env, case["draft_kind"]), "tree_budget": case["tree_budget"]}
+        gen = leapdecode.start_generation(with_drafts(model, env), method=method, options=options, **kw)
         sampled = _sampled_nodes_drafted(gen)
         res = gen.run()
         check_stats(res, case["max_new_tokens"], case["tree_budget"], method, model)
@@ -407,13 +432,11 @@ def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
 
 
 def test_auto_with_a_draft_is_seed_reproducible(tiny, env):
-    if "auto" not in METHODS:
-        pytest.skip("no auto method")
+    assert "auto" in METHODS
     model = tiny(seed=1)
     outs = set()
     for _ in range(6):
-        res = leapdecode.generate(model, REPETITIVE, max_new_tokens=48, temperature=1.0, seed=5,
-                                  method="auto", draft=env.drafts["noisy"])
+        res = run(model, REPETITIVE, "auto", env, "noisy", max_new_tokens=48, temperature=1.0, seed=5)
         outs.add(tuple(res.tokens))
     assert len(outs) == 1, f"{len(outs)} different outputs from one seed"
 
@@ -446,14 +469,14 @@ def _first_two(model, ids, n: int, **kw) -> tuple[dict[tuple[int, int], int], in
     counts: dict[tuple[int, int], int] = {}
     drafted = 0
     for i in range(n):
-        gen = Generation(model, "", prompt_ids=ids, seed=i, **kw)
+        gen = leapdecode.start_generation(model, prompt_ids=ids, seed=i, **kw)
         first_step = []
         if gen.proposer is not None:
             observe = gen.proposer.observe
 
-            def spy(tokens, tree, verdict, logits, gen=gen, observe=observe, first_step=first_step):
+            def spy(tokens, tree, verdict, logits, hidden=None, gen=gen, observe=observe, first_step=first_step):
                 first_step.append(len(verdict.accepted))
-                observe(tokens, tree, verdict, logits)
+                observe(tokens, tree, verdict, logits, hidden)
                 if len(tokens) >= len(ids) + 2:
                     gen.cancel()
 
@@ -502,8 +525,7 @@ def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_windo
     two levels deep) from a noisy copy of the target; with ``draft_vocab=64`` the draft samples from a
     subset of the vocabulary (FR-Spec: 64 of 259 tokens plus the prompt's), zero elsewhere; with
     ``context_window=2`` the draft reads only the attention sink and the last two prompt tokens."""
-    if "draft" not in METHODS:
-        pytest.skip("no draft method")
+    assert "draft" in METHODS
     params = dict(temperature=0.9, top_k=5)
     sp = SamplingParams(**params)
     draft = tiny(seed=0, noise=0.01, noise_seed=1)
@@ -521,9 +543,10 @@ def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_windo
         assert len(chosen) - 1 > 4 + context_window  # the window really cuts this prompt
     n = 1500
     # budget 8 with beam 1: the draft's 4 sampled root children and 4 sampled grandchildren
-    counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft", draft=draft,
-                                 tree_budget=8, beam=1, draft_vocab=draft_vocab,
-                                 context_window=context_window, **params)
+    runner_for(no_eos).add_draft("noisy", draft)
+    counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft",
+                                 options=dict(draft="noisy", tree_budget=8, beam=1, draft_vocab=draft_vocab,
+                                              context_window=context_window), **params)
     expected = _joint(no_eos, chosen, sp)
     stat, df, pval = _chi2_against(chi2, counts, expected)
     assert pval > ALPHA, (stat, df, pval, drafted)
@@ -538,14 +561,15 @@ def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_windo
 
 def test_distribution_model_free(tiny, no_eos, chi2):
     """Deterministic drafts (prompt lookup): the verifier draws from p and descends on a match."""
-    method = "pld" if "pld" in METHODS else next(m for m in METHODS if m not in ("vanilla", "draft", "rest"))
+    assert "pld" in METHODS
+    method = "pld"
     params = dict(temperature=1.0, top_p=0.9)
     sp = SamplingParams(**params)
     tok = no_eos.tokenizer
     best, best_score = None, 0.0
     for prompt in CANDIDATE_PROMPTS:  # the root draft must be neither certain nor hopeless
         ids = tok.encode(prompt)
-        tree = make_proposer(method, no_eos).propose(ids, 2)
+        tree = build_proposer(method_config(method), ModelRunner(no_eos)).propose(ids, 2)
         if not len(tree):
             continue
         px = float(_next_probs(no_eos, ids, sp)[tree.tokens[0]])
@@ -574,19 +598,19 @@ def test_distribution_vanilla_reference(no_eos, chi2):
 
 
 # ============================================================================ 4. stream
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", list(METHODS))
 def test_stream_equals_generate(tiny, env, method):
-    model = tiny(seed=1)
+    model = with_drafts(tiny(seed=1), env)
     for kw in (dict(max_new_tokens=48), dict(max_new_tokens=48, temperature=0.8, seed=3),
                dict(max_new_tokens=48, stop=["at", "\n\n"])):
-        kw.update(method_inputs(method, env, "noisy"))
-        gen = leapdecode.stream(model, REPETITIVE, method=method, **kw)
+        gen = leapdecode.stream(model, REPETITIVE, method=method, options=method_inputs(method, env, "noisy"),
+                                **kw)
         pieces = list(gen)
         assert all(pieces)
         assert "".join(pieces) == gen.result.text
         if "stop" not in kw:
             assert gen.result.text == model.tokenizer.decode(gen.result.tokens, skip_special_tokens=True)
         if "temperature" not in kw:  # greedy: the same as vanilla's non-streamed result
-            res = vanilla(model, REPETITIVE, **{k: v for k, v in kw.items() if k not in ("draft", "datastore")})
+            res = vanilla(model, REPETITIVE, **kw)
             assert (gen.result.text, gen.result.tokens, gen.result.finish_reason) == \
                 (res.text, res.tokens, res.finish_reason)

@@ -15,11 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leapdecode
+from leapdecode import ModelRunner
+from leapdecode.core.generate import Generation
+from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.tree import TokenTree
 from leapdecode.core.verifier import Verdict
 from leapdecode.errors import InvalidParameterError
-from leapdecode.proposers import METHODS, make_proposer
-from leapdecode.proposers.pld import NGramIndex, PromptLookupProposer, copy_continuation, merge_candidates
+from leapdecode.proposers import METHODS, build_proposer, method_config
+from leapdecode.proposers.common import copy_continuation, merge_candidates
+from leapdecode.proposers.pld import NGramIndex, PromptLookupProposer
 from leapdecode.proposers.recycling import (
     AdjacencyMatrix,
     TokenRecyclingProposer,
@@ -67,7 +71,7 @@ def walk(sa: SuffixAutomaton, s: list[int]) -> int:
 def test_dynamic_automaton_matches_brute_force(text, occurrence):
     prop = SuffixAutomatonProposer(occurrence=occurrence)
     for T in range(1, len(text) + 1):
-        prop._sync(text[:T])  # one new token per call, as in generation
+        prop.sync(text[:T])  # one new token per call, as in generation
         cur = text[:T]
         L = longest_earlier_suffix(cur)
         assert prop.dyn_len == L
@@ -111,7 +115,7 @@ def test_static_automaton_matching_walk(corpus, text, occurrence):
     prop = SuffixAutomatonProposer(corpus_tokens=corpus, occurrence=occurrence)
     concat = prop.static.text
     for T in range(1, len(text) + 1):
-        prop._sync(text[:T])
+        prop.sync(text[:T])
         # naive: longest suffix of text[:T] that is a substring of some document
         best = 0
         for L in range(1, T + 1):
@@ -170,7 +174,7 @@ def test_ngram_index_matches_brute_force(text, max_ngram):
 def test_pld_candidates_and_tree(text, max_ngram, max_matches, budget):
     prop = PromptLookupProposer(max_ngram=max_ngram, max_matches=max_matches, draft_len=6)
     for T in range(1, len(text) + 1):  # incremental sync
-        prop._sync(text[:T])
+        prop.sync(text[:T])
     T = len(text)
     cands = prop.candidates(budget)
     seen = set()
@@ -303,9 +307,9 @@ def test_lossless_greedy(tiny_models, words, noise, which, budget, n_new):
     prompt = "".join(words) + noise
     if not model.tokenizer.encode(prompt):
         prompt = "x"
-    want = leapdecode.generate(model, prompt, max_new_tokens=n_new).tokens
+    want = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="vanilla").tokens
     for m in MODEL_FREE:
-        got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method=m, tree_budget=budget)
+        got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method=m, options={"tree_budget": budget})
         assert got.tokens == want, m
 
 
@@ -313,7 +317,7 @@ def test_lossless_sampling_fixed_seed(tiny_models):
     # deterministic nodes consume the generator exactly like vanilla: one draw per emitted token
     prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
     model = tiny_models[1]
-    want = leapdecode.generate(model, prompt, max_new_tokens=40, temperature=0.9, seed=7).tokens
+    want = leapdecode.generate(model, prompt, max_new_tokens=40, temperature=0.9, seed=7, method="vanilla").tokens
     for m in MODEL_FREE:
         got = leapdecode.generate(model, prompt, max_new_tokens=40, temperature=0.9, seed=7, method=m)
         assert got.tokens == want, m
@@ -322,22 +326,24 @@ def test_lossless_sampling_fixed_seed(tiny_models):
 def test_corpus_drafting_is_lossless(tiny_models):
     model = tiny_models[0]
     prompt = "hello world, hello"
-    vanilla = leapdecode.generate(model, prompt, max_new_tokens=48)
+    vanilla = leapdecode.generate(model, prompt, max_new_tokens=48, method="vanilla")
     corpus = [model.tokenizer.encode(prompt) + vanilla.tokens[:30], [1, 2, 3]]
-    got = leapdecode.generate(model, prompt, max_new_tokens=48, method="sam", corpus_tokens=corpus)
+    got = leapdecode.generate(model, prompt, max_new_tokens=48, method="sam", options={"corpus_tokens": corpus})
     assert got.tokens == vanilla.tokens
     assert got.stats["sam_static_drafts"] > 0  # the corpus held the continuation
 
 
 # ----------------------------------------------------------------------------- they draft
-def test_repetitive_text_is_drafted(tiny_models):
+def test_repetitive_text_is_drafted(tiny_models, fresh_runner):
+    """Own runner (nothing learned before, e.g. the recycling matrix), flat verification cost (sam's
+    cost-aware chains do not follow this machine's timings)."""
     model = tiny_models[0]
     prompt = "hello hello hello hello world, hello world. the cat sat on the mat; the cat sat on the mat."
     base = leapdecode.generate(model, prompt, max_new_tokens=64, method="vanilla")
     out = base.tokens
     assert len(set(out[len(out) // 2 :])) < len(out) // 4, "tiny model's greedy output should repeat"
     for m in MODEL_FREE:
-        r = leapdecode.generate(model, prompt, max_new_tokens=64, method=m)
+        r = leapdecode.generate(fresh_runner(model, verify_cost="flat"), prompt, max_new_tokens=64, method=m)
         assert r.tokens == base.tokens
         assert r.stats["mean_accepted"] > 1.5, (m, r.stats)
         assert r.stats["target_forwards"] < base.stats["target_forwards"]
@@ -361,12 +367,13 @@ def test_repetitive_text_is_drafted(tiny_models):
     ("recycling", {"template": [(0, 1)]}),  # child before parent
     ("recycling", {"template": [(9,)]}),  # rank >= k
     ("recycling", {"template": []}),
+    ("recycling", {"template": "[[0]]"}),
 ])
 def test_bad_options_raise(tiny_models, method, opts):
     with pytest.raises(InvalidParameterError):
-        make_proposer(method, tiny_models[0], **opts)
+        build_proposer(method_config(method, opts), ModelRunner(tiny_models[0]))
     with pytest.raises(InvalidParameterError):
-        leapdecode.generate(tiny_models[0], "hi", max_new_tokens=2, method=method, **opts)
+        leapdecode.generate(tiny_models[0], "hi", max_new_tokens=2, method=method, options=opts)
 
 
 @pytest.mark.parametrize("cls", [PromptLookupProposer, SuffixAutomatonProposer, TokenRecyclingProposer])
@@ -376,14 +383,53 @@ def test_bad_budget_raises(cls, budget):
         cls(tree_budget=budget)
 
 
-def test_registered():
+def test_registered(tiny_models):
     for m in MODEL_FREE:
         assert m in METHODS
-    assert make_proposer("vanilla", None) is None
-    p = make_proposer("pld", None, tree_budget=7, max_ngram=2)
+    runner = ModelRunner(tiny_models[0])
+    assert build_proposer(method_config("vanilla"), runner) is None
+    p = build_proposer(method_config("pld", {"tree_budget": 7, "max_ngram": 2}), runner)
     assert isinstance(p, PromptLookupProposer) and p.default_budget == 7 and p.max_ngram == 2
-    assert isinstance(make_proposer("sam", None), SuffixAutomatonProposer)
-    assert isinstance(make_proposer("recycling", None, k=3), TokenRecyclingProposer)
+    assert isinstance(build_proposer(method_config("sam"), runner), SuffixAutomatonProposer)
+    p = build_proposer(method_config("recycling", {"k": 3}), runner)
+    assert isinstance(p, TokenRecyclingProposer) and p.k == 3
+    p = build_proposer(method_config("sam", {"corpus_tokens": [[1, 2], [3]]}), runner)
+    assert p.static is not None and p.static.text == [1, 2, SEPARATOR, 3]
+
+
+def test_recycling_matrix_persists_in_the_runner_only(tiny_models, fresh_runner):
+    """``persist=True``: one adjacency matrix per runner (target) and k, learned across its generations,
+    kept in the runner's memory, not on the model object; ``persist=False``: a new one per generation."""
+    model = tiny_models[0]
+    before = dict(vars(model)), dict(vars(model.model))
+    runner = fresh_runner(model)
+    prompt = "the cat sat on the mat; the cat sat on the mat"
+
+    def matrix(r, **options):
+        gen = leapdecode.start_generation(r, prompt, max_new_tokens=12, method="recycling", options=options)
+        gen.run()
+        return gen.proposer.matrix
+
+    first = matrix(runner)
+    assert first.n > 0
+    assert matrix(runner) is first  # the same runner: learned across generations
+    assert matrix(runner, k=4) is not first  # another k: another matrix
+    assert matrix(fresh_runner(model)) is not first  # another runner starts from nothing
+    assert matrix(runner, persist=False) is not first
+    assert (dict(vars(model)), dict(vars(model.model))) == before  # nothing hung on the model objects
+
+
+def test_corpus_proposer_in_a_generation(tiny_models):
+    """A proposer built by hand runs in a ``Generation`` on a runner (the loop knows proposers only
+    through their interface)."""
+    model = tiny_models[0]
+    prompt = "hello world, hello"
+    ids = model.tokenizer.encode(prompt)
+    want = leapdecode.generate(model, prompt, max_new_tokens=24, method="vanilla")
+    prop = SuffixAutomatonProposer(corpus_tokens=[ids + want.tokens[:20]])
+    got = Generation(ModelRunner(model), ids, SamplingParams(), prop, method="sam", max_new_tokens=24).run()
+    assert got.tokens == want.tokens and got.text == want.text
+    assert got.stats["sam_static_drafts"] > 0
 
 
 def test_resync_on_a_different_text():

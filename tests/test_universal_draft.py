@@ -2,7 +2,11 @@
 
 The target is the tiny byte-level model; drafts get a byte-level BPE trained here
 in-process (so the two tokenizations really differ) or the byte tokenizer with one
-extra token (same text segmentation, but ``make_proposer`` sees another vocabulary).
+extra token (same text segmentation, but the method registry sees another vocabulary).
+
+Drafts are added to the target's runner by name (``runner.add_draft``) and named in
+``options={"draft": NAME}``; every comparison is against explicit ``method="vanilla"``
+(``generate``'s default method is ``auto``).
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from leapdecode import generate
+import leapdecode
+from leapdecode import ModelRunner, generate, runner_for
 from leapdecode.core.generate import encode_prompt
+from leapdecode.errors import InvalidParameterError
 from leapdecode.models.loader import LoadedModel
 from leapdecode.models.tiny import byte_tokenizer, tiny_loaded, tiny_native
-from leapdecode.proposers import make_proposer
-from leapdecode.proposers.universal_draft import UniversalDraftProposer, _chat_ids, chat_messages
+from leapdecode.proposers import build_proposer, method_config
+from leapdecode.proposers.universal_draft import UniversalDraftProposer, chat_messages
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
@@ -73,6 +79,17 @@ def loaded(model, tok, name):
     return LoadedModel(name=name, model=model, tokenizer=tok, eos_token_ids=eos)
 
 
+def vanilla(model, prompt, **kw):
+    return generate(model, prompt, method="vanilla", **kw)
+
+
+def drafted(target, draft, prompt, **kw):
+    """``generate`` with ``method="draft"`` and ``draft`` (a LoadedModel) added to the target's runner."""
+    options = kw.pop("options", {})
+    runner_for(target).add_draft(draft.name, draft)
+    return generate(target, prompt, method="draft", options={"draft": draft.name, **options}, **kw)
+
+
 def flagged_copy(tok):
     """The same tokenizer, with one unused token so its vocabulary differs."""
     t = copy.deepcopy(tok)
@@ -99,12 +116,19 @@ def bpe_target():
 
 
 def test_routes_to_universal(target, bpe_draft):
-    p = make_proposer("draft", target, draft=bpe_draft, tree_budget=8)
-    assert isinstance(p, UniversalDraftProposer)
-    with pytest.raises(TypeError):
-        make_proposer("draft", target, draft=bpe_draft, bogus=1)
+    runner = ModelRunner(target)
+    runner.add_draft("bpe", bpe_draft)
+    p = build_proposer(method_config("draft", {"draft": "bpe", "tree_budget": 8}), runner)
+    assert isinstance(p, UniversalDraftProposer) and p.default_budget == 8
+    with pytest.raises(InvalidParameterError, match="bogus"):
+        build_proposer(method_config("draft", {"draft": "bpe", "bogus": 1}), runner)
     # the same-tokenizer draft options are accepted (and ignored)
-    assert isinstance(make_proposer("draft", target, draft=bpe_draft, top_k=2), UniversalDraftProposer)
+    assert isinstance(build_proposer(method_config("draft", {"draft": "bpe", "top_k": 2}), runner),
+                      UniversalDraftProposer)
+    # the other-tokenizer options reach it
+    p = build_proposer(method_config("draft", {"draft": "bpe", "draft_len": 3, "min_draft_len": 1,
+                                               "max_draft_len": 5}), runner)
+    assert isinstance(p, UniversalDraftProposer) and (p.min_len, p.max_len) == (1, 5)
 
 
 def test_tokenizers_differ(target, bpe_draft):
@@ -123,9 +147,8 @@ PROMPTS = st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=PROMPTS, n=st.integers(1, 40), budget=st.integers(1, 20), chat=st.booleans())
 def test_lossless_greedy_bpe_draft(target, bpe_draft, prompt, n, budget, chat):
-    ref = generate(target, prompt, max_new_tokens=n, chat=chat)
-    out = generate(target, prompt, max_new_tokens=n, chat=chat, method="draft", draft=bpe_draft,
-                   tree_budget=budget)
+    ref = vanilla(target, prompt, max_new_tokens=n, chat=chat)
+    out = drafted(target, bpe_draft, prompt, max_new_tokens=n, chat=chat, options={"tree_budget": budget})
     assert out.tokens == ref.tokens
     assert out.text == ref.text
     assert out.finish_reason == ref.finish_reason
@@ -135,15 +158,13 @@ def test_lossless_greedy_bpe_draft(target, bpe_draft, prompt, n, budget, chat):
 @given(prompt=PROMPTS, n=st.integers(1, 40), budget=st.integers(1, 20), chat=st.booleans())
 def test_lossless_greedy_bpe_target_byte_draft(bpe_target, target, prompt, n, budget, chat):
     """The other direction: the target merges bytes, so draft text can merge across the boundary."""
-    ref = generate(bpe_target, prompt, max_new_tokens=n, chat=chat)
-    out = generate(bpe_target, prompt, max_new_tokens=n, chat=chat, method="draft", draft=target,
-                   tree_budget=budget)
+    ref = vanilla(bpe_target, prompt, max_new_tokens=n, chat=chat)
+    out = drafted(bpe_target, target, prompt, max_new_tokens=n, chat=chat, options={"tree_budget": budget})
     assert out.tokens == ref.tokens
 
 
 def test_sampling_runs(target, bpe_draft):
-    out = generate(target, "Once upon a", max_new_tokens=30, temperature=0.8, seed=3, method="draft",
-                   draft=bpe_draft)
+    out = drafted(target, bpe_draft, "Once upon a", max_new_tokens=30, temperature=0.8, seed=3)
     assert 1 <= len(out.tokens) <= 30
     assert out.stats["draft_forwards"] > 0
 
@@ -163,9 +184,12 @@ def readable_pair():
 def test_agreeing_draft_is_accepted(readable_pair, chat):
     tgt, dft = readable_pair
     prompt = "The quick brown fox jumps over"
-    ref = generate(tgt, prompt, max_new_tokens=80, chat=chat)
+    ref = vanilla(tgt, prompt, max_new_tokens=80, chat=chat)
     assert ref.text.isascii() and len(ref.tokens) == 80
-    out = generate(tgt, prompt, max_new_tokens=80, chat=chat, method="draft", draft=dft)
+    # a runner of its own: the adaptive chain length starts from its default, nothing learned before
+    runner = ModelRunner(tgt)
+    runner.add_draft("flagged", dft)
+    out = generate(runner, prompt, max_new_tokens=80, chat=chat, method="draft", options={"draft": "flagged"})
     assert out.tokens == ref.tokens
     assert out.stats["mean_accepted"] > 1.5, out.stats
     assert out.stats["mean_accepted"] > 4, out.stats  # the draft is the target: long chains pass
@@ -180,8 +204,8 @@ def test_agreeing_draft_with_merging_target(bpe_target):
     tgt = loaded(model, tok, "tiny-bpe-ascii")
     dft = loaded(model, flagged_copy(tok), "tiny-bpe-ascii-flagged")
     prompt = "Once upon a time"
-    ref = generate(tgt, prompt, max_new_tokens=60)
-    out = generate(tgt, prompt, max_new_tokens=60, method="draft", draft=dft)
+    ref = vanilla(tgt, prompt, max_new_tokens=60)
+    out = drafted(tgt, dft, prompt, max_new_tokens=60)
     assert out.tokens == ref.tokens
     assert out.stats["mean_accepted"] > 1.5, out.stats
 
@@ -199,30 +223,31 @@ def test_chat_messages_roundtrip(target, bpe_draft):
 
 
 def test_chat_prompt_uses_draft_template(target, bpe_draft):
-    from leapdecode.core.generate import Generation
-
-    g = Generation(target, "Hello", chat=True, max_new_tokens=4, method="draft", draft=bpe_draft)
+    runner = ModelRunner(target)
+    runner.add_draft("bpe", bpe_draft)
+    g = leapdecode.start_generation(runner, "Hello", chat=True, max_new_tokens=4, method="draft",
+                                    options={"draft": "bpe"})
     g.run()
     p = g.proposer
-    head = _chat_ids(bpe_draft.tokenizer, [{"role": "user", "content": "Hello"}])
+    # the draft's own chat template renders the conversation for the draft
+    head = bpe_draft.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                                   add_generation_prompt=True, tokenize=True)
+    if isinstance(head, dict) or hasattr(head, "input_ids"):
+        head = head["input_ids"]
+    head = list(head)
     assert p.D[: len(head)] == head
     assert bpe_draft.tokenizer.decode(head) == "### user: Hello\n### assistant:"
 
 
 @pytest.mark.integration
 def test_smollm2_drafts_for_gemma3():
-    import leapdecode
-    from leapdecode.errors import LeapdecodeError
-
-    try:
-        tgt = leapdecode.load("gemma3-270m")
-        dft = leapdecode.load("smollm2-135m", dtype=tgt.dtype, device=tgt.device)
-    except LeapdecodeError as e:  # not converted and not installable here
-        pytest.skip(f"registered models unavailable: {e}")
+    # an integration test needs its models: a load error is a failure, not a skip
+    tgt = leapdecode.load("gemma3-270m")
+    dft = leapdecode.load("smollm2-135m", dtype=tgt.dtype, device=tgt.device)
     assert dft.tokenizer.get_vocab() != tgt.tokenizer.get_vocab()
     prompt = "Explain in a few sentences why the sky is blue."
-    ref = generate(tgt, prompt, chat=True, max_new_tokens=48)
-    out = generate(tgt, prompt, chat=True, max_new_tokens=48, method="draft", draft=dft)
+    ref = vanilla(tgt, prompt, chat=True, max_new_tokens=48)
+    out = drafted(tgt, dft, prompt, chat=True, max_new_tokens=48)
     print(f"\nvanilla: {ref.stats}\nuniversal draft: {out.stats}\ntext: {out.text!r}")
     assert out.tokens == ref.tokens
     assert out.stats["mean_accepted"] >= 1.0
