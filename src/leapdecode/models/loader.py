@@ -3,6 +3,7 @@ becomes a ``LoadedModel`` (decoder + tokenizer) on the native or the HF backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -12,6 +13,9 @@ from typing import Any
 import torch
 
 from ..errors import InvalidParameterError, ModelFileError, UnknownModelError
+from .store import weights_problem
+
+HUB_ETAG_TIMEOUT_S = 5.0  # seconds to wait for the hub's file metadata (fail fast offline)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -25,9 +29,32 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device in (None, "auto"):
+    """``None``/``"auto"``: CUDA when available, else the CPU.  Anything else must name a device
+    torch knows and this machine has: an ``InvalidParameterError`` says what is wrong."""
+    if device is None or (isinstance(device, str) and device.strip() == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidParameterError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = ("built without CUDA" if torch.version.cuda is None
+                     else f"built for CUDA {torch.version.cuda}, but no usable GPU was found")
+            raise InvalidParameterError(
+                f"device {device!r}: CUDA is not available in this torch build or on this machine "
+                f"(torch {torch.__version__}, {build}); use device 'cpu' or 'auto'"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise InvalidParameterError(
+                f"device {device!r}: this machine has {count} CUDA device(s) (cuda:0 .. cuda:{count - 1})"
+            )
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise InvalidParameterError(f"device {device!r}: MPS is not available here; use 'cpu' or 'auto'")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -39,14 +66,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.float32
     names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if dtype not in names:
+    if not isinstance(dtype, str) or dtype not in names:
         raise InvalidParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
     return names[dtype]
 
 
-@dataclass
+@dataclass(eq=False)
 class LoadedModel:
-    """A decoder (native or HF backend, same interface) with its tokenizer."""
+    """A decoder (native or HF backend, same interface) with its tokenizer.
+
+    Compared and hashed by identity (``eq=False``): a model is keyed in weak dictionaries."""
 
     name: str
     model: Any  # NativeCausalLM or HFCausalLM: forward(tokens, cache, parents, logits_for), new_cache()
@@ -107,8 +136,20 @@ def _eos_ids(path: Path, tokenizer) -> set[int]:
     return ids
 
 
-def _local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
-    """Map the user's argument to (display name, HF-format directory, registered draft)."""
+def check_weights(directory: Path, fix: str) -> None:
+    """A ``ModelFileError`` naming the first truncated or corrupt ``*.safetensors`` file in
+    ``directory`` (checked from its header and size, without reading the weights), and ``fix``."""
+    bad = weights_problem(directory)
+    if bad is not None:
+        f, problem = bad
+        raise ModelFileError(f"{f} {problem}; {fix}")
+
+
+def local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
+    """Map the user's argument to (display name, HF-format directory, registered draft).
+
+    Registered models and ``.gguf`` files are converted into the cache when missing, outdated
+    or corrupt; local and hub directories are checked and reported when corrupt."""
     from . import registry
 
     if name_or_path in registry.REGISTRY:
@@ -122,6 +163,7 @@ def _local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelFileError(f"{p} is not a Hugging Face model directory (no config.json)")
+        check_weights(p, "replace it (download or save the model again)")
         return p.name, p, None
     looks_like_path = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
     if looks_like_path or name_or_path.count("/") != 1:
@@ -133,28 +175,51 @@ def _local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
     return name_or_path, _download_from_hub(name_or_path), None
 
 
+_local_model_dir = local_model_dir  # the name bench/runners.py imports
+
+
 def _download_from_hub(repo_id: str) -> Path:
     """Fetch a hub model; fails fast with a clear message where no hub is reachable."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - transformers depends on it
         raise UnknownModelError(f"cannot fetch {repo_id!r}: huggingface_hub is not installed") from e
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    # a short metadata timeout unless the user set one (passed as an argument: the process
+    # environment is not ours to change)
+    etag_timeout = HUB_ETAG_TIMEOUT_S
+    with contextlib.suppress(ValueError):
+        etag_timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_ETAG_TIMEOUT_S)
     try:
-        return Path(
-            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-        )
+        path = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
+                                      etag_timeout=etag_timeout))
     except Exception as e:
         raise UnknownModelError(
             f"model {repo_id!r} is not registered and could not be fetched from the Hugging Face hub "
             f"({type(e).__name__}); use a registered name (`leapdecode models list`), "
             "a local model directory or a .gguf file"
         ) from None
+    check_weights(path, f"delete it from the Hugging Face cache to download {repo_id} again")
+    return path
+
+
+def _model_argument(name_or_path: Any) -> str:
+    """The model argument as a non-empty string (paths accepted); an ``InvalidParameterError``
+    for anything else."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise InvalidParameterError(
+            f"model must be a string (a registered name, a model directory, a .gguf file or a hub id), "
+            f"not {type(name_or_path).__name__} {name_or_path!r}"
+        )
+    if not name_or_path.strip():
+        raise InvalidParameterError("model name is empty; use a registered name (`leapdecode models list`), "
+                                    "a model directory, a .gguf file or a hub id")
+    return name_or_path
 
 
 def load(
-    name_or_path: str,
+    name_or_path: str | os.PathLike,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     backend: str = "auto",
@@ -168,6 +233,7 @@ def load(
     transformers fallback for everything else; ``"native"`` or ``"hf"`` force one.
     ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
     """
+    name_or_path = _model_argument(name_or_path)
     from transformers import AutoTokenizer
 
     from .native import ModelConfig, NativeCausalLM
@@ -188,7 +254,7 @@ def load(
         raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    name, path, draft = _local_model_dir(name_or_path)
+    name, path, draft = local_model_dir(name_or_path)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -1,0 +1,270 @@
+"""The model cache on disk: where it is, locks, atomic writes, checksums and integrity checks.
+
+The cache root is ``$LEAPDECODE_CACHE`` or ``~/.cache/leapdecode``.  Anything written into
+it is first built in a unique staging directory in the root and then renamed into place,
+under a per-key ``fcntl`` lock, so concurrent processes and crashes never leave a
+half-written entry behind.  A converted model directory holds ``model.safetensors``,
+``config.json``, tokenizer files and ``leapdecode.json`` (``META_FILE``); whether one is
+complete is checked cheaply on every use (metadata, and the safetensors header against the
+file size), never by hashing gigabytes.
+
+Progress messages and bars for the slow steps live here too: every step below uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..errors import ModelFileError
+
+CACHE_ENV = "LEAPDECODE_CACHE"
+DEFAULT_CACHE = "~/.cache/leapdecode"
+CHUNK = 8 << 20  # 8 MiB streaming chunks
+FORMAT_VERSION = 1  # of the converted directory; bump to force reconversion
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "leapdecode.json"
+
+
+# --------------------------------------------------------------------------- messages
+def say(msg: str) -> None:
+    print(f"leapdecode: {msg}", file=sys.stderr, flush=True)
+
+
+def human_size(n: int | float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr; yields ``advance(nbytes)``."""
+    try:
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                   TimeRemainingColumn, TransferSpeedColumn)
+    except ImportError:  # pragma: no cover - rich is a dependency
+        yield lambda n: None
+        return
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=console,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# --------------------------------------------------------------------------- the cache root
+def _cache_origin(root: Path) -> str:
+    value = os.environ.get(CACHE_ENV)
+    return f"{CACHE_ENV}={value}" if value else f"the cache directory {root} ({CACHE_ENV} is not set)"
+
+
+def cache_dir() -> Path:
+    """The cache root: ``$LEAPDECODE_CACHE`` or ``~/.cache/leapdecode``.
+
+    A ``ModelFileError`` naming the variable when it points at something other than a
+    directory (it need not exist yet)."""
+    root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ModelFileError(
+            f"{_cache_origin(root)}: {root} is a file, not a directory; point {CACHE_ENV} at a "
+            "directory (it is created if missing) or remove the file"
+        )
+    return root
+
+
+def make_dir(path: Path) -> Path:
+    """``mkdir -p`` inside the cache; a ``ModelFileError`` naming ``$LEAPDECODE_CACHE`` on failure."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        root = cache_dir()
+        raise ModelFileError(
+            f"{_cache_origin(root)}: cannot create {path} ({e.strerror or type(e).__name__}); "
+            f"point {CACHE_ENV} at a writable directory"
+        ) from None
+    return path
+
+
+# --------------------------------------------------------------------------- locking / atomic output
+@contextlib.contextmanager
+def lock(key: str) -> Iterator[None]:
+    """An exclusive per-key lock (``fcntl.flock``) so one process prepares ``key`` at a time."""
+    locks = make_dir(cache_dir() / ".locks")
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: rely on the atomic rename alone
+        yield
+        return
+    with open(locks / f"{key}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process preparing {key} ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _tmp_prefix(key: str) -> str:
+    return f".tmp-{key}--"
+
+
+def remove_stale(key: str) -> None:
+    """Staging directories of ``key`` left by a crash (the caller holds its lock, so none is live)."""
+    for p in cache_dir().glob(_tmp_prefix(key) + "*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging(key: str) -> Iterator[Path]:
+    """A unique staging directory in the cache root, always removed at the end."""
+    root = make_dir(cache_dir())
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(key), dir=root))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish(staged: Path, target: Path, staging_dir: Path) -> None:
+    """Atomically move ``staged`` to ``target``; an outdated target is moved into
+    ``staging_dir`` (removed with it) first."""
+    make_dir(target.parent)
+    if target.exists():
+        os.rename(target, staging_dir / "replaced")
+    os.rename(staged, target)
+
+
+def share_permissions(directory: Path) -> None:
+    """Group/other permissions as the umask allows (some writers create 0600 files; the
+    cache may be shared)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# --------------------------------------------------------------------------- checksums
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file (hex), streamed with a progress bar."""
+    h = hashlib.sha256()
+    with progress(f"hashing {path.name}", path.stat().st_size) as advance, open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            advance(len(chunk))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- integrity of converted files
+# bytes per element of the safetensors dtypes (sub-byte float formats are not size-checked)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+                "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a ``.safetensors`` file, judged from its header alone (None: nothing).
+
+    The header must parse, every tensor's byte range must match its dtype and shape, and the
+    file size must equal 8 + header length + the data size the header declares: a truncated
+    or padded file fails here in microseconds, without reading the weights."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"is truncated ({size} bytes, too short for a safetensors header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                return f"is truncated or not a safetensors file (header length {n}, file size {size})"
+            raw = f.read(n)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or type(e).__name__})"
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"has a corrupt header ({type(e).__name__}: {e})"
+    data_size = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            dtype, shape = info["dtype"], [int(d) for d in info["shape"]]
+        except (TypeError, KeyError, ValueError):
+            return f"has a corrupt header (bad entry for tensor {name!r})"
+        numel = 1
+        for d in shape:
+            numel *= d
+        if begin < 0 or end < begin or (dtype in _DTYPE_BYTES and end - begin != numel * _DTYPE_BYTES[dtype]):
+            return f"has a corrupt header (tensor {name!r}: {dtype} {shape} at bytes {begin}..{end})"
+        data_size = max(data_size, end)
+    expected = 8 + n + data_size
+    if size != expected:
+        how = "truncated" if size < expected else "corrupt"
+        return (f"is {how}: {size} bytes, but its header declares {expected} "
+                f"(8 + {n} header + {data_size} data)")
+    return None
+
+
+def weights_problem(directory: Path) -> tuple[Path, str] | None:
+    """The first ``*.safetensors`` file in ``directory`` that fails ``safetensors_problem``,
+    with the reason; None when all pass (or there are none)."""
+    for f in sorted(directory.glob("*.safetensors")):
+        problem = safetensors_problem(f)
+        if problem is not None:
+            return f, problem
+    return None
+
+
+def has_current_meta(path: Path, sha256: str | None = None) -> bool:
+    """``path/leapdecode.json`` is of this format version (and converted from ``sha256``)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(meta, dict):
+        return False
+    return meta.get("format") == FORMAT_VERSION and not (sha256 and meta.get("source_sha256") != sha256)
+
+
+def converted_problem(path: Path, sha256: str | None = None) -> str | None:
+    """Why ``path`` is not a complete, current converted model (None: it is one)."""
+    if not path.is_dir():
+        return "not converted yet"
+    if not has_current_meta(path, sha256):
+        return f"{path / META_FILE} is missing or outdated"
+    if not (path / "config.json").is_file():
+        return f"{path / 'config.json'} is missing"
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        return f"{weights} is missing"
+    problem = safetensors_problem(weights)
+    return None if problem is None else f"{weights} {problem}"
+
+
+def is_complete(path: Path, sha256: str | None = None) -> bool:
+    return converted_problem(path, sha256) is None
