@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.cost_model import synchronize
+from ..errors import LeapdecodeError
 
 PEER_FAMILIES = {
     "hf": ["hf", "hf-assisted", "hf-pld"],
@@ -381,9 +382,8 @@ def expand_peers(spec: list[str]) -> list[str]:
 
 
 def gguf_path(model_arg: str, loaded) -> Path | None:
-    """The GGUF file behind the model: the ``-m`` argument itself, the registry's
-    ``gguf_path(name)`` when it exposes one, or a registered model kept as a single GGUF
-    file inside its wheel.  None when unknown."""
+    """The GGUF file behind the model: the ``-m`` argument itself, or a registered model kept as
+    a single GGUF file inside its wheel (``registry.gguf_path``).  None when unknown."""
     p = Path(model_arg).expanduser()
     if p.suffix == ".gguf" and p.is_file():
         return p
@@ -391,20 +391,10 @@ def gguf_path(model_arg: str, loaded) -> Path | None:
 
     if model_arg not in registry.REGISTRY:
         return None
-    fn = getattr(registry, "gguf_path", None)
-    if callable(fn):
-        try:
-            got = fn(model_arg)
-            return Path(got) if got else None
-        except Exception:
-            return None
-    entry = registry.REGISTRY[model_arg]
-    if len(entry.files) == 1 and registry.is_installed(model_arg):
-        try:
-            return Path(registry._data_files(entry)[0][2])
-        except Exception:
-            return None
-    return None
+    try:
+        return registry.gguf_path(model_arg)
+    except LeapdecodeError:
+        return None
 
 
 def make_peers(names: list[str], loaded, model_arg: str, draft_arg: str | None, n_ctx: int,

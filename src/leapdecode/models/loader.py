@@ -175,9 +175,6 @@ def local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
     return name_or_path, _download_from_hub(name_or_path), None
 
 
-_local_model_dir = local_model_dir  # the name bench/runners.py imports
-
-
 def _download_from_hub(repo_id: str) -> Path:
     """Fetch a hub model; fails fast with a clear message where no hub is reachable."""
     try:
