@@ -1,5 +1,16 @@
 """OpenAI-compatible HTTP server: ``leapdecode serve`` (needs the ``server`` extra).
 
-``from leapdecode.server.app import create_app`` builds the FastAPI app;
-``server.engine`` holds the single engine thread and its bounded queue.
+``from leapdecode.server.app import create_app`` builds the FastAPI app.  The modules:
+
+* ``app.py``: ``create_app`` and the routes (short: they call the modules below);
+* ``protocol.py``: request and response models (pydantic), the ``leapdecode`` extension;
+* ``prepare.py``: the body size limit, then parsing, validation and tokenization off the event loop;
+* ``engine.py``: the runner built at start-up, the worker thread, its bounded queue, typed events;
+* ``respond.py``: JSON answers and server-sent event streams from a job's events;
+* ``errors.py``: the table from exception type to HTTP status;
+* ``config.py``: ``ServerConfig``; ``metrics.py``: Prometheus metrics; ``cli.py``: ``leapdecode serve``.
+
+This module imports nothing heavy: the CLI reads ``DEFAULT_MAX_BODY_BYTES`` from it.
 """
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB

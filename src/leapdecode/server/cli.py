@@ -12,7 +12,8 @@ from ..errors import LeapdecodeError
 
 def add_parser(subparsers) -> None:
     from ..cli import add_model_args
-    from ..proposers import METHODS
+    from ..proposers import DEFAULT_METHOD, METHODS
+    from . import DEFAULT_MAX_BODY_BYTES
 
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -20,10 +21,15 @@ def add_parser(subparsers) -> None:
                     "/v1/chat/completions (streaming with stream: true), /health and /metrics (Prometheus). "
                     "Requests run one at a time on a single engine thread behind a bounded queue.")
     add_model_args(p)
-    p.add_argument("--draft", help="draft model for draft-based methods (default: the model's registered pair)")
-    p.add_argument("--method", default="auto" if "auto" in METHODS else "vanilla",
+    p.add_argument("--draft", action="append", metavar="NAME",
+                   help="draft model to load at start-up (repeatable; the first is the default of methods that "
+                        "take a draft); requests may use only these (default: the model's registered draft when "
+                        "the default method uses one)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"default decoding method: {', '.join(METHODS)} (default: %(default)s); a request may "
                         "choose another with \"leapdecode\": {\"method\": ...}")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="an option of the default method (repeatable; see `leapdecode methods`)")
     p.add_argument("--tree-budget", type=int, help="default max drafted tokens verified per step")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
@@ -38,6 +44,8 @@ def add_parser(subparsers) -> None:
                    help="largest max_tokens a request may ask for (default: the model's context length)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (default: %(default)s; completions: 16)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     p.add_argument("--served-model-name", help="the model id clients use (default: the model's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-warmup", action="store_true", help="skip the one-token warm-up generation at start")
@@ -53,9 +61,23 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def default_drafts(model, method: str, options: dict, given: list[str] | None) -> list[str]:
+    """The drafts to load: those given, else the model's registered draft when the method uses one."""
+    from ..proposers import METHODS
+
+    if given:
+        return list(given)
+    if options.get("draft"):
+        return [options["draft"]]
+    if METHODS[method].uses_draft_model and model.draft_name and options.get("use_draft", True) is not False:
+        return [model.draft_name]
+    return []
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from ..cli import load_from_args
-    from ..proposers import METHODS
+    from ..core.config import parse_option_assignments
+    from ..proposers import method_config, method_spec
 
     try:
         import fastapi  # noqa: F401
@@ -63,33 +85,35 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         raise LeapdecodeError(f"`serve` needs the server extra ({e.name} is missing): "
                               "pip install 'leapdecode[server]'") from None
-    if a.method not in METHODS:
-        raise LeapdecodeError(f"unknown method {a.method!r}; choose from {', '.join(METHODS)}")
+    spec = method_spec(a.method)
+    options = parse_option_assignments(spec.config, a.option)
     for name, v, lo in (("--max-queue", a.max_queue, 1), ("--default-max-tokens", a.default_max_tokens, 1),
-                        ("--max-tokens-limit", a.max_tokens_limit, 1), ("--tree-budget", a.tree_budget, 1)):
+                        ("--max-tokens-limit", a.max_tokens_limit, 1), ("--tree-budget", a.tree_budget, 1),
+                        ("--max-body-bytes", a.max_body_bytes, 1)):
         if v is not None and v < lo:
             raise LeapdecodeError(f"{name} must be >= {lo}, got {v}")
+    method_config(a.method, {**({"tree_budget": a.tree_budget} if a.tree_budget else {}), **options})
     if a.request_timeout <= 0:
         raise LeapdecodeError(f"--request-timeout must be > 0, got {a.request_timeout}")
     if not 0 <= a.port <= 65535:
         raise LeapdecodeError(f"--port must be in 0..65535, got {a.port}")
 
+    from ..api import generate
     from .app import create_app
 
     model = load_from_args(a)
-    if not a.no_warmup:  # loads the draft, allocates the cache, and fails here rather than on the first request
-        from ..core.generate import Generation
-
-        Generation(model, "Hello", max_new_tokens=2, temperature=0.0, method=a.method, draft=a.draft,
-                   tree_budget=a.tree_budget).run()
-    app = create_app(model, default_method=a.method, draft=a.draft, api_key=a.api_key, max_queue=a.max_queue,
-                     request_timeout=a.request_timeout, max_tokens_limit=a.max_tokens_limit,
+    app = create_app(model, default_method=a.method, default_options=options,
+                     drafts=default_drafts(model, a.method, options, a.draft), api_key=a.api_key,
+                     max_queue=a.max_queue, request_timeout=a.request_timeout, max_tokens_limit=a.max_tokens_limit,
                      default_max_tokens=a.default_max_tokens, served_model_name=a.served_model_name,
-                     tree_budget=a.tree_budget)
+                     tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes)
+    if not a.no_warmup:  # allocates the caches and builds the default method; fails here, not on a request
+        generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
+    drafts = ", ".join(app.state.runner.drafts) or "none"
     print(f"leapdecode: serving {app.state.config.model_name} ({model.backend}, {model.device}, "
-          f"method {a.method}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+          f"method {a.method}, drafts: {drafts}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     return 0

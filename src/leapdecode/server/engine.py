@@ -1,21 +1,21 @@
 """The engine: one worker thread that runs generations one at a time, behind a bounded queue.
 
-torch and the model's shared KV cache are not safe to use from two threads at
-once, so every ``Generation`` is built and run on the single worker thread.
-Requests arrive on the asyncio event loop as ``Job`` objects (a job is one
-request: its ``n`` generations run back to back and hold one slot); the worker
-reports back through an ``asyncio.Queue`` of events fed with
+torch is not safe to drive from two threads at once, so every generation is built and stepped
+on the single worker thread, on the server's own ``ModelRunner`` (built at start-up with its
+drafts; it never loads another one).  Requests arrive on the asyncio event loop as ``Job``
+objects (a job is one request: its ``n`` generations run back to back and hold one slot); the
+worker reports back through an ``asyncio.Queue`` of typed events fed with
 ``loop.call_soon_threadsafe``:
 
-    ("start", i)              generation i began (its Generation was built)
-    ("piece", i, text)        a piece of generation i's text
-    ("done", i, result)       generation i finished (a GenerationResult)
-    ("error", exception)      building or running a generation failed; nothing more follows but "end"
-    ("end",)                  the job is over; the worker has let go of it
+    Started(index)                 generation ``index`` began (its Generation was built)
+    Delta(index, text, tokens)     one step's text and tokens
+    Finished(index, result)        generation ``index`` is over (a GenerationResult)
+    Failed(error, error_id)        building or running a generation failed; only Ended follows
+    Ended()                        the job is over; the worker has let go of it
 
-``Engine.cancel`` (client gone, request timed out) removes a waiting job from
-the queue at once, or stops a running one at its next decoding step through
-``Generation.cancel()``.
+(the app adds ``Disconnected()`` itself when the client hangs up).  ``Engine.cancel`` (client
+gone, request timed out) removes a waiting job from the queue at once, or stops a running one
+before its next ``Generation.step()``.
 """
 
 from __future__ import annotations
@@ -26,24 +26,83 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping, Union
+
+from ..api import start_generation
+from ..core.config import MethodConfig
+from ..core.runner import ModelRunner
+from ..core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..core.generate import GenerationResult
+    from ..models.loader import LoadedModel
 
 log = logging.getLogger("leapdecode.server")
 
 
 class QueueFullError(Exception):
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the server is busy; retry after {retry_after} s")
+    def __init__(self, retry_after: int, max_queue: int) -> None:
+        super().__init__(f"the server is busy ({max_queue} requests waiting); retry after {retry_after} s")
         self.retry_after = retry_after
 
 
-@dataclass
+class EngineStopped(Exception):
+    """The server is shutting down."""
+
+
+# ---------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Started:
+    index: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    index: int
+    result: "GenerationResult"
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+    error_id: str | None = None  # set when the engine logged it as an internal fault
+
+
+@dataclass(frozen=True)
+class Ended:
+    pass
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    pass
+
+
+Event = Union[Started, Delta, Finished, Failed, Ended, Disconnected]
+
+
+# ---------------------------------------------------------------------------- jobs
+@dataclass(frozen=True)
 class GenSpec:
-    """One generation: the prompt's token ids and the keyword arguments for ``Generation``."""
+    """One generation, validated: what ``start_generation`` takes."""
 
     prompt_ids: list[int]
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int
+    method: MethodConfig
+    sampling: SamplingParams
+    stop: list[str] | None = None
+
+    def start(self, runner: ModelRunner):
+        return start_generation(runner, prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
+                                method=self.method, stop=self.stop, **self.sampling.as_dict())
 
 
 class Job:
@@ -52,18 +111,16 @@ class Job:
         self.specs = specs
         self.deadline = deadline  # time.monotonic() value, or None
         self.loop = loop or asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.enqueued_at = time.monotonic()
         self.started_at: float | None = None
         self.cancel_reason: str | None = None
-        self.current = None  # the Generation running now (engine thread)
-        self._lock = threading.Lock()
 
     @property
     def cancelled(self) -> bool:
         return self.cancel_reason is not None
 
-    def emit(self, *event: Any) -> None:
+    def emit(self, event: Event) -> None:
         """Called from the engine thread."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -73,14 +130,32 @@ class Job:
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
+
+# ---------------------------------------------------------------------------- runner
+def build_runner(model: "LoadedModel", drafts: Mapping[str, "LoadedModel | None"] | Iterable[str] = ()) -> ModelRunner:
+    """The server's runner: drafts are added here, at start-up, and no other is ever loaded.
+    ``drafts``: names, or a mapping from a name to its loaded model (``None``: load it here, with
+    the target's dtype and device)."""
+    from ..models.loader import load
+
+    runner = ModelRunner(model, allow_draft_loading=False)
+    wanted = dict(drafts) if isinstance(drafts, Mapping) else dict.fromkeys(drafts)
+    for name, loaded in wanted.items():
+        runner.add_draft(name, loaded if loaded is not None else load(name, dtype=model.dtype, device=model.device))
+    return runner
+
+
+# ---------------------------------------------------------------------------- the engine
 class Engine:
-    """A worker thread over a model; ``max_queue`` jobs may wait while one runs."""
+    """A worker thread over a runner; ``max_queue`` jobs may wait while one runs."""
 
-    def __init__(self, model, max_queue: int = 16, metrics=None) -> None:
+    def __init__(self, runner: ModelRunner, max_queue: int = 16, metrics=None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.model = model
+        self.runner = runner
         self.max_queue = max_queue
         self.metrics = metrics
         self._pending: deque[Job] = deque()
@@ -112,16 +187,16 @@ class Engine:
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stop:
-                raise RuntimeError("the engine is shut down")
+                raise EngineStopped("the server is shutting down")
             if len(self._pending) >= self.max_queue:
                 self.counters["rejected"] += 1
-                raise QueueFullError(self.retry_after())
+                raise QueueFullError(self.retry_after(), self.max_queue)
             self.counters["submitted"] += 1
             self._pending.append(job)
             self._cv.notify()
 
     def cancel(self, job: Job, reason: str) -> None:
-        """Stop ``job``: drop it from the queue, or stop its generation at the next step."""
+        """Stop ``job``: drop it from the queue, or stop its generation before the next step."""
         with self._cv:
             if job.cancelled:
                 return
@@ -135,9 +210,6 @@ class Engine:
                 self.counters["cancelled"] += 1
                 if self.metrics is not None:
                     self.metrics.observe_cancel(reason)
-        with job._lock:
-            if job.current is not None:
-                job.current.cancel()
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cv:
@@ -147,8 +219,8 @@ class Engine:
             self._cv.notify_all()
         for job in pending:
             job.cancel_reason = "shutdown"
-            job.emit("error", RuntimeError("the server is shutting down"))
-            job.emit("end")
+            job.emit(Failed(EngineStopped("the server is shutting down")))
+            job.emit(Ended())
         if running is not None:
             self.cancel(running, "shutdown")
         if threading.current_thread() is not self._thread:
@@ -156,6 +228,8 @@ class Engine:
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        from .errors import report_internal
+
         while True:
             with self._cv:
                 while not self._pending and not self._stop:
@@ -167,57 +241,45 @@ class Engine:
             t0 = time.monotonic()
             try:
                 self._run_job(job)
-            except BaseException as e:  # never let the worker die
-                log.exception("engine: job failed")
+            except Exception as e:  # never let the worker die
                 self.counters["failed"] += 1
-                job.emit("error", e)
+                job.emit(Failed(e, report_internal(e)))
             finally:
                 with self._cv:
                     self._running = None
                 self._recent.append(time.monotonic() - t0)
-                job.emit("end")
+                job.emit(Ended())
 
     def _run_job(self, job: Job) -> None:
         import torch
-
-        from ..core.generate import Generation
 
         job.started_at = time.monotonic()
         for i, spec in enumerate(job.specs):
             if job.cancelled:
                 return
-            if job.deadline is not None and time.monotonic() > job.deadline:
+            if job.past_deadline():
                 self.cancel(job, "timeout")
                 return
+            with torch.no_grad():
+                gen = spec.start(self.runner)
+            job.emit(Started(i))
             try:
                 with torch.no_grad():
-                    gen = Generation(self.model, None, prompt_ids=spec.prompt_ids, **spec.kwargs)
-            except Exception as e:
-                self.counters["failed"] += 1
-                job.emit("error", e)
-                return
-            with job._lock:
-                job.current = gen
-                if job.cancelled:
-                    gen.cancel()
-            job.emit("start", i)
-            try:
-                with torch.no_grad():
-                    for piece in gen:
-                        job.emit("piece", i, piece)
-                        if job.deadline is not None and time.monotonic() > job.deadline:
+                    while True:
+                        if job.past_deadline():
                             self.cancel(job, "timeout")
-            except Exception as e:
-                log.exception("engine: generation failed")
-                self.counters["failed"] += 1
-                job.emit("error", e)
-                return
+                        if job.cancelled:
+                            gen.cancel()  # the next step finishes it as "cancelled"
+                        out = gen.step()
+                        if out.text or out.tokens:
+                            job.emit(Delta(i, out.text, tuple(out.tokens)))
+                        if out.finished:
+                            break
             finally:
-                with job._lock:
-                    job.current = None
+                gen.close()  # the KV cache goes back to the runner, whatever happened
             res = gen.result
             if self.metrics is not None and res is not None:
                 self.metrics.observe_generation(res.stats, res.finish_reason)
-            job.emit("done", i, res)
+            job.emit(Finished(i, res))
         if not job.cancelled:
             self.counters["completed"] += 1

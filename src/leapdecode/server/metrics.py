@@ -2,7 +2,8 @@
 
 Written by hand (no prometheus-client dependency).  Counters and histograms are
 updated from the event loop (requests) and from the engine thread
-(generations), so every update takes one lock.
+(generations), so every update takes one lock.  ``MetricsMiddleware`` counts and
+times the HTTP requests.
 """
 
 from __future__ import annotations
@@ -145,3 +146,38 @@ class Metrics:
         metric("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.",
                [("", round(self.started, 3))])
         return "\n".join(out) + "\n"
+
+
+TRACKED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class MetricsMiddleware:
+    """Counts requests by endpoint and status, and times them to their last byte (ASGI middleware)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = next((p for p in TRACKED_PATHS if path == p or path.startswith(p + "/")), "other")
+        t0 = time.perf_counter()
+        status = {"code": 500, "done": False}
+
+        def record() -> None:
+            if not status["done"]:
+                status["done"] = True
+                self.metrics.observe_request(endpoint, status["code"], time.perf_counter() - t0)
+
+        async def wrapped_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()
+
+        try:
+            await self.app(scope, receive, wrapped_send)
+        finally:
+            record()  # disconnected mid-stream, or failed before responding

@@ -1,0 +1,32 @@
+"""The server's settings (``ServerConfig``), fixed at start-up except where tests adjust them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.runner import ModelRunner
+from . import DEFAULT_MAX_BODY_BYTES
+from .protocol import ServerDefaults
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    default_method: str
+    default_options: dict[str, Any] = field(default_factory=dict)  # of the default method (--option)
+    default_draft: str | None = None  # the first --draft: used by any method with a draft option
+    tree_budget: int | None = None  # --tree-budget: every method's default
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    max_tokens_limit: int = 2048
+    default_max_tokens: int = 256
+    max_n: int = 16
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def defaults(self, runner: ModelRunner) -> ServerDefaults:
+        """The validation context of a request."""
+        return ServerDefaults(default_method=self.default_method, default_options=dict(self.default_options),
+                              default_draft=self.default_draft, tree_budget=self.tree_budget,
+                              drafts=frozenset(runner.drafts), registered_draft=runner.model.draft_name,
+                              max_n=self.max_n, max_tokens_limit=self.max_tokens_limit)

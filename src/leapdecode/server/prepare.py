@@ -1,0 +1,177 @@
+"""From a request body to the generations to run: size limit, parsing, validation, tokenization.
+
+``read_body`` runs on the event loop (it only moves bytes, and stops at the size limit);
+``prepare`` does the CPU work (JSON parsing, validation, chat templating, tokenization) and
+runs on a worker thread (``Preparer``), so a large body never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import Request
+
+from ..core.config import MethodConfig
+from ..core.generate import encode_prompt
+from ..core.runner import ModelRunner
+from ..errors import InvalidParameterError
+from .config import ServerConfig
+from .engine import GenSpec
+from .errors import ApiError, BodyTooLarge
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+Kind = Literal["chat", "completion"]
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    kind: Kind
+    request: ChatCompletionRequest | CompletionRequest
+    prompt_lens: list[int]
+    echo: list[str] | None  # completions with echo: the prompts' text, one per prompt
+    specs: list[GenSpec]  # one per choice: prompt-major, n per prompt
+    draft: str | None  # the draft model the method uses, if any
+
+    @property
+    def n(self) -> int:
+        return self.request.choices_per_prompt
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.request.include_usage
+
+    @property
+    def method(self) -> str:
+        return self.request.method_config.method
+
+
+# ---------------------------------------------------------------------------- the body
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or ``BodyTooLarge`` as soon as it is known to exceed ``limit`` bytes (from
+    Content-Length, before reading anything, or while reading a chunked body)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"We could not parse the JSON body of your request ({e}).", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ---------------------------------------------------------------------------- preparation (worker thread)
+def check_model(name: str, cfg: ServerConfig) -> None:
+    if name != cfg.model_name:
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{cfg.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, context: int, default: int, param: str) -> int:
+    room = context - prompt_len
+    if requested is None:
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "
+                                f"{context} tokens (prompt + at least 1 new token)", param=param,
+                           code="context_length_exceeded")
+        return min(default, room)
+    if prompt_len + requested > context:
+        raise ApiError(400, f"this model's maximum context length is {context} tokens; you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                            "completion); reduce the prompt or max_tokens", param=param,
+                       code="context_length_exceeded")
+    return requested
+
+
+def draft_in_use(cfg: MethodConfig, runner: ModelRunner) -> str | None:
+    """The draft model a method config will use on ``runner`` (``None``: none)."""
+    if "draft" not in cfg.option_names() or getattr(cfg, "use_draft", True) is False:
+        return None
+    name = getattr(cfg, "draft", None) or runner.model.draft_name
+    return name if name in runner.drafts else None
+
+
+def _specs(req, prompts: list[list[int]], max_new: list[int]) -> list[GenSpec]:
+    n = req.choices_per_prompt
+    return [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop)
+            for p, ids in enumerate(prompts) for j in range(n)]
+
+
+def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> Prepared:
+    """Parse, validate and tokenize a request (pydantic errors propagate: a 400 naming the field)."""
+    body = parse_json(raw)
+    model = runner.model
+    if kind == "chat":
+        req = ChatCompletionRequest.model_validate(body, context=cfg.defaults(runner))
+        check_model(req.model, cfg)
+        try:
+            ids = encode_prompt(model, [m.as_template_message() for m in req.messages])
+        except InvalidParameterError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        prompts, echo = [ids], None
+        max_new = [max_new_tokens(req.requested_max_tokens, len(ids), model.max_seq_len, cfg.default_max_tokens,
+                                  "messages")]
+    else:
+        req = CompletionRequest.model_validate(body, context=cfg.defaults(runner))
+        check_model(req.model, cfg)
+        vocab = len(model.tokenizer)
+        prompts, texts = [], []
+        for i, p in enumerate(req.prompt):
+            if isinstance(p, str):
+                try:
+                    ids = encode_prompt(model, p, chat=False)
+                except InvalidParameterError as e:
+                    raise ApiError(400, str(e) if len(req.prompt) == 1 else f"prompt[{i}]: {e}",
+                                   param="prompt") from None
+                texts.append(p)
+            else:
+                if any(t < 0 or t >= vocab for t in p):
+                    raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+                ids = list(p)
+                texts.append(model.tokenizer.decode(ids))
+            prompts.append(ids)
+        if len(prompts) * req.choices_per_prompt > cfg.max_n:
+            raise ApiError(400, f"prompts x n must be at most {cfg.max_n}, got "
+                                f"{len(prompts) * req.choices_per_prompt}", param="n")
+        echo = texts if req.echo else None
+        max_new = [max_new_tokens(req.requested_max_tokens, len(ids), model.max_seq_len,
+                                  COMPLETION_DEFAULT_MAX_TOKENS, "prompt") for ids in prompts]
+    return Prepared(kind=kind, request=req, prompt_lens=[len(p) for p in prompts], echo=echo,
+                    specs=_specs(req, prompts, max_new), draft=draft_in_use(req.method_config, runner))
+
+
+class Preparer:
+    """Runs ``prepare`` off the event loop, on one worker thread (one request's CPU work at a time)."""
+
+    def __init__(self, cfg: ServerConfig, runner: ModelRunner) -> None:
+        self.cfg, self.runner = cfg, runner
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-prepare")
+
+    async def __call__(self, kind: Kind, raw: bytes) -> Prepared:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, prepare, kind, raw, self.cfg, self.runner)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

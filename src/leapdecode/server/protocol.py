@@ -1,0 +1,525 @@
+"""The wire format: OpenAI request and response models (pydantic), and the ``leapdecode`` extension.
+
+Requests are validated with ``Model.model_validate(body, context=ServerDefaults(...))``: the
+context carries what validation needs to know about this server (its default method and options,
+the drafts loaded at start-up, its limits).  Every validation error is a pydantic
+``ValidationError`` whose first error names the field (``errors.py`` turns it into a 400 with
+``param`` set): the field's location (``messages[0].role``, ``leapdecode.top_k``), or, for an
+error found across fields (a method option), ``ctx["param"]`` (``leapdecode.options.k``).
+
+Error types raised here (``PydanticCustomError``):
+
+* ``ld_field``: the message follows the field's name (``"max_tokens" + " must be an integer..."``);
+* ``ld_verbatim``: the message is complete as it is (it names the field itself);
+* ``unsupported_parameter``: an OpenAI parameter this server does not implement.
+
+``ctx`` may also carry ``code`` (the OpenAI error code) and ``param`` (overrides the location).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, ValidationInfo, field_validator, \
+    model_validator
+from pydantic_core import PydanticCustomError
+
+from ..api import sampling_params
+from ..core.config import MethodConfig
+from ..core.sampling import SamplingParams
+from ..errors import InvalidParameterError
+from ..proposers.registry import DEFAULT_METHOD, METHODS, method_config, method_spec
+
+
+# ---------------------------------------------------------------------------- server context
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What request validation needs to know about the server (the ``context`` of ``model_validate``)."""
+
+    default_method: str = DEFAULT_METHOD
+    default_options: dict[str, Any] = field(default_factory=dict)  # for the default method only
+    default_draft: str | None = None  # for any method with a draft option
+    tree_budget: int | None = None  # for every method
+    drafts: frozenset[str] = frozenset()  # loaded at start-up; no other draft can be used
+    registered_draft: str | None = None  # the model's registered pair (used when no draft is named)
+    max_n: int = 16
+    max_tokens_limit: int | None = None
+
+
+def _defaults(info: ValidationInfo) -> ServerDefaults:
+    return info.context if isinstance(info.context, ServerDefaults) else ServerDefaults()
+
+
+# ---------------------------------------------------------------------------- errors and scalar types
+def verbatim(message: str, **ctx: Any) -> PydanticCustomError:
+    return PydanticCustomError("ld_verbatim", "{message}", {"message": message, **ctx})
+
+
+def _shown(v: Any) -> str:
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PydanticCustomError("ld_field", "must be an integer, got {got}", {"got": _shown(v)})
+    return v
+
+
+def _num(v: Any) -> float | int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PydanticCustomError("ld_field", "must be a number, got {got}", {"got": _shown(v)})
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise PydanticCustomError("ld_field", "must be a boolean, got {got}", {"got": _shown(v)})
+    return v
+
+
+Int = Annotated[int, PlainValidator(_int)]
+Number = Annotated[float, PlainValidator(_num)]
+Bool = Annotated[bool, PlainValidator(_bool)]
+
+
+def _check_sampling(name: str, value: Any) -> Any:
+    """One sampling parameter, checked exactly as ``SamplingParams`` checks it (same message)."""
+    if value is not None:
+        try:
+            SamplingParams(**{name: value})
+        except InvalidParameterError as e:
+            raise verbatim(str(e)) from None
+    return value
+
+
+# ---------------------------------------------------------------------------- the leapdecode extension
+class LeapdecodeExtension(BaseModel):
+    """``"leapdecode": {...}`` on a request: the decoding method, its options, extra sampling knobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str | None = None
+    options: dict[str, Any] | None = None
+    draft: str | None = None  # shorthand for options.draft
+    tree_budget: Int | None = None  # shorthand for options.tree_budget
+    top_k: Int | None = None
+    min_p: Number | None = None
+    typical_p: Number | None = None
+    repetition_penalty: Number | None = None
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method(cls, v: Any) -> Any:
+        if v in (None, ""):
+            return None
+        if not isinstance(v, str) or v not in METHODS:
+            raise verbatim(f"unknown method {_shown(v)}; choose from {', '.join(METHODS)}")
+        return v
+
+    @field_validator("top_k", "min_p", "typical_p", "repetition_penalty")
+    @classmethod
+    def _sampling(cls, v: Any, info: ValidationInfo) -> Any:
+        return _check_sampling(info.field_name, v)
+
+
+def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> MethodConfig:
+    """The validated method config of a request: the server's defaults, then the request's
+    ``draft`` / ``tree_budget`` shorthands, then its ``options``.  Raises a ``PydanticCustomError``
+    whose ``ctx["param"]`` names the offending field."""
+    ext = ext or LeapdecodeExtension()
+    method = ext.method or d.default_method
+    cfg_cls = method_spec(method).config
+    names = set(cfg_cls.option_names())
+    options: dict[str, Any] = {}
+    where: dict[str, str] = {}  # option -> the request field that set it
+    if d.tree_budget is not None:
+        options["tree_budget"] = d.tree_budget
+    if d.default_draft is not None and "draft" in names:
+        options["draft"] = d.default_draft
+    if method == d.default_method:
+        options.update(d.default_options)
+    if ext.tree_budget is not None:
+        options["tree_budget"], where["tree_budget"] = ext.tree_budget, "leapdecode.tree_budget"
+    if ext.draft is not None:
+        if "draft" not in names:
+            raise verbatim(f"method {method!r} does not use a draft model", param="leapdecode.draft")
+        options["draft"], where["draft"] = ext.draft, "leapdecode.draft"
+    for key, value in (ext.options or {}).items():
+        if key == "draft" and ext.draft is not None and value != ext.draft:
+            raise verbatim(f"leapdecode.draft ({ext.draft!r}) and leapdecode.options.draft ({value!r}) differ",
+                           param="leapdecode.options.draft")
+        options[key], where[key] = value, f"leapdecode.options.{key}"
+
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise verbatim(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                       f"{', '.join(cfg_cls.option_names())}", param=where.get(unknown[0], "leapdecode.options"))
+    draft = options.get("draft")
+    if draft is not None and draft not in d.drafts:
+        loaded = ", ".join(sorted(d.drafts)) or "none"
+        raise verbatim(f"draft model {_shown(draft)} is not loaded on this server (loaded: {loaded}); drafts are "
+                       "loaded at start-up (leapdecode serve --draft NAME)",
+                       param=where.get("draft", "leapdecode.draft"), code="model_not_found")
+    try:
+        return method_config(method, options)
+    except InvalidParameterError as e:
+        culprit = None  # the first option that is invalid on its own (None: only the combination is)
+        for key, value in options.items():
+            try:
+                cfg_cls.from_options({key: value})
+            except InvalidParameterError:
+                culprit = key
+                break
+        raise verbatim(str(e), param=where.get(culprit, "leapdecode.options") if culprit else "leapdecode.options") \
+            from None
+
+
+# ---------------------------------------------------------------------------- requests
+UNSUPPORTED = {  # field -> (accepted values, what it is)
+    "logprobs": ((None, False), "(token log-probabilities)"),
+    "top_logprobs": ((None, 0), "(token log-probabilities)"),
+    "tools": ((None, [], {}), "(tool calling)"),
+    "functions": ((None, [], {}), "(tool calling)"),
+    "tool_choice": ((None, "none"), "(tool calling)"),
+    "logit_bias": ((None, {}), ""),
+    "presence_penalty": ((None, 0), "(use leapdecode.repetition_penalty)"),
+    "frequency_penalty": ((None, 0), "(use leapdecode.repetition_penalty)"),
+    "suffix": ((None, ""), "(insertion)"),
+    "audio": ((None,), "(modalities other than text)"),
+    "modalities": ((None, ["text"]), "(modalities other than text)"),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = None
+
+
+class _Request(BaseModel):
+    """Fields common to completions and chat completions.  Unknown top-level fields are ignored
+    (as OpenAI clients send some, e.g. ``user``); unknown ``leapdecode`` fields are errors."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Int | None = None
+    best_of: Int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: Int | None = None
+    stop: list[str] | None = None
+    leapdecode: LeapdecodeExtension | None = None
+    # OpenAI parameters this server does not implement: accepted only at their neutral values
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    response_format: Any = None
+    suffix: Any = None
+    audio: Any = None
+    modalities: Any = None
+
+    _method_config: MethodConfig = PrivateAttr()
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        accepted, what = UNSUPPORTED[info.field_name]
+        if not any(v == a and type(v) is not bool or v is a for a in accepted):
+            raise PydanticCustomError("unsupported_parameter", "{what}is not supported by this server",
+                                      {"what": f"{what} " if what else ""})
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
+            raise PydanticCustomError("unsupported_parameter", "{what} is not supported by this server",
+                                      {"what": "other than {'type': 'text'}"})
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise verbatim("stop must be a non-empty string or an array of non-empty strings")
+        return stops or None
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _sampling(cls, v: Any, info: ValidationInfo) -> Any:
+        return _check_sampling(info.field_name, v)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: Any) -> Any:
+        if v is not None:
+            try:
+                sampling_params(seed=v)
+            except InvalidParameterError as e:
+                raise verbatim(str(e)) from None
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: Any, info: ValidationInfo) -> Any:
+        max_n = _defaults(info).max_n
+        if v is not None and not 1 <= v <= max_n:
+            raise verbatim(f"n must be between 1 and {max_n}, got {v}")
+        return v
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return v
+        name, limit = info.field_name, _defaults(info).max_tokens_limit
+        if v < 1:
+            raise verbatim(f"{name} must be >= 1, got {v}")
+        if limit is not None and v > limit:
+            raise verbatim(f"{name} is {v}, over this server's limit of {limit} tokens per completion",
+                           code="max_tokens_exceeded")
+        return v
+
+    @model_validator(mode="after")
+    def _resolve(self, info: ValidationInfo) -> "_Request":
+        if self.best_of is not None and self.best_of != self.choices_per_prompt:
+            raise PydanticCustomError("unsupported_parameter", "other than n is not supported by this server",
+                                      {"param": "best_of"})
+        self._method_config = resolve_method(self.leapdecode, _defaults(info))
+        return self
+
+    # ------------------------------------------------------------ resolved values
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
+
+    @property
+    def method_config(self) -> MethodConfig:
+        return self._method_config
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, seed_offset: int = 0) -> SamplingParams:
+        """The sampling parameters of choice ``seed_offset`` (seeds count up from ``seed``)."""
+        ext = self.leapdecode or LeapdecodeExtension()
+
+        def pick(v: Any, default: Any) -> Any:
+            return default if v is None else v
+
+        return sampling_params(
+            temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(ext.top_k, 0),
+            min_p=pick(ext.min_p, 0.0), typical_p=pick(ext.typical_p, 1.0),
+            repetition_penalty=pick(ext.repetition_penalty, 1.0),
+            seed=None if self.seed is None else self.seed + seed_offset)
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, v: Any) -> Any:
+        if v not in ROLES:
+            raise PydanticCustomError("ld_field", "must be one of {roles}; got {got}",
+                                      {"roles": ", ".join(ROLES), "got": _shown(v)})
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            texts = []
+            for part in v:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise PydanticCustomError("unsupported_parameter", "other than text parts is not supported by "
+                                              "this server")
+                texts.append(part["text"])
+            return "".join(texts)
+        if not isinstance(v, str):
+            raise PydanticCustomError("ld_field", "must be a string or an array of text parts")
+        return v
+
+    def as_template_message(self) -> dict[str, str]:
+        """As the chat template takes it (``developer`` is OpenAI's newer name for ``system``)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, v: Any) -> Any:
+        if not isinstance(v, list) or not v:
+            raise verbatim("messages must be a non-empty array of {role, content} objects")
+        return v
+
+
+class CompletionRequest(_Request):
+    prompt: list[str | list[int]]
+    echo: Bool | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or is_ids(v):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise verbatim("prompt must be a string, an array of strings, an array of token ids or an array of "
+                           "token-id arrays")
+        for i, p in enumerate(v):
+            if not (isinstance(p, str) and p) and not is_ids(p):
+                raise verbatim(f"prompt[{i}] must be a non-empty string or an array of token ids")
+        return v
+
+
+# ---------------------------------------------------------------------------- responses
+def _absent_if_none(v: Any) -> bool:
+    return v is None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+    leapdecode: dict[str, Any]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: list[ChatChoice]
+    usage: Usage
+    leapdecode: dict[str, Any]
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
+    content: str | None = Field(None, exclude_if=_absent_if_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(BaseModel):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: None = None
+    usage: Usage | None = None  # sent (as null until the last chunk) only with stream_options.include_usage
+    leapdecode: dict[str, Any] | None = Field(None, exclude_if=_absent_if_none)
+
+
+class ChatCompletionChunk(_Chunk):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChunk(_Chunk):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "leapdecode"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
