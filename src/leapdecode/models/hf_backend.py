@@ -181,6 +181,10 @@ class HFCausalLM(nn.Module):
     def n_layers(self) -> int:
         return self._n_layers
 
+    @property
+    def head_weight(self) -> None:
+        return None  # the transformers head is not sliced (a replacement head is not supported)
+
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         return KVCache(
             self._n_layers,
@@ -241,13 +245,16 @@ class HFCausalLM(nn.Module):
         parents: list[int] | None = None,
         logits_for: slice | list[int] | None = None,
         layers: list[int] | None = None,
+        hidden_states: list | None = None,
         head: None = None,
     ) -> torch.Tensor:
         """Append ``tokens`` ([B, T]) as pending nodes and return fp32 logits.
 
         Same contract as ``NativeCausalLM.forward``; ``layers`` (layer skipping)
         is only accepted when it names every layer in order, and a replacement
-        ``head`` not at all.
+        ``head`` not at all.  ``hidden_states`` receives transformers' hidden states
+        (the embedding output, then each layer's; transformers applies the final norm
+        to the last one).
         """
         if layers is not None and list(layers) != list(range(self._n_layers)):
             raise NotImplementedError("layer skipping is not implemented on the HF backend")
@@ -281,7 +288,10 @@ class HFCausalLM(nn.Module):
             past_key_values=adapter,
             use_cache=True,
             logits_to_keep=keep,
+            output_hidden_states=hidden_states is not None,
         )
+        if hidden_states is not None:
+            hidden_states.extend(out.hidden_states)
         return out.logits.float()
 
     # --------------------------------------------------------------- loading

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .decoder import Decoder
 from ..errors import InvalidParameterError, ModelFileError, UnknownModelError
 from .store import weights_problem
 
@@ -78,7 +79,7 @@ class LoadedModel:
     Compared and hashed by identity (``eq=False``): a model is keyed in weak dictionaries."""
 
     name: str
-    model: Any  # NativeCausalLM or HFCausalLM: forward(tokens, cache, parents, logits_for), new_cache()
+    model: Decoder  # NativeCausalLM or HFCausalLM (models/decoder.py)
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     path: Path | None = None
     eos_token_ids: set[int] = field(default_factory=set)

@@ -110,7 +110,7 @@ def subset_head(ctx: DecodeContext, draft, size: int, extra: list[int], vocab: i
     from ..models.native import make_linear
 
     model = draft.model
-    weight = getattr(model, "head_weight", None)
+    weight = model.head_weight
     vocab = min(vocab or model.vocab_size, model.vocab_size)
     if weight is None or size <= 0 or vocab <= 2 * size:
         return None

@@ -1,0 +1,53 @@
+"""The ``Decoder`` protocol: what the loop, the runner and the proposers may call on a model.
+
+Both backends implement it: ``native.NativeCausalLM`` (leapdecode's own Llama/Qwen2 decoder)
+and ``hf_backend.HFCausalLM`` (any transformers causal LM on the same KV cache).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .kv_cache import KVCache
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    backend: str  # "native" or "hf"
+    vocab_size: int
+    max_seq_len: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def head_weight(self) -> torch.Tensor | None:
+        """The output projection's plain ``[vocab, hidden]`` weight, or None where a backend cannot
+        give it (then a proposer cannot build a vocabulary-subset head)."""
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        """An empty tree-aware KV cache with ``batch_size`` rows (``KVCache.split_slots``)."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        parents: list[int] | None = None,
+        logits_for: slice | list[int] | None = None,
+        layers: list[int] | None = None,
+        hidden_states: list | None = None,
+        head: torch.nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Append ``tokens`` ([B, T]) to ``cache`` as pending tree nodes (``parents``: see
+        ``KVCache.plan_append``) and return fp32 logits for the positions ``logits_for``.
+        ``layers``: run only these layers (layer skipping); ``hidden_states``: a list that receives
+        the residual stream after the embedding and after each layer; ``head``: a replacement
+        output projection.  A backend raises ``NotImplementedError`` for what it cannot do."""
