@@ -11,10 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import leapdecode
+from leapdecode import ModelRunner
 from leapdecode.core.cost_model import (AcceptanceCalibration, ChainAcceptance, VerifyCost, best_tree_size,
                                         measure_verify_cost)
+from leapdecode.core.proposer import DecodeContext
+from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import InvalidParameterError
-from leapdecode.proposers.draft_model import DraftModelProposer, _subset_head
+from leapdecode.proposers import method_config
+from leapdecode.proposers.common import subset_head
+from leapdecode.proposers.draft_model import DraftModelProposer
 
 
 # ------------------------------------------------------------------ verify cost
@@ -67,7 +72,7 @@ def test_profile_is_kept_per_model_file_and_machine(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(cost_model, "measure_verify_cost", counting)
 
     def fresh(path=weights):
-        m = dataclasses.replace(base, path=path)  # a new object: nothing kept on it yet
+        m = dataclasses.replace(base, path=path)  # a new object (its own runner: nothing kept yet)
         cache = m.model.new_cache(max_len=64)
         m.model.forward(torch.tensor([[5, 6, 7]]), cache)
         cache.commit()
@@ -99,6 +104,13 @@ def test_profile_is_kept_per_model_file_and_machine(tiny, tmp_path, monkeypatch)
     store.unlink()
     cost_model.verify_cost_for(*fresh(path=None))
     assert len(calls) == 5 and not store.exists()
+
+    # a runner measures (or reads) its target's profile once, and keeps it for its generations
+    m, cache = fresh()
+    runner = ModelRunner(m)
+    first = runner.verify_cost(cache)
+    assert len(calls) == 6 and runner.verify_cost(cache) is first
+    assert ModelRunner(m).verify_cost(cache).seconds == first.seconds and len(calls) == 6  # read back
 
 
 @settings(max_examples=200, deadline=None)
@@ -148,25 +160,37 @@ def test_acceptance_calibration_learns_an_overconfident_draft():
 
 
 # ---------------------------------------------------------- vocabulary subset
+def _ctx(runner: ModelRunner) -> DecodeContext:
+    return DecodeContext(runner, None, SamplingParams(), torch.Generator().manual_seed(0), 0, 0)
+
+
 def test_subset_head_scores_exactly_the_chosen_rows(tiny):
     draft = tiny(seed=0, copy=7)  # vocab 259
     prompt = [3, 100, 200, 100, 258]
-    head = _subset_head(draft, 64, prompt)
+    runner = ModelRunner(draft)
+    attrs = set(vars(draft)), set(vars(draft.model))
+    head = subset_head(_ctx(runner), draft, 64, prompt)
     assert head is not None
     assert head.ids.tolist() == list(range(64)) + [100, 200, 258]
     ids = torch.tensor([[5, 100, 42]])
     full = draft.model.forward(ids, draft.model.new_cache(max_len=16))
     sub = draft.model.forward(ids, draft.model.new_cache(max_len=16), head=head)
     torch.testing.assert_close(sub, full[..., head.ids])
-    assert _subset_head(draft, 200, prompt) is None  # 259 <= 2 * 200: not worth a subset
+    assert subset_head(_ctx(runner), draft, 200, prompt) is None  # 259 <= 2 * 200: not worth a subset
+    # the packed base rows are kept in the runner's memory (one per draft and size), not on the model
+    again = subset_head(_ctx(runner), draft, 64, [7])
+    assert again.base is head.base and again.ids.tolist() == list(range(64))
+    assert subset_head(_ctx(ModelRunner(draft)), draft, 64, [7]).base is not head.base
+    assert (set(vars(draft)), set(vars(draft.model))) == attrs
 
 
-def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny):
+def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny, fresh_runner):
     target = tiny(seed=0)
-    draft = tiny(seed=0, copy=8)
+    runner = fresh_runner(target, drafts={"copy-8": tiny(seed=0, copy=8)})
     for prompt in ("the cat sat on the mat the cat", "def f(x): return x", "hello hello hello"):
         want = leapdecode.generate(target, prompt, max_new_tokens=24, method="vanilla")
-        gen = leapdecode.stream(target, prompt, max_new_tokens=24, method="draft", draft=draft, draft_vocab=64)
+        gen = leapdecode.stream(runner, prompt, max_new_tokens=24, method="draft",
+                                options={"draft": "copy-8", "draft_vocab": 64})
         got = gen.run()
         assert gen.proposer.head is not None and len(gen.proposer.head.ids) < 259  # the subset was used
         assert got.tokens == want.tokens
@@ -178,18 +202,23 @@ def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny):
 def test_draft_options_out_of_range(tiny, opts):
     with pytest.raises(InvalidParameterError):
         DraftModelProposer(tiny(seed=0, copy=9), **opts)
+    with pytest.raises(InvalidParameterError, match=next(iter(opts))):
+        method_config("draft", opts)
 
 
 # ------------------------------------------------------------- staged speculation
-def test_staged_speculation_drafts_several_levels_in_one_forward(tiny):
+def test_staged_speculation_drafts_several_levels_in_one_forward(tiny, fresh_runner):
     """On text that repeats, the automaton's guess runs through the draft in one forward and the
-    draft agrees with it for several levels; the output is still exactly vanilla's."""
+    draft agrees with it for several levels; the output is still exactly vanilla's.  (Own runner,
+    flat verification cost: how deep the adaptive draft goes does not follow this machine's timings.)"""
     target = tiny(seed=0)
-    draft = tiny(seed=0, copy=10)  # the target's weights: the draft agrees with the true continuation
+    # the target's weights: the draft agrees with the true continuation
+    runner = fresh_runner(target, verify_cost="flat", drafts={"copy-10": tiny(seed=0, copy=10)})
     prompt = "the cat sat on the mat. " * 6
     want = leapdecode.generate(target, prompt, max_new_tokens=40, method="vanilla")
-    on = leapdecode.generate(target, prompt, max_new_tokens=40, method="draft", draft=draft)
-    off = leapdecode.generate(target, prompt, max_new_tokens=40, method="draft", draft=draft, staged=False)
+    on = leapdecode.generate(runner, prompt, max_new_tokens=40, method="draft", options={"draft": "copy-10"})
+    off = leapdecode.generate(runner, prompt, max_new_tokens=40, method="draft",
+                              options={"draft": "copy-10", "staged": False})
     assert on.tokens == want.tokens == off.tokens
     assert on.stats["staged_forwards"] > 0 and on.stats["staged_tokens"] > 0, on.stats
     assert "staged_forwards" not in off.stats

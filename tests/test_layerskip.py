@@ -3,8 +3,9 @@
 1. CLaSp's DP: exact against brute force when the objective is monotone in an additive per-layer
    score; on a real (tiny) model its reported score is the true objective of the subset it picks,
    and that subset beats naive choices;
-2. the DP's probe rows reproduce the verification forward's hidden states (``hidden_states=`` /
-   ``capture_hidden``), which do not change the logits;
+2. the DP's probe rows reproduce the verification forward's hidden states (``hidden_states=``),
+   which do not change the logits; the generation loop hands them to ``observe`` exactly when the
+   proposer asks (``wants_hidden``), and nothing is left on the model object;
 3. drafting and the DP leave the shared KV cache exactly as they found it;
 4. lossless: greedy tokens equal vanilla (hypothesis over prompts, models, budgets, parameters);
    under sampling the first token is distributed as the target's;
@@ -23,10 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leapdecode
+from leapdecode import ModelRunner
+from leapdecode.core.generate import Generation
+from leapdecode.core.proposer import DecodeContext, Proposer
 from leapdecode.core.sampling import SamplingParams, target_probs
+from leapdecode.core.tree import TokenTree
 from leapdecode.errors import InvalidParameterError
-from leapdecode.proposers import METHODS, make_proposer
-from leapdecode.proposers.base import DecodeContext
+from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.layerskip import LayerSkipProposer, clasp_dp, resolve_skip
 
 PROMPT = "def add(a, b):\n    return a + b\n\nhello world, the cat sat on the mat."
@@ -39,7 +43,17 @@ def context(model, prompt_ids, max_new=16, seed=0, **sampling):
     model.model.forward(torch.tensor([prompt_ids[:-1]]), cache, logits_for=slice(0, 0))
     cache.commit()
     gen = torch.Generator().manual_seed(seed)
-    return DecodeContext(model, cache, SamplingParams(**sampling), gen, len(prompt_ids), max_new)
+    return DecodeContext(ModelRunner(model), cache, SamplingParams(**sampling), gen, len(prompt_ids), max_new)
+
+
+def make(model, **options):
+    """The layerskip proposer the registry builds for ``options`` (validated like ``generate``'s)."""
+    return build_proposer(method_config("layerskip", options), ModelRunner(model))
+
+
+def attributes(model) -> tuple:
+    """What is set on a model object (a proposer must leave nothing there)."""
+    return set(vars(model)), set(vars(model.model))
 
 
 def ids(model, text=PROMPT):
@@ -164,12 +178,9 @@ def test_hidden_states_option_and_probe_rows(tiny):
     assert torch.equal(logits, plain) and len(hs) == net.n_layers + 1
     assert hs[0].shape == (1, len(prompt), net.cfg.hidden_size)
     cache.rollback()
-    net.capture_hidden = []
-    try:
-        net.forward(torch.tensor([prompt]), cache)
-        assert all(torch.equal(a, b) for a, b in zip(net.capture_hidden, hs))
-    finally:
-        net.capture_hidden = None
+    again: list = []
+    net.forward(torch.tensor([prompt]), cache, hidden_states=again)
+    assert all(torch.equal(a, b) for a, b in zip(again, hs))
     cache.rollback()
     # the DP's probe rows of the last committed token reproduce the full forward's states for it
     ctx = context(model, prompt + [5])  # commits the whole prompt; its last token is the probe
@@ -181,6 +192,53 @@ def test_hidden_states_option_and_probe_rows(tiny):
             x = run_layer(i, x)
             torch.testing.assert_close(x, hs[i + 1][0, -1].expand(3, -1), atol=1e-4, rtol=1e-4)
     assert ctx.cache.n_pending == 0 and ctx.cache.length == len(prompt)
+
+
+class _HiddenSpy(Proposer):
+    """Proposes a fixed chain and asks for the hidden states of every other verification forward."""
+
+    name = "spy"
+
+    def __init__(self, chain):
+        super().__init__(len(chain))
+        self.chain, self.calls, self.seen = list(chain), 0, []
+
+    def propose(self, tokens, budget):
+        self.calls += 1
+        return TokenTree.chain(self.chain[:budget])
+
+    def wants_hidden(self):
+        return self.calls % 2 == 1
+
+    def observe(self, tokens, tree, verdict, logits, hidden=None):
+        self.seen.append((tokens[: len(tokens) - len(verdict.tokens)], list(tree.tokens), hidden))
+
+
+def test_the_loop_hands_hidden_states_to_observe(tiny):
+    """The verification forward's per-layer states reach ``observe`` when the proposer asks for them
+    (after ``propose``), and only then; they are the states of a plain forward over the same tokens;
+    nothing is set on the model object."""
+    model = tiny(seed=0, layers=4)
+    net = model.model
+    prompt = ids(model)
+    before = attributes(model)
+    spy = _HiddenSpy([5, 6, 7])
+    Generation(ModelRunner(model), prompt, SamplingParams(), spy, method="spy", max_new_tokens=12).run()
+    assert len(spy.seen) >= 2
+    for step, (context, drafted, hidden) in enumerate(spy.seen):
+        if step % 2 == 1:
+            assert hidden is None
+            continue
+        # the forward verified [root] + the drafted chain on top of the context (whose last token is the root)
+        assert hidden is not None and len(hidden) == net.n_layers + 1
+        n = 1 + len(drafted)
+        assert all(h.shape == (1, n, net.cfg.hidden_size) for h in hidden)
+        plain: list = []
+        net.forward(torch.tensor([context + drafted]), net.new_cache(max_len=len(context) + n + 8),
+                    hidden_states=plain)
+        for h, p in zip(hidden, plain):
+            torch.testing.assert_close(h, p[:, -n:], atol=1e-4, rtol=1e-4)
+    assert attributes(model) == before
 
 
 def test_begin_probe_and_capture_choose_alike(tiny):
@@ -225,29 +283,26 @@ def test_drafting_and_dp_leave_the_cache_untouched(tiny, greedy):
     prop = LayerSkipProposer(model, skip=2, k=5, min_conf=0.0, update_every=1)
     prop.begin(ctx, prompt)  # runs the DP
     tree = prop.propose(list(prompt), 8)
-    assert len(tree) == 5 and net.capture_hidden == []  # the next forward is to be captured
-    net.capture_hidden = None  # (not this test's own probe forward)
+    assert len(tree) == 5 and prop.wants_hidden()  # the verification forward's states are wanted
     after = snapshot()
     assert after[:2] == before[:2] and torch.equal(after[2], before[2]) and torch.equal(after[3], before[3])
     assert torch.equal(root_logits(), ref)
     # the verification forward right after a draft equals one on a cache that never saw a draft
     flat = torch.tensor([[prompt[-1]] + tree.tokens])
-    net.capture_hidden = []
-    got = net.forward(flat, cache)
-    captured, net.capture_hidden = net.capture_hidden, None
+    captured: list = []
+    got = net.forward(flat, cache, hidden_states=captured)
     fresh = context(model, prompt).cache
     want = net.forward(flat, fresh)
-    net.capture_hidden = captured
     assert torch.equal(got, want)
-    assert len(net.capture_hidden) == net.n_layers + 1
+    assert len(captured) == net.n_layers + 1
     from leapdecode.core.verifier import verify
 
     verdict = verify(tree, got[0], ctx.params, generator=ctx.generator)
     cache.commit([0] + [a + 1 for a in verdict.accepted])
     tokens = list(prompt) + verdict.tokens
     mid = snapshot()
-    prop.observe(tokens, tree, verdict, got[0])  # runs the DP on the captured states
-    assert net.capture_hidden is None and prop._dp_runs == 2
+    prop.observe(tokens, tree, verdict, got[0], captured)  # runs the DP on the captured states
+    assert not prop.wants_hidden() and prop.stats()["layerskip_dp_runs"] == 2
     end = snapshot()
     assert end[:2] == mid[:2] and torch.equal(end[2], mid[2]) and torch.equal(end[3], mid[3])
     prop.end()
@@ -267,21 +322,22 @@ def test_greedy_identity(tiny, words, noise, model_spec, skip, k, budget, update
     if not model.tokenizer.encode(prompt):
         prompt = "x"
     skip = min(skip, layers - 1)
-    want = leapdecode.generate(model, prompt, max_new_tokens=n_new, repetition_penalty=penalty)
-    got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="layerskip", tree_budget=budget,
-                              skip=skip, k=k, update_every=update_every, min_conf=min_conf,
-                              repetition_penalty=penalty, draft_vocab=draft_vocab)
+    before = attributes(model)
+    want = leapdecode.generate(model, prompt, max_new_tokens=n_new, repetition_penalty=penalty, method="vanilla")
+    got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="layerskip", repetition_penalty=penalty,
+                              options=dict(tree_budget=budget, skip=skip, k=k, update_every=update_every,
+                                           min_conf=min_conf, draft_vocab=draft_vocab))
     assert got.tokens == want.tokens
     assert got.finish_reason == want.finish_reason
     s = got.stats
     assert s["draft_forwards"] == s["draft_nodes"]  # one forward per drafted token, none wasted
-    assert model.model.capture_hidden is None
+    assert attributes(model) == before  # nothing left on the model objects
 
 
 def test_chat_prompt_and_one_token_prompt(tiny):
     model = tiny(seed=0, layers=4)
     for prompt, chat in ((PROMPT, True), ("x", False)):
-        want = leapdecode.generate(model, prompt, chat=chat, max_new_tokens=24).tokens
+        want = leapdecode.generate(model, prompt, chat=chat, max_new_tokens=24, method="vanilla").tokens
         got = leapdecode.generate(model, prompt, chat=chat, max_new_tokens=24, method="layerskip")
         assert got.tokens == want
     # a one-token prompt has no committed token to probe: the first step drafts nothing
@@ -298,8 +354,8 @@ def test_sampling_first_token_is_distributed_as_the_target(tiny, chi2, draft_voc
     counts = torch.zeros_like(p)
     accepted = 0
     for seed in range(300):
-        r = leapdecode.generate(model, None, prompt_ids=prompt, max_new_tokens=3, seed=seed,
-                                method="layerskip", skip=2, min_conf=0.0, draft_vocab=draft_vocab, **params)
+        r = leapdecode.generate(model, None, prompt_ids=prompt, max_new_tokens=3, seed=seed, method="layerskip",
+                                options=dict(skip=2, min_conf=0.0, draft_vocab=draft_vocab), **params)
         counts[r.tokens[0]] += 1
         accepted += r.stats["accept_hist"].get("0", 0) < r.stats["target_forwards"]
     _, _, pval = chi2(counts, p)
@@ -311,8 +367,9 @@ def test_nothing_skipped_accepts_every_draft(tiny):
     # the draft runs every layer on the shared cache: if its attention to the committed prefix or to
     # its own earlier draft tokens were off, drafts would be rejected
     model = tiny(seed=2, layers=4)
-    r = leapdecode.generate(model, "def f(x):", max_new_tokens=60, method="layerskip", skip=0, k=4, min_conf=0.0)
-    assert r.tokens == leapdecode.generate(model, "def f(x):", max_new_tokens=60).tokens
+    r = leapdecode.generate(model, "def f(x):", max_new_tokens=60, method="layerskip",
+                            options=dict(skip=0, k=4, min_conf=0.0))
+    assert r.tokens == leapdecode.generate(model, "def f(x):", max_new_tokens=60, method="vanilla").tokens
     assert len(r.tokens) == 60
     assert r.stats["layerskip_accept_rate"] > 0.95, r.stats
     assert r.stats["mean_accepted"] > 4.5
@@ -321,9 +378,9 @@ def test_nothing_skipped_accepts_every_draft(tiny):
 
 def test_confidence_stops_drafting(tiny):
     model = tiny(seed=2, layers=4)
-    kw = dict(max_new_tokens=60, method="layerskip", k=6, skip=2)
-    lax = leapdecode.generate(model, "def f(x):", min_conf=0.0, **kw)
-    strict = leapdecode.generate(model, "def f(x):", min_conf=0.999, **kw)
+    kw = dict(max_new_tokens=60, method="layerskip")
+    lax = leapdecode.generate(model, "def f(x):", options=dict(k=6, skip=2, min_conf=0.0), **kw)
+    strict = leapdecode.generate(model, "def f(x):", options=dict(k=6, skip=2, min_conf=0.999), **kw)
     assert lax.tokens == strict.tokens and len(lax.tokens) == 60
     lax_nodes, strict_nodes = (r.stats["draft_nodes"] / r.stats["target_forwards"] for r in (lax, strict))
     assert lax_nodes > 4
@@ -339,9 +396,9 @@ def test_confidence_stops_drafting(tiny):
 def test_bad_parameters(tiny, opts):
     model = tiny(seed=0, layers=4)
     with pytest.raises(InvalidParameterError):
-        make_proposer("layerskip", model, **opts)
+        make(model, **opts)
     with pytest.raises(InvalidParameterError):
-        leapdecode.generate(model, "hi", max_new_tokens=2, method="layerskip", **opts)
+        leapdecode.generate(model, "hi", max_new_tokens=2, method="layerskip", options=opts)
 
 
 def test_bad_budget(tiny):
@@ -368,7 +425,7 @@ def test_hf_backend_is_refused(tiny):
     base = tiny(seed=0)
     model = LoadedModel("tiny-hf", hf, base.tokenizer, eos_token_ids=base.eos_token_ids)
     with pytest.raises(InvalidParameterError, match="layerskip needs the native backend"):
-        make_proposer("layerskip", model)
+        make(model)
     with pytest.raises(InvalidParameterError, match="layerskip needs the native backend"):
         leapdecode.generate(model, "hi", max_new_tokens=4, method="layerskip")
 
@@ -376,7 +433,8 @@ def test_hf_backend_is_refused(tiny):
 def test_registered(tiny):
     assert "layerskip" in METHODS
     model = tiny(seed=0, layers=4)
-    p = make_proposer("layerskip", model, tree_budget=5, skip=2, k=3)
+    p = make(model, tree_budget=5, skip=2, k=3)
     assert isinstance(p, LayerSkipProposer) and p.default_budget == 5 and p.n_skip == 2 and p.k == 3
-    r = leapdecode.generate(model, PROMPT, max_new_tokens=12, method="layerskip", skip=0.5)
+    assert make(model, skip=2.0).n_skip == 2  # a whole float is a count
+    r = leapdecode.generate(model, PROMPT, max_new_tokens=12, method="layerskip", options={"skip": 0.5})
     assert r.stats["layerskip_skip"] == 2 and len(r.stats["layerskip_skipped_layers"]) == 2

@@ -20,8 +20,9 @@ from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.tree import TokenTree
 from leapdecode.core.verifier import Verdict, verify
 from leapdecode.errors import InvalidParameterError
-from leapdecode.proposers import METHODS, make_proposer
-from leapdecode.proposers.base import DecodeContext
+from leapdecode import ModelRunner
+from leapdecode.core.proposer import DecodeContext
+from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.jacobi import JacobiProposer
 from leapdecode.proposers.lookahead import LookaheadProposer, LookaheadWindow, NGramPool
 
@@ -36,6 +37,11 @@ def model(tiny):
 
 def fake_ctx(n_prompt: int, seed: int = 0) -> DecodeContext:
     return DecodeContext(None, None, SamplingParams(), torch.Generator().manual_seed(seed), n_prompt, 32)
+
+
+def make(method, model, **options):
+    """The proposer the registry builds for ``options`` (validated like ``generate``'s)."""
+    return build_proposer(method_config(method, options), ModelRunner(model))
 
 
 def window(columns, random, root=10):
@@ -245,11 +251,12 @@ WORDS = ["the cat ", "sat on ", "the mat ", "abc", "xyz ", "aa", "\n", "def f(x)
 def test_lossless_greedy(tiny, words, which, budget, n_new, w, n):
     model = tiny(seed=which)
     prompt = "".join(words)
-    want = leapdecode.generate(model, prompt, max_new_tokens=n_new).tokens
-    got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="lookahead", tree_budget=budget,
-                              window=w, ngram=n)
+    want = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="vanilla").tokens
+    got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="lookahead",
+                              options=dict(tree_budget=budget, window=w, ngram=n))
     assert got.tokens == want
-    got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="jacobi", tree_budget=budget, k=w)
+    got = leapdecode.generate(model, prompt, max_new_tokens=n_new, method="jacobi",
+                              options=dict(tree_budget=budget, k=w))
     assert got.tokens == want
 
 
@@ -290,15 +297,15 @@ def test_lookahead_accepts_several_tokens_per_step_on_repetitive_output(model):
 ])
 def test_bad_options_raise(model, method, opts):
     with pytest.raises(InvalidParameterError):
-        make_proposer(method, model, **opts)
+        make(method, model, **opts)
     with pytest.raises(InvalidParameterError):
-        leapdecode.generate(model, "hi", max_new_tokens=2, method=method, **opts)
+        leapdecode.generate(model, "hi", max_new_tokens=2, method=method, options=opts)
 
 
-def test_registered():
+def test_registered(model):
     for m in METHODS_HERE:
         assert m in METHODS
-    p = make_proposer("lookahead", None, tree_budget=7, window=3, ngram=2)
+    p = make("lookahead", model, tree_budget=7, window=3, ngram=2)
     assert isinstance(p, LookaheadProposer) and p.default_budget == 7 and (p.window, p.ngram, p.guesses) == (3, 2, 3)
-    p = make_proposer("jacobi", None, k=3)
+    p = make("jacobi", model, k=3)
     assert isinstance(p, JacobiProposer) and p.default_budget == 3

@@ -35,8 +35,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leapdecode
+from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.cost_model import AcceptanceCalibration, VerifyCost
+from leapdecode.core.generate import Generation
+from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.verifier import Verdict
 from leapdecode.errors import InvalidParameterError, LeapdecodeError, ModelFileError
 from leapdecode.models.tiny import byte_tokenizer
@@ -49,7 +52,7 @@ from leapdecode.proposers.datastore import (
     encode_batch,
     suffix_array,
 )
-from leapdecode.proposers.rest import MATCH_BUCKETS, RestProposer, frequency_tree
+from leapdecode.proposers.rest import MATCH_BUCKETS, RestProposer, frequency_tree, resolve_datastore
 
 FAST = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -457,15 +460,18 @@ def test_generate_rest_equals_vanilla(tiny, store, prompt, cost_aware):
     model = tiny(seed=0)
     ds, path = store
     want = vanilla(model, prompt, max_new_tokens=40)
-    got = leapdecode.generate(model, prompt, method="rest", datastore=ds, max_new_tokens=40, cost_aware=cost_aware)
+    got = leapdecode.generate(model, prompt, method="rest", max_new_tokens=40,
+                              options={"datastore": str(path), "cost_aware": cost_aware})
     assert got.tokens == want.tokens
     assert got.stats["rest_hit_rate"] > 0
     assert got.stats["rest_datastore_tokens"] == len(ds)
     if not cost_aware:  # the fixed budget drafts whenever retrieval hits
         assert got.stats["draft_nodes"] > 0 and got.stats["mean_accepted"] > 1.0
-    by_path = leapdecode.generate(model, prompt, method="rest", datastore=str(path), max_new_tokens=40,
-                                  cost_aware=cost_aware)
-    assert by_path.tokens == want.tokens
+    # a Datastore object (the proposer takes one, e.g. built in memory) gives the same tokens
+    prop = RestProposer(resolve_datastore(ModelRunner(model), ds), cost_aware=cost_aware)
+    ids = model.tokenizer.encode(prompt)
+    by_object = Generation(ModelRunner(model), ids, SamplingParams(), prop, method="rest", max_new_tokens=40).run()
+    assert by_object.tokens == want.tokens
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -477,33 +483,41 @@ def test_generate_rest_options_equal_vanilla(tiny, store, words, n, budget, max_
     model = tiny(seed=0)
     prompt = "".join(words)
     want = vanilla(model, prompt, max_new_tokens=n)
-    got = leapdecode.generate(model, prompt, method="rest", datastore=store[0], max_new_tokens=n,
-                              tree_budget=budget, max_suffix=max_suffix, min_suffix=min(min_suffix, max_suffix),
-                              draft_len=draft_len, max_candidates=max_candidates, cost_aware=cost_aware)
+    got = leapdecode.generate(model, prompt, method="rest", max_new_tokens=n,
+                              options=dict(datastore=str(store[1]), tree_budget=budget, max_suffix=max_suffix,
+                                           min_suffix=min(min_suffix, max_suffix), draft_len=draft_len,
+                                           max_candidates=max_candidates, cost_aware=cost_aware))
     assert got.tokens == want.tokens
 
 
-def test_generate_cost_aware_follows_the_verify_cost(tiny, store):
-    # a model object of its own, so the hand-set verification cost stays off the shared one
-    model = tiny(seed=0, copy=3)
-    ds = store[0]
+def test_generate_cost_aware_follows_the_verify_cost(tiny, store, fresh_runner):
+    # runners of its own, with hand-set verification costs (nothing measured, nothing learned before)
+    model = tiny(seed=0)
+    path = str(store[1])
+    dear_runner = fresh_runner(model, verify_cost=PROHIBITIVE)
+    free_runner = fresh_runner(model, verify_cost=FREE)
+
+    def rest_on(runner, **kw):
+        gen = leapdecode.start_generation(runner, REPETITIVE, method="rest", options={"datastore": path}, **kw)
+        return gen.run(), gen.proposer
+
     want = vanilla(model, REPETITIVE, max_new_tokens=40)
-    model._verify_cost = PROHIBITIVE
-    dear = leapdecode.generate(model, REPETITIVE, method="rest", datastore=ds, max_new_tokens=40)
+    dear, _ = rest_on(dear_runner, max_new_tokens=40)
     assert dear.tokens == want.tokens
     assert dear.stats["rest_hit_rate"] > 0 and dear.stats["draft_nodes"] == 0
     assert dear.stats["target_forwards"] == want.stats["target_forwards"]  # one token per forward
-    model._verify_cost = FREE
-    free = leapdecode.generate(model, REPETITIVE, method="rest", datastore=ds, max_new_tokens=40)
+    free, first = rest_on(free_runner, max_new_tokens=40)
     assert free.tokens == want.tokens
     assert free.stats["draft_nodes"] > 0 and free.stats["mean_accepted"] > 1.0
-    # the calibration is learned per (model, datastore) across generations
-    calib = ds.__dict__["_rest_calibration"][model.name]
+    # the calibration is learned per (runner, datastore) across generations
+    again, second = rest_on(free_runner, max_new_tokens=40)
+    assert again.tokens == want.tokens
+    calib = second.calibration
+    assert calib is first.calibration
     assert sum(sum(c.seen) for c in calib) > 2 * AcceptanceCalibration.BINS * len(MATCH_BUCKETS)
+    assert rest_on(fresh_runner(model, verify_cost=FREE), max_new_tokens=4)[1].calibration is not calib
     # sampling never uses the clock: the fixed budget drafts even at a prohibitive cost
-    model._verify_cost = PROHIBITIVE
-    sampled = leapdecode.generate(model, REPETITIVE, method="rest", datastore=ds, max_new_tokens=20,
-                                  temperature=0.8, seed=1)
+    sampled, _ = rest_on(dear_runner, max_new_tokens=20, temperature=0.8, seed=1)
     assert sampled.stats["draft_nodes"] > 0
     assert sampled.tokens == leapdecode.generate(model, REPETITIVE, method="vanilla", max_new_tokens=20,
                                                  temperature=0.8, seed=1).tokens
@@ -521,8 +535,9 @@ class WordTokenizer:
         return {"input_ids": [[v[c] for c in t if c in v] for t in texts]}
 
 
-def rest(model, datastore, **kw):
-    return leapdecode.generate(model, "hello", method="rest", datastore=datastore, max_new_tokens=4, **kw)
+def rest(model, datastore, **options):
+    return leapdecode.generate(model, "hello", method="rest", options={"datastore": datastore, **options},
+                               max_new_tokens=4)
 
 
 def test_missing_datastore_file(tiny, tmp_path):
@@ -548,6 +563,7 @@ def test_default_datastore_is_used(tiny, store, tmp_path, monkeypatch):
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
     ds = store[0]
     Datastore(ds.tokens, ds.sa, dict(ds.meta)).save(default_path(model.name))  # (a copy: store[0] keeps its path)
+    assert rest(model, None).tokens == vanilla(model, "hello", max_new_tokens=4).tokens  # datastore=None: default
     got = leapdecode.generate(model, REPETITIVE, method="rest", max_new_tokens=20)
     assert got.tokens == vanilla(model, REPETITIVE, max_new_tokens=20).tokens
     assert got.stats["rest_hit_rate"] > 0
@@ -614,42 +630,46 @@ def test_datastore_for_another_tokenizer(tiny, tmp_path):
     ds = build_datastore(["hello hello world"], WordTokenizer(), "word-model")
     assert len(ds) > 0
     path = ds.save(tmp_path / "words.npz")
-    for target in (ds, str(path)):
-        with pytest.raises(InvalidParameterError, match="different tokenizer") as e:
-            rest(model, target)
-        assert "word-model" in str(e.value) and model.name in str(e.value)
+    with pytest.raises(InvalidParameterError, match="different tokenizer") as e:
+        rest(model, str(path))
+    assert "word-model" in str(e.value) and model.name in str(e.value)
+    with pytest.raises(InvalidParameterError, match="different tokenizer") as e:
+        resolve_datastore(ModelRunner(model), ds)  # a Datastore object is checked too
+    assert "word-model" in str(e.value) and model.name in str(e.value)
     # the same vocabulary under another model name is fine: the check is on the tokenizer
     ok = build_datastore(["hello hello world"], byte_tokenizer(), "some-other-name")
-    assert rest(model, ok).tokens == vanilla(model, "hello", max_new_tokens=4).tokens
+    assert rest(model, str(ok.save(tmp_path / "ok.npz"))).tokens == vanilla(model, "hello", max_new_tokens=4).tokens
 
 
 @pytest.mark.parametrize("options, pattern", [
     ({"max_suffix": 0}, "max_suffix"),
     ({"max_suffix": -2}, "max_suffix"),
     ({"min_suffix": 0}, "min_suffix"),
-    ({"min_suffix": 5, "max_suffix": 4}, "min_suffix .* must be <= max_suffix"),
+    ({"min_suffix": 5, "max_suffix": 4}, "min_suffix.* must be <= max_suffix"),
     ({"draft_len": 0}, "draft_len"),
     ({"max_candidates": 0}, "max_candidates"),
     ({"max_suffix": 2.5}, "max_suffix"),
     ({"draft_len": True}, "draft_len"),
-    ({"nonsense": 1}, "does not take option.*nonsense"),
+    ({"nonsense": 1}, "method 'rest' has no option 'nonsense'"),
     ({"tree_budget": 0}, "tree_budget"),
 ])
 def test_bad_options(tiny, store, options, pattern):
     with pytest.raises(InvalidParameterError, match=pattern):
-        rest(tiny(seed=0), store[0], **options)
+        rest(tiny(seed=0), str(store[1]), **options)
 
 
 def test_cheap_options_are_checked_before_the_datastore_is_loaded(tiny, tmp_path):
     with pytest.raises(InvalidParameterError, match="draft_len"):
         rest(tiny(seed=0), str(tmp_path / "missing.npz"), draft_len=0)
-    with pytest.raises(InvalidParameterError, match="does not take"):
+    with pytest.raises(InvalidParameterError, match="has no option 'suffix'"):
         rest(tiny(seed=0), str(tmp_path / "missing.npz"), suffix=3)
 
 
 def test_datastore_of_the_wrong_type(tiny):
-    with pytest.raises(InvalidParameterError, match="path or a Datastore"):
+    with pytest.raises(InvalidParameterError, match="option 'datastore' of method 'rest' must be a string"):
         rest(tiny(seed=0), 42)
+    with pytest.raises(InvalidParameterError, match="path or a Datastore"):
+        resolve_datastore(ModelRunner(tiny(seed=0)), 42)
 
 
 # ============================================================================ 5. the CLI
@@ -709,7 +729,8 @@ def test_cli_build_then_retrieve(tiny, corpus, capsys):
     assert (length, hi - lo) == (len(" the cat sat"), 1)
     assert dict(ds.continuations(lo, hi, length, 4, 8)) == {on: 1}
     assert ds.longest_suffix_match(encode_batch(tok, ["xx the cat sat"])[0], 6, 2)[0] == 6
-    got = leapdecode.generate(model, "the cat sat", method="rest", datastore=str(out), max_new_tokens=12)
+    got = leapdecode.generate(model, "the cat sat", method="rest", options={"datastore": str(out)},
+                              max_new_tokens=12)
     assert got.tokens == vanilla(model, "the cat sat", max_new_tokens=12).tokens
     assert got.stats["rest_hit_rate"] > 0
 
