@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import sysconfig
 import time
 from pathlib import Path

@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix = 0
         self._read = 0
-        # (tokens decided, characters of text) after each ``add``: to map a text cut back to tokens
+        # (tokens turned into text, characters of text) after each ``add``: maps a text cut to tokens
         self._marks: list[tuple[int, int]] = [(0, 0)]
 
     def _decode(self, ids: list[int]) -> str:
@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
             new = after[len(before) :]
             self._prefix, self._read = self._read, len(self.tokens)
             self.text += new
-        self._marks.append((len(self.tokens), len(self.text)))
+        self._marks.append((self._read, len(self.text)))
         return new
 
     def flush(self) -> str:
@@ -55,6 +55,7 @@ class IncrementalDetokenizer:
         new = after[len(before) :]
         self._prefix = self._read = len(self.tokens)
         self.text += new
+        self._marks.append((self._read, len(self.text)))
         return new
 
     def tokens_covering(self, n_chars: int) -> list[int]:
@@ -63,8 +64,10 @@ class IncrementalDetokenizer:
         for n_tok, n_text in self._marks:
             if n_text >= n_chars:
                 # the prefix ends inside the last ``add``: decode prefixes of that step's tokens only
+                want = self.text[:n_chars]
                 for k in range(lo + 1, n_tok + 1):
-                    if len(self._decode(self.tokens[:k])) >= n_chars:
+                    # a prefix that ends inside a character decodes to U+FFFD: it does not cover it
+                    if self._decode(self.tokens[:k])[:n_chars] == want:
                         return self.tokens[:k]
                 return self.tokens[:n_tok]
             lo = n_tok
@@ -87,9 +90,10 @@ class StopChecker:
     def safe_length(self, text: str) -> int:
         """How much of ``text`` can be shown: not a possible beginning of a stop string at its end."""
         n = len(text)
+        held = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, n), 0, -1):
-                if text[n - k : n] == s[:k]:
-                    n -= k
+            for k in range(min(len(s) - 1, n), held, -1):
+                if text.endswith(s[:k]):
+                    held = k
                     break
-        return n
+        return n - held

@@ -1,12 +1,15 @@
-"""The ``Decoder`` protocol: what the loop, the runner and the proposers may call on a model.
+"""The ``Decoder`` protocol: what the loop, the runner and the proposers may call on a model;
+and ``LoadedModel``: a decoder with its tokenizer, what ``load()`` returns.
 
-Both backends implement it: ``native.NativeCausalLM`` (leapdecode's own Llama/Qwen2 decoder)
-and ``hf_backend.HFCausalLM`` (any transformers causal LM on the same KV cache).
+Both backends implement the protocol: ``native.NativeCausalLM`` (leapdecode's own Llama/Qwen2
+decoder) and ``hf_backend.HFCausalLM`` (any transformers causal LM on the same KV cache).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -51,3 +54,36 @@ class Decoder(Protocol):
         ``layers``: run only these layers (layer skipping); ``hidden_states``: a list that receives
         the residual stream after the embedding and after each layer; ``head``: a replacement
         output projection.  A backend raises ``NotImplementedError`` for what it cannot do."""
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A decoder (native or HF backend, same interface) with its tokenizer.
+
+    Compared and hashed by identity (``eq=False``): a model is keyed in weak dictionaries."""
+
+    name: str
+    model: Decoder  # NativeCausalLM or HFCausalLM (models/decoder.py)
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    path: Path | None = None
+    eos_token_ids: set[int] = field(default_factory=set)
+    draft_name: str | None = None  # registered same-tokenizer draft, if any
+
+    @property
+    def backend(self) -> str:
+        return self.model.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    def __repr__(self) -> str:
+        return f"LoadedModel({self.name!r}, backend={self.backend}, dtype={self.dtype}, device={self.device})"

@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .decoder import Decoder
+from .decoder import LoadedModel  # noqa: F401  (load() returns it; re-exported)
 from ..errors import InvalidParameterError, ModelFileError, UnknownModelError
 from .store import weights_problem
 
@@ -70,39 +69,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if not isinstance(dtype, str) or dtype not in names:
         raise InvalidParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
     return names[dtype]
-
-
-@dataclass(eq=False)
-class LoadedModel:
-    """A decoder (native or HF backend, same interface) with its tokenizer.
-
-    Compared and hashed by identity (``eq=False``): a model is keyed in weak dictionaries."""
-
-    name: str
-    model: Decoder  # NativeCausalLM or HFCausalLM (models/decoder.py)
-    tokenizer: Any  # transformers PreTrainedTokenizerFast
-    path: Path | None = None
-    eos_token_ids: set[int] = field(default_factory=set)
-    draft_name: str | None = None  # registered same-tokenizer draft, if any
-
-    @property
-    def backend(self) -> str:
-        return self.model.backend
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.model.max_seq_len
-
-    def __repr__(self) -> str:
-        return f"LoadedModel({self.name!r}, backend={self.backend}, dtype={self.dtype}, device={self.device})"
 
 
 # Gemma's turn format (a system message is folded into the first user turn, as Gemma does)

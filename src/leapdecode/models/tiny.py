@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .decoder import LoadedModel
+
 from .native import ModelConfig, NativeCausalLM
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -62,8 +64,6 @@ def tiny_native(seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
 
 def tiny_loaded(name: str = "tiny-random", seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
                 **kwargs):
-    from .loader import LoadedModel
-
     tok = byte_tokenizer()
     model = tiny_native(seed=seed, dtype=dtype, device=device, **kwargs)
     eos = {tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")}

@@ -42,7 +42,7 @@ branches as the budget allows.  The cost per step is bounded by
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import torch
 
