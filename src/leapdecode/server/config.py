@@ -28,5 +28,4 @@ class ServerConfig:
         """The validation context of a request."""
         return ServerDefaults(default_method=self.default_method, default_options=dict(self.default_options),
                               default_draft=self.default_draft, tree_budget=self.tree_budget,
-                              drafts=frozenset(runner.drafts), registered_draft=runner.model.draft_name,
-                              max_n=self.max_n, max_tokens_limit=self.max_tokens_limit)
+                              drafts=frozenset(runner.drafts), max_n=self.max_n, max_tokens_limit=self.max_tokens_limit)

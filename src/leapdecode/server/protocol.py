@@ -43,7 +43,6 @@ class ServerDefaults:
     default_draft: str | None = None  # for any method with a draft option
     tree_budget: int | None = None  # for every method
     drafts: frozenset[str] = frozenset()  # loaded at start-up; no other draft can be used
-    registered_draft: str | None = None  # the model's registered pair (used when no draft is named)
     max_n: int = 16
     max_tokens_limit: int | None = None
 
@@ -345,11 +344,6 @@ class _Request(BaseModel):
 
 
 ROLES = ("system", "developer", "user", "assistant")
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -234,11 +234,10 @@ async def _stream(events: JobEvents, ev: Event, chunks: Chunks, prep: Prepared) 
                 break
             elif isinstance(ev, Disconnected):
                 return
-            try:
-                ev = await events.next()
-            except RequestTimeout as e:
-                yield sse(api_error(e).body())
-                break
+            ev = await events.next()
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # a timeout, or a fault of this generator: an error event (500s are logged with an id)
+        yield sse(api_error(e).body())
         yield "data: [DONE]\n\n"
     finally:
         events.close(cancel=not over)
