@@ -36,7 +36,7 @@ from ..core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..core.generate import GenerationResult
-    from ..models.loader import LoadedModel
+    from ..models.decoder import LoadedModel
 
 log = logging.getLogger("leapdecode.server")
 
