@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, ValidationInfo, field_validator, \
-    model_validator
+from pydantic import BaseModel, ConfigDict, PlainValidator, PrivateAttr, SerializerFunctionWrapHandler, \
+    ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..api import sampling_params
@@ -413,8 +413,11 @@ class CompletionRequest(_Request):
 
 
 # ---------------------------------------------------------------------------- responses
-def _absent_if_none(v: Any) -> bool:
-    return v is None
+def _drop_none(data: dict, *names: str) -> dict:
+    for name in names:
+        if data.get(name, 0) is None:
+            del data[name]
+    return data
 
 
 class Usage(BaseModel):
@@ -465,8 +468,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
-    content: str | None = Field(None, exclude_if=_absent_if_none)
+    """Only what is set is sent (``{}`` in the last chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return _drop_none(handler(self), "role", "content")
 
 
 class ChatChunkChoice(BaseModel):
@@ -482,7 +491,11 @@ class _Chunk(BaseModel):
     model: str
     system_fingerprint: None = None
     usage: Usage | None = None  # sent (as null until the last chunk) only with stream_options.include_usage
-    leapdecode: dict[str, Any] | None = Field(None, exclude_if=_absent_if_none)
+    leapdecode: dict[str, Any] | None = None  # sent in a choice's last chunk (and with the usage)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return _drop_none(handler(self), "leapdecode")
 
 
 class ChatCompletionChunk(_Chunk):
