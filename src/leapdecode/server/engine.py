@@ -33,22 +33,13 @@ from ..api import start_generation
 from ..core.config import MethodConfig
 from ..core.runner import ModelRunner
 from ..core.sampling import SamplingParams
+from .exceptions import EngineStopped, QueueFullError
 
 if TYPE_CHECKING:
     from ..core.generate import GenerationResult
     from ..models.decoder import LoadedModel
 
 log = logging.getLogger("leapdecode.server")
-
-
-class QueueFullError(Exception):
-    def __init__(self, retry_after: int, max_queue: int) -> None:
-        super().__init__(f"the server is busy ({max_queue} requests waiting); retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class EngineStopped(Exception):
-    """The server is shutting down."""
 
 
 # ---------------------------------------------------------------------------- events

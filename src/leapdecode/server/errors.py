@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ..errors import LeapdecodeError, PromptTooLongError, UnknownModelError
-from .engine import EngineStopped, QueueFullError
+from .exceptions import EngineStopped, QueueFullError
 from .protocol import ErrorBody, ErrorResponse, LeapdecodeExtension
+
 
 log = logging.getLogger("leapdecode.server")
 
