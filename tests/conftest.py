@@ -1,10 +1,15 @@
-"""Shared fixtures: cached tiny random models and a chi-square goodness-of-fit test.
+"""Shared fixtures: cached tiny random models, fresh runners, and a chi-square goodness-of-fit test.
 
 Tiny models are built once per (seed, variant) for the whole session, so property
 tests spend their time decoding, not initialising weights.  Every factory call
 returns the *same* ``LoadedModel`` object for the same arguments; tests that need
-a second, independent object with identical weights ask for ``copy=1`` (a target
-and its draft must not be one object: see ``test_lossless``).
+a second, independent object with identical weights ask for ``copy=1`` (e.g. a
+draft with the target's weights).
+
+Models hold weights only; what decoding learns lives in a ``ModelRunner``.  The shared
+models' runners forget it before every test (the suite runs in random order:
+pytest-randomly), and a test whose thresholds depend on learned state or on measured
+costs builds its own runner (``fresh_runner``, with ``verify_cost="flat"``).
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ def flat_verify_cost():
     from leapdecode.core.cost_model import VerifyCost
 
     return VerifyCost([1, 64], [1.0, 1.0])
+
+
+@pytest.fixture
+def flat_cost():
+    """``flat_verify_cost()`` (a ``VerifyCost``)."""
+    return flat_verify_cost()
 
 
 @pytest.fixture

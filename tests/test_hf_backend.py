@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dependency of leapdecode: missing is a failure, not a skip)
 
 from leapdecode.models.hf_backend import HFCausalLM  # noqa: E402
 from leapdecode.models.native import ModelConfig, NativeCausalLM  # noqa: E402

@@ -238,10 +238,12 @@ def test_state_is_kept_per_runner_not_on_the_model(model):
 
 
 # ============================================================================ drafts
-def test_a_runner_that_may_not_load_drafts_refuses_an_unloaded_one(model, monkeypatch):
+def test_a_runner_that_may_not_load_drafts_refuses_an_unloaded_one(model, monkeypatch, fresh_runner):
     from leapdecode.models import loader
 
-    runner = ModelRunner(model, allow_draft_loading=False)
+    # (a flat verification cost: how much the adaptive draft drafts does not follow this machine's timings)
+    runner = fresh_runner(model, verify_cost="flat", allow_draft_loading=False)
+    assert not runner.allow_draft_loading
 
     def no_load(*args, **kwargs):
         raise AssertionError("this runner must not load a model")

@@ -470,7 +470,7 @@ def test_allowed_mask_in_sampling():
 # ===========================================================================
 # sampling parameters == transformers' logits processors
 
-lp = pytest.importorskip("transformers.generation.logits_process")
+import transformers.generation.logits_process as lp  # noqa: E402  (a dependency: no skip)
 
 
 def _hf_probs(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor) -> torch.Tensor:
