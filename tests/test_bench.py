@@ -138,8 +138,13 @@ def test_workload_errors_name_file_and_line(tmp_path):
         load_jsonl(tmp_path / "blank.jsonl")
 
 
-def test_default_workload_is_found_next_to_the_repository(tmp_path):
-    data = tmp_path / "shared" / "data" / "spec_bench"
+def test_default_workload_is_found_next_to_the_repository(tmp_path, monkeypatch):
+    # a name no real directory above tmp_path has (a checkout's own ../shared may be an ancestor of it)
+    from leapdecode.bench import workloads
+
+    rel = Path(f"shared-{tmp_path.name}") / "data" / "spec_bench" / "questions_dev.jsonl"
+    monkeypatch.setattr(workloads, "DEFAULT_WORKLOAD_REL", rel)
+    data = tmp_path / rel.parent
     data.mkdir(parents=True)
     (data / "questions_dev.jsonl").write_text('{"question_id": 1, "category": "qa", "turns": ["x"]}\n')
     repo_pkg = tmp_path / "main" / "src" / "pkg"
