@@ -70,3 +70,18 @@ def test_methods_command_lists_every_method(capsys):
     out = capsys.readouterr().out
     for name in METHODS:
         assert f"### `{name}` options" in out
+
+
+def test_max_new_tokens_is_capped_at_the_context(capsys):
+    """A huge --max-new-tokens is not an error (nor a huge allocation): it stops at the context."""
+    import json
+
+    from leapdecode.models.tiny import tiny_loaded
+
+    rc = cli.main(["generate", "-m", "tiny-random", "--dtype", "fp32", "--method", "vanilla",
+                   "--max-new-tokens", str(10**12), "--json", "hi"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    ctx = tiny_loaded().max_seq_len
+    assert out["finish_reason"] in ("length", "stop")
+    assert len(out["tokens"]) + 2 <= ctx  # prompt "hi" is 2 byte tokens

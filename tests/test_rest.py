@@ -757,6 +757,7 @@ def test_cli_build_max_tokens(corpus, capsys):
     ("empty-dir", "no corpus files found"),
     ("no-out", "--out PATH is needed"),
     ("max-tokens-0", "--max-tokens must be >= 1"),
+    ("out-is-dir", "is a directory"),
 ])
 def test_cli_build_errors_leave_no_file(corpus, capsys, case, pattern):
     tmp, args, _ = corpus
@@ -781,6 +782,8 @@ def test_cli_build_errors_leave_no_file(corpus, capsys, case, pattern):
         argv = [str(tmp / "nothing"), *extra]
     elif case == "no-out":
         argv = [*args, "--model", "tiny-random:0", "--no-progress"]
+    elif case == "out-is-dir":
+        argv = [*args, "--model", "tiny-random:0", "--no-progress", "--out", str(tmp)]
     else:
         argv = [*args, *extra, "--max-tokens", "0"]
     before = sorted(p for p in tmp.rglob("*"))
