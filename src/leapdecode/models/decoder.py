@@ -85,5 +85,15 @@ class LoadedModel:
     def max_seq_len(self) -> int:
         return self.model.max_seq_len
 
+    @property
+    def weights(self) -> str:
+        """The weight format: ``"int8"``/``"int4"`` for a quantized native model
+        (``models/quant.py``), else the dtype's short name (``"bf16"``, ``"fp32"``, ``"fp16"``)."""
+        quantized = getattr(self.model, "quantization", None)
+        if quantized:
+            return quantized
+        names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+        return names.get(self.dtype, str(self.dtype).removeprefix("torch."))
+
     def __repr__(self) -> str:
         return f"LoadedModel({self.name!r}, backend={self.backend}, dtype={self.dtype}, device={self.device})"

@@ -182,12 +182,41 @@ def _model_argument(name_or_path: Any) -> str:
     return name_or_path
 
 
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")
+
+
+def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch.device) -> tuple[str | None, torch.dtype]:
+    """Check ``weights`` against ``dtype`` and the device: (``"int8"``/``"int4"`` or None for float
+    weights, the dtype to build the model in).  Quantized weights run bf16 activations and are
+    quantized from the checkpoint in fp32; an ``InvalidParameterError`` names what is wrong."""
+    if not isinstance(weights, str) or weights not in WEIGHTS:
+        raise InvalidParameterError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
+    if weights in ("auto", "bf16", "fp32"):
+        if weights == "auto":
+            return None, resolve_dtype(dtype, device)
+        wanted = torch.bfloat16 if weights == "bf16" else torch.float32
+        if dtype not in (None, "auto") and resolve_dtype(dtype, device) != wanted:
+            raise InvalidParameterError(f"weights {weights!r} conflicts with dtype {dtype!r}; give one of them")
+        return None, wanted
+    if dtype not in (None, "auto") and resolve_dtype(dtype, device) != torch.bfloat16:
+        raise InvalidParameterError(f"weights {weights!r} runs bf16 activations; dtype {dtype!r} is not "
+                                    "possible with it (use dtype auto or bf16)")
+    from .quant import kernel_problem
+
+    problem = kernel_problem(weights, device)
+    if problem is not None:
+        raise InvalidParameterError(f"weights {weights!r} cannot run on device {str(device)!r}: {problem}; "
+                                    "use weights bf16 or fp32")
+    return weights, torch.float32
+
+
 def load(
     name_or_path: str | os.PathLike,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     backend: str = "auto",
     max_seq_len: int | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a model by registry name, local HF directory, ``.gguf`` path or hub id.
 
@@ -196,8 +225,14 @@ def load(
     ``backend="auto"`` uses the native decoder for Llama/Qwen2/Mistral and the
     transformers fallback for everything else; ``"native"`` or ``"hf"`` force one.
     ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
+
+    ``weights``: ``"auto"`` (as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
+    ``"int8"`` (per-channel) / ``"int4"`` (groups of 32) on batch-invariant kernels, with bf16
+    activations (native backend, CPU or CUDA; ``models/quant.py``).
     """
     name_or_path = _model_argument(name_or_path)
+    dev = resolve_device(device)
+    quantized, dt = resolve_weights(weights, dtype, dev)
     from transformers import AutoTokenizer
 
     from .native import ModelConfig, NativeCausalLM
@@ -212,12 +247,16 @@ def load(
                 f"unknown model {name_or_path!r}: tiny random models are tiny-random or tiny-random:SEED "
                 "(SEED an integer)"
             ) from None
-        return tiny_loaded(name_or_path, seed=seed, dtype=resolve_dtype(dtype, resolve_device(device)),
-                           device=resolve_device(device))
+        loaded = tiny_loaded(name_or_path, seed=seed, dtype=dt, device=dev)
+        if quantized:
+            from .quant import quantize_model
+
+            quantize_model(loaded.model, quantized)
+        return loaded
     if backend not in ("auto", "native", "hf"):
         raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    if quantized and backend == "hf":
+        raise InvalidParameterError(f"weights {quantized!r} needs the native backend, not hf")
     name, path, draft = local_model_dir(name_or_path)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -234,12 +273,20 @@ def load(
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE  # some Gemma GGUFs ship without one
     if max_seq_len is None:
         max_seq_len = min(int(config.get("max_position_embeddings", 4096)), 8192)
+    if quantized and backend != "native":
+        raise InvalidParameterError(f"weights {quantized!r}: {name} runs on the transformers backend "
+                                    f"({config.get('architectures')}); int8/int4 need the native one")
     if backend == "native":
         try:
             model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
-            model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
         except NotImplementedError as e:
             raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
+        if quantized:
+            from .quant import quantize_model
+
+            quantize_model(model, quantized)  # from the fp32 checkpoint; the rest in bf16
+        else:
+            model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
     else:
         from .hf_backend import HFCausalLM
 
