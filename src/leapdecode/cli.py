@@ -28,6 +28,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
                         "(auto: native where supported)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), fp32, bf16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
+                   help="weight format of the native backend: int8/int4 run torch's weight-only kernels "
+                        "(quantized at load; batch-invariant linear layers); auto: as --dtype (default)")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +89,7 @@ def decoding_kwargs(a: argparse.Namespace) -> dict:
 def load_from_args(a: argparse.Namespace):
     from .models.loader import load
 
-    return load(a.model, dtype=a.dtype, device=a.device, backend=a.backend)
+    return load(a.model, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights)
 
 
 def read_stdin_text() -> str:

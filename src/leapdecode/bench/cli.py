@@ -14,7 +14,7 @@ from pathlib import Path
 # --demo: kept small so that it finishes in a few minutes on a 2-core CPU (first-time
 # model conversion included); tune here.
 DEMO_MODEL = "qwen2.5-coder-1.5b"
-DEMO_PROMPTS = 4
+DEMO_PROMPTS = 3
 DEMO_MAX_NEW_TOKENS = 128
 DEMO_PEERS = ["hf-generate"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
 DEMO_OUT = Path("bench_out") / "demo"
@@ -69,7 +69,7 @@ def config_from_args(a: argparse.Namespace):
     methods = list(METHODS) if a.methods.strip() == "all" else _csv(a.methods)
     cfg = BenchConfig(
         model=a.model, methods=methods, peers=_csv(a.peers), draft=a.draft, tree_budget=a.tree_budget,
-        dtype=a.dtype, device=a.device, backend=a.backend, workload=a.workload, limit=a.limit,
+        dtype=a.dtype, weights=a.weights, device=a.device, backend=a.backend, workload=a.workload, limit=a.limit,
         categories=_csv(a.categories) or None, seed=a.seed, max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, repeats=a.repeats, plots=not a.no_plots, progress=not a.no_progress,
     )

@@ -30,6 +30,7 @@ class BenchConfig:
     draft: str | None = None
     tree_budget: int | None = None
     dtype: str = "auto"
+    weights: str = "auto"
     device: str = "auto"
     backend: str = "auto"
     workload: str | None = None
@@ -108,7 +109,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     questions = select(questions, cfg.limit, cfg.categories, cfg.seed)
 
     t_start = time.perf_counter()
-    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend)
+    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights)
     drafts: dict = {}
     runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget, drafts=drafts)
                              for m in methods]
@@ -213,7 +214,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
 
     summary = stats.summarize(records, order=order)
     summary.update({
-        "model": loaded.name, "backend": loaded.backend, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "model": loaded.name, "backend": loaded.backend, "dtype": str(loaded.dtype).replace("torch.", ""), "weights": loaded.weights,
         "device": str(loaded.device), "draft": cfg.draft or loaded.draft_name,
         "methods": methods, "peers": [r.name for r in runners if r.system != "leapdecode"],
         "workload": workload_desc, "questions": len(questions), "prompts": n_prompt,

@@ -201,6 +201,7 @@ class NativeCausalLM(nn.Module):
     """Llama/Qwen2 decoder with a tree-aware static KV cache."""
 
     backend = "native"
+    quantization: str | None = None  # "int8"/"int4" once models/quant.py has converted the linears
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
@@ -221,13 +222,19 @@ class NativeCausalLM(nn.Module):
         """Swap every linear layer for a oneDNN-packed one (bf16 on CPU only; no-op otherwise)."""
         if not can_pack(self):
             return self
-        if not self.cfg.tie_word_embeddings:  # tied: ``embed.weight`` is the head's weight already
-            self._head_weight = self.lm_head.weight.detach()
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 setattr(block, name, PackedLinear(getattr(block, name)))
-        self.lm_head = PackedLinear(self.lm_head)
+        self.replace_head(PackedLinear(self.lm_head))
         return self
+
+    def replace_head(self, head: nn.Module, plain_weight: torch.Tensor | None = None) -> None:
+        """Use ``head`` (a packed or quantized output projection) and keep the plain ``[vocab,
+        hidden]`` weight for ``head_weight`` (default: the current head's; a tied head's is the
+        embedding's anyway)."""
+        if not self.cfg.tie_word_embeddings:
+            self._head_weight = (plain_weight if plain_weight is not None else self.head_weight).detach()
+        self.lm_head = head
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -305,15 +305,12 @@ def quantize_model(model: NativeCausalLM, weights: str, group_size: int = 32) ->
             for name in BLOCK_LINEARS:
                 setattr(block, name, convert(f"layers.{i}.{name}", getattr(block, name), weights))
         head = model.lm_head
-        tied = model.cfg.tie_word_embeddings
-        model.lm_head = convert("lm_head", head, "int8")
+        plain = model.head_weight.detach().to(ACT_DTYPE)  # proposers' subset heads slice it
+        model.replace_head(convert("lm_head", head, "int8"), plain)
         # everything still in floating point (embedding, norms, fallback layers) in bf16
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != ACT_DTYPE:
                 p.data = p.data.to(ACT_DTYPE)
-        if not tied:
-            # the proposers' plain head weight (``head_weight``), kept aside as ``pack_for_cpu`` does
-            model._head_weight = head.weight.detach().to(ACT_DTYPE)
         if fallbacks and can_pack(model):
             for name in fallbacks:
                 parent, attr = (model, name) if "." not in name else (model.layers[int(name.split(".")[1])],
