@@ -136,6 +136,24 @@ class KVCache:
         mask[:, self.length :] = self._anc[start : start + n_new, : start + n_new]
         return positions, mask
 
+    def attended_slots(self, n_new: int) -> list[torch.Tensor]:
+        """For each of the newest ``n_new`` pending nodes, the slots it attends to, in cache
+        order: the committed prefix, then its pending ancestors from the root down, itself last
+        (``[n]`` long tensors on the cache's device).  Same nodes, same slots: whether a node is
+        appended alone or inside a tree, its list is the same."""
+        start = self.n_pending - n_new
+        if not 0 <= start < self.n_pending:
+            raise ValueError(f"{n_new} new nodes, but {self.n_pending} pending")
+        prefix = list(range(self.length))
+        out = []
+        for node in range(start, self.n_pending):
+            chain, j = [], node
+            while j >= 0:
+                chain.append(self.length + j)
+                j = self._parents[j]
+            out.append(torch.tensor(prefix + chain[::-1], dtype=torch.long, device=self.device))
+        return out
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the newest ``T`` pending keys/values of one layer (``[B, H, T, D]``).
 

@@ -217,6 +217,7 @@ def load(
     backend: str = "auto",
     max_seq_len: int | None = None,
     weights: str = "auto",
+    attention: str = "sdpa",
 ) -> LoadedModel:
     """Load a model by registry name, local HF directory, ``.gguf`` path or hub id.
 
@@ -229,7 +230,12 @@ def load(
     ``weights``: ``"auto"`` (as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
     ``"int8"`` (per-channel) / ``"int4"`` (groups of 32) on batch-invariant kernels, with bf16
     activations (native backend, CPU or CUDA; ``models/quant.py``).
+
+    ``attention``: ``"sdpa"`` (default) or ``"invariant"`` (native backend only): batch-invariant
+    attention for forwards of up to 64 tokens (``NativeCausalLM.attention``).
     """
+    if attention not in ("sdpa", "invariant"):
+        raise InvalidParameterError(f"unknown attention {attention!r}; use sdpa or invariant")
     name_or_path = _model_argument(name_or_path)
     dev = resolve_device(device)
     quantized, dt = resolve_weights(weights, dtype, dev)
@@ -252,6 +258,7 @@ def load(
             from .quant import quantize_model
 
             quantize_model(loaded.model, quantized)
+        loaded.model.attention = attention
         return loaded
     if backend not in ("auto", "native", "hf"):
         raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
@@ -276,6 +283,9 @@ def load(
     if quantized and backend != "native":
         raise InvalidParameterError(f"weights {quantized!r}: {name} runs on the transformers backend "
                                     f"({config.get('architectures')}); int8/int4 need the native one")
+    if attention != "sdpa" and backend != "native":
+        raise InvalidParameterError(f"attention {attention!r}: {name} runs on the transformers backend; "
+                                    "only the native one has it")
     if backend == "native":
         try:
             model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
@@ -287,6 +297,7 @@ def load(
             quantize_model(model, quantized)  # from the fp32 checkpoint; the rest in bf16
         else:
             model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
+        model.attention = attention
     else:
         from .hf_backend import HFCausalLM
 

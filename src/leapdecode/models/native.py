@@ -170,7 +170,12 @@ class Block(nn.Module):
         cache: KVCache,
         layer: int,
         mask: torch.Tensor | None,
+        rows: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``rows`` (batch-invariant attention, ``NativeCausalLM.attention == "invariant"``): for
+        each new token, the cache slots it attends to (``KVCache.attended_slots``); attention is
+        then computed one query at a time over those keys gathered into contiguous tensors, and
+        ``mask`` is ignored."""
         cfg = self.cfg
         b, t, _ = x.shape
         h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
@@ -184,13 +189,21 @@ class Block(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         keys, values = cache.write(layer, k, v)
-        attn = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            enable_gqa=cfg.n_heads != cfg.n_kv_heads,
-        )
+        gqa = cfg.n_heads != cfg.n_kv_heads
+        if rows is not None:
+            # one query per call, over exactly its visible keys in cache order, all contiguous:
+            # the same call on the same inputs whether the token comes alone or in a tree
+            attn = torch.cat([
+                F.scaled_dot_product_attention(
+                    q[:, :, i : i + 1].contiguous(),
+                    keys.index_select(2, idx),
+                    values.index_select(2, idx),
+                    enable_gqa=gqa,
+                )
+                for i, idx in enumerate(rows)
+            ], dim=2)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, t, q_out))
         h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
@@ -202,10 +215,19 @@ class NativeCausalLM(nn.Module):
 
     backend = "native"
     quantization: str | None = None  # "int8"/"int4" once models/quant.py has converted the linears
+    # "sdpa": one masked scaled_dot_product_attention per layer (fast, but on CPU in bf16 a
+    # token's attention output can differ by an ulp between a tree forward and a 1-token one).
+    # "invariant": forwards of up to INVARIANT_MAX_TOKENS tokens attend one query at a time over
+    # exactly its visible keys (see ``Block.forward``), so a token's logits do not depend on
+    # what else is in the forward: tree verification then reproduces greedy decoding bitwise.
+    # Longer forwards (prefill chunks) keep the masked call; every method prefills alike.
+    attention: str = "sdpa"
+    INVARIANT_MAX_TOKENS = 64
 
-    def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None, attention: str = "sdpa") -> None:
         super().__init__()
         self.cfg = cfg
+        self.attention = attention
         self.vocab_size = cfg.vocab_size
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -297,8 +319,13 @@ class NativeCausalLM(nn.Module):
         if tokens.dim() == 1:
             tokens = tokens[None]
         t = tokens.shape[1]
+        if self.attention not in ("sdpa", "invariant"):
+            raise ValueError(f"unknown attention {self.attention!r}; use 'sdpa' or 'invariant'")
         positions, mask = cache.plan_append(parents, t)
-        if mask is None and t > 1:
+        rows = None
+        if self.attention == "invariant" and t <= self.INVARIANT_MAX_TOKENS:
+            rows, mask = cache.attended_slots(t), None
+        elif mask is None and t > 1:
             # causal chain after `past` slots: token i sees slots <= past + i
             total = cache.total
             past = total - t
@@ -310,7 +337,7 @@ class NativeCausalLM(nn.Module):
         if hidden is not None:
             hidden.append(x)
         for i in layers if layers is not None else range(self.cfg.n_layers):
-            x = self.layers[i](x, cos, sin, cache, i, mask)
+            x = self.layers[i](x, cos, sin, cache, i, mask, rows)
             if hidden is not None:
                 hidden.append(x)
         if logits_for is not None:
