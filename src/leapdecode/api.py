@@ -23,13 +23,6 @@ from .models.loader import LoadedModel, load
 from .proposers.registry import DEFAULT_METHOD, build_proposer, method_config
 
 
-def sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    typical_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None) -> SamplingParams:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise InvalidParameterError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
-    return SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
-
-
 def start_generation(
     model: LoadedModel | ModelRunner,
     prompt: Any = None,
@@ -52,7 +45,7 @@ def start_generation(
     (loading a draft model or datastore through the runner where the method needs one)."""
     if not isinstance(model, (LoadedModel, ModelRunner)):
         raise InvalidParameterError(f"model must be what leapdecode.load() returned, got {type(model).__name__}")
-    params = sampling_params(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
+    params = SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
     check_max_new_tokens(max_new_tokens)
     stops = check_stop(stop)
     cfg = method_config(method, options)
@@ -83,5 +76,5 @@ def stream(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) 
     return start_generation(model, prompt, **kwargs)
 
 
-__all__ = ["load", "generate", "stream", "start_generation", "sampling_params", "Generation",
+__all__ = ["load", "generate", "stream", "start_generation", "Generation",
            "GenerationResult", "ModelRunner", "runner_for"]

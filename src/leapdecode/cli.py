@@ -77,13 +77,13 @@ def method_options(a: argparse.Namespace) -> dict:
 
 def decoding_kwargs(a: argparse.Namespace) -> dict:
     """Keyword arguments for ``leapdecode.api.start_generation``, validated before any model loads."""
-    from .api import sampling_params
+    from .core.sampling import SamplingParams
     from .core.generate import check_max_new_tokens
     from .proposers import method_config
 
     options = method_options(a)
     method_config(a.method, options)  # unknown or invalid options fail here, before loading
-    sampling_params(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty, a.seed)
+    SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty, a.seed)
     check_max_new_tokens(a.max_new_tokens)
     return dict(method=a.method, options=options, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, typical_p=a.typical_p,

@@ -173,12 +173,12 @@ class LeapdecodeRunner(Runner):
         """``drafts``: draft models already loaded by other rows (name -> LoadedModel), shared so
         that each draft loads once per bench; this row adds the ones it loads."""
         from ..core.runner import ModelRunner
-        from ..proposers import method_config
+        from ..proposers import method_config, method_spec
 
         super().__init__(loaded.device)
         self.loaded, self.name, self.method = loaded, method, method
         opts = dict(options or {})
-        fields = method_config(method).option_names()
+        fields = method_spec(method).config.option_names()
         if draft is not None and "draft" in fields:
             opts.setdefault("draft", draft)
         if tree_budget is not None:

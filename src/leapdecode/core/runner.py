@@ -91,7 +91,6 @@ class ModelRunner:
         (capped at the model's context), for the caller's use until ``release_cache``."""
         decoder = model.model
         want = min(-(-max_len // CACHE_ROUND) * CACHE_ROUND, model.max_seq_len)
-        want = max(want, min(max_len, model.max_seq_len))
         with self._lock:
             idle = self._idle.setdefault(id(decoder), [])
             cache = next((c for c in idle if c.max_len >= want), None)

@@ -49,6 +49,9 @@ class SamplingParams:
             bad(f"typical_p must be in (0, 1], got {self.typical_p}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            bad(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
 
     @property
     def greedy(self) -> bool:

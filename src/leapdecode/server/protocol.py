@@ -26,7 +26,6 @@ from pydantic import BaseModel, ConfigDict, PlainValidator, PrivateAttr, Seriali
     ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..api import sampling_params
 from ..core.config import MethodConfig
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
@@ -274,7 +273,7 @@ class _Request(BaseModel):
     def _seed(cls, v: Any) -> Any:
         if v is not None:
             try:
-                sampling_params(seed=v)
+                SamplingParams(seed=v)
             except InvalidParameterError as e:
                 raise verbatim(str(e)) from None
         return v
@@ -336,7 +335,7 @@ class _Request(BaseModel):
         def pick(v: Any, default: Any) -> Any:
             return default if v is None else v
 
-        return sampling_params(
+        return SamplingParams(
             temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(ext.top_k, 0),
             min_p=pick(ext.min_p, 0.0), typical_p=pick(ext.typical_p, 1.0),
             repetition_penalty=pick(ext.repetition_penalty, 1.0),
