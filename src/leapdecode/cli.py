@@ -29,12 +29,16 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
     p.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), fp32, bf16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
-                   help="weight format of the native backend: int8/int4 run torch's weight-only kernels "
-                        "(quantized at load; batch-invariant linear layers); auto: as --dtype (default)")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "invariant"],
+                   help="weight format of the native backend. auto (default): int4 for a GGUF model on "
+                        "the CPU (the file's own quantized blocks on leapdecode's batch-invariant kernel), "
+                        "else as --dtype; int4: that kernel (4-bit groups of 32 for a float checkpoint; "
+                        "torch's int4 kernel on CUDA); int8: torch's per-channel int8 kernel; bf16/fp32: "
+                        "float weights (fast prefill, but greedy speculation is not guaranteed to "
+                        "reproduce vanilla bit for bit)")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "invariant"],
                    help="native backend: invariant = per-row attention, so a token's logits are the same "
-                        "bits in a tree forward as alone (exact speculation with --weights int8/int4); "
-                        "costs 1-12%% with int4, up to ~40%% with bf16 at 32-token trees (default: sdpa)")
+                        "bits in a tree forward as alone (exact speculation together with int8/int4 "
+                        "weights); auto (default): invariant with int8/int4 weights, else sdpa")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:

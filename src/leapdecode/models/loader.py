@@ -201,6 +201,8 @@ def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch
     if dtype not in (None, "auto") and resolve_dtype(dtype, device) != torch.bfloat16:
         raise InvalidParameterError(f"weights {weights!r} runs bf16 activations; dtype {dtype!r} is not "
                                     "possible with it (use dtype auto or bf16)")
+    if weights == "int4" and block_kernel(device):
+        return weights, torch.float32
     from .quant import kernel_problem
 
     problem = kernel_problem(weights, device)
@@ -210,6 +212,37 @@ def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch
     return weights, torch.float32
 
 
+def block_kernel(device: torch.device) -> bool:
+    """leapdecode's own block-quantized kernel (``qkernel``) runs here (CPU only)."""
+    if device.type != "cpu":
+        return False
+    from .qkernel import kernel_problem
+
+    return kernel_problem() is None
+
+
+def _gguf_of(name_or_path: str, name: str):
+    """A callable giving a context manager that yields the model's GGUF path (registered
+    models, ``.gguf`` files), or None for checkpoints without one."""
+    from . import registry
+
+    if name_or_path in registry.REGISTRY:
+        return lambda: registry.gguf_file(name_or_path)
+    p = Path(name_or_path).expanduser()
+    if p.is_file():
+        return lambda: contextlib.nullcontext(p.resolve())
+    return None
+
+
+def _source_key(path: Path) -> str:
+    """What identifies the weights in ``path`` (the converted GGUF's checksum, or file stamps)."""
+    try:
+        return json.loads((path / "leapdecode.json").read_text())["source_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        stamps = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(path.glob("*.safetensors"))]
+        return "|".join(stamps)
+
+
 def load(
     name_or_path: str | os.PathLike,
     dtype: str | torch.dtype = "auto",
@@ -217,7 +250,7 @@ def load(
     backend: str = "auto",
     max_seq_len: int | None = None,
     weights: str = "auto",
-    attention: str = "sdpa",
+    attention: str = "auto",
 ) -> LoadedModel:
     """Load a model by registry name, local HF directory, ``.gguf`` path or hub id.
 
@@ -227,15 +260,19 @@ def load(
     transformers fallback for everything else; ``"native"`` or ``"hf"`` force one.
     ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
 
-    ``weights``: ``"auto"`` (as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
-    ``"int8"`` (per-channel) / ``"int4"`` (groups of 32) on batch-invariant kernels, with bf16
-    activations (native backend, CPU or CUDA; ``models/quant.py``).
+    ``weights``: ``"auto"`` (the default: ``"int4"`` for a GGUF model on the CPU when the block
+    kernel builds here, else float as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
+    ``"int8"`` (per-channel, torch's kernel) / ``"int4"`` with bf16 activations on
+    batch-invariant kernels (native backend).  ``"int4"`` on the CPU runs the GGUF's own blocks
+    on leapdecode's kernel (``models/blockquant.py``; 4-bit groups of 32 for a float
+    checkpoint); on CUDA torch's int4 kernel (``models/quant.py``).
 
-    ``attention``: ``"sdpa"`` (default) or ``"invariant"`` (native backend only): batch-invariant
-    attention for forwards of up to 64 tokens (``NativeCausalLM.attention``).
+    ``attention``: ``"auto"`` (``"invariant"`` with int8/int4 weights, else ``"sdpa"``), ``"sdpa"``
+    or ``"invariant"`` (native backend only): batch-invariant attention for forwards of up to
+    64 tokens (``NativeCausalLM.attention``).
     """
-    if attention not in ("sdpa", "invariant"):
-        raise InvalidParameterError(f"unknown attention {attention!r}; use sdpa or invariant")
+    if attention not in ("auto", "sdpa", "invariant"):
+        raise InvalidParameterError(f"unknown attention {attention!r}; use auto, sdpa or invariant")
     name_or_path = _model_argument(name_or_path)
     dev = resolve_device(device)
     quantized, dt = resolve_weights(weights, dtype, dev)
@@ -254,11 +291,15 @@ def load(
                 "(SEED an integer)"
             ) from None
         loaded = tiny_loaded(name_or_path, seed=seed, dtype=dt, device=dev)
-        if quantized:
+        if quantized == "int4" and block_kernel(dev):
+            from .blockquant import quantize_native
+
+            quantize_native(loaded.model)
+        elif quantized:
             from .quant import quantize_model
 
             quantize_model(loaded.model, quantized)
-        loaded.model.attention = attention
+        loaded.model.attention = _attention(attention, quantized)
         return loaded
     if backend not in ("auto", "native", "hf"):
         raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
@@ -283,24 +324,40 @@ def load(
     if quantized and backend != "native":
         raise InvalidParameterError(f"weights {quantized!r}: {name} runs on the transformers backend "
                                     f"({config.get('architectures')}); int8/int4 need the native one")
-    if attention != "sdpa" and backend != "native":
+    if attention == "invariant" and backend != "native":
         raise InvalidParameterError(f"attention {attention!r}: {name} runs on the transformers backend; "
                                     "only the native one has it")
+    gguf = _gguf_of(name_or_path, name)
+    if (weights == "auto" and backend == "native" and gguf is not None and dtype in (None, "auto")
+            and block_kernel(dev)):
+        quantized = "int4"  # the GGUF's own blocks on the batch-invariant kernel
     if backend == "native":
         try:
-            model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
+            if quantized == "int4" and block_kernel(dev):
+                from .blockquant import load_int4
+
+                model = load_int4(path, _source_key(path), gguf, max_seq_len)
+            else:
+                model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
         except NotImplementedError as e:
             raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
-        if quantized:
+        if quantized and not getattr(model, "quantization", None):
             from .quant import quantize_model
 
             quantize_model(model, quantized)  # from the fp32 checkpoint; the rest in bf16
-        else:
+        elif not quantized:
             model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
-        model.attention = attention
+        model.attention = _attention(attention, quantized)
     else:
         from .hf_backend import HFCausalLM
 
         model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path,
                        eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft)
+
+
+def _attention(attention: str, quantized: str | None) -> str:
+    """``"auto"``: the batch-invariant attention with batch-invariant (quantized) weights."""
+    if attention == "auto":
+        return "invariant" if quantized else "sdpa"
+    return attention

@@ -265,6 +265,9 @@ class NativeCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             return self.embed.weight
         packed_away = getattr(self, "_head_weight", None)
+        if packed_away is None and not isinstance(self.lm_head, nn.Linear) and hasattr(self.lm_head, "dequantize"):
+            # a block-quantized head (models/blockquant.py): its weights, dequantized once on demand
+            packed_away = self._head_weight = self.lm_head.dequantize().to(self.dtype)
         return packed_away if packed_away is not None else self.lm_head.weight
 
     @property

@@ -26,11 +26,12 @@ elsewhere (``cache_dir``, ``WEIGHTS_FILE``, ...) are re-exported from ``store``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import ModelFileError, UnknownModelError
 from . import convert, install, store
@@ -39,7 +40,7 @@ from .store import CHUNK, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, cache_dir, sa
 __all__ = [
     "CHUNK", "DEFAULT_MODEL", "FORMAT_VERSION", "META_FILE", "REGISTRY", "WEIGHTS_FILE", "ModelEntry",
     "cache_dir", "convert_gguf_file", "converted_dir", "ensure_converted", "fetch", "get_entry",
-    "gguf_path", "is_installed", "list_models", "verify",
+    "gguf_file", "gguf_path", "is_installed", "list_models", "verify",
 ]
 
 
@@ -139,6 +140,16 @@ def gguf_path(name: str) -> Path | None:
     if len(entry.files) != 1 or install.missing_packages(entry):
         return None
     return install.data_files(entry)[0][2]
+
+
+@contextlib.contextmanager
+def gguf_file(name: str) -> Iterator[Path]:
+    """The verified GGUF of the registered model ``name`` for the duration of the block: the
+    installed file itself, or the parts assembled into a staging file removed afterwards."""
+    entry = get_entry(name)
+    install.install_missing(entry)
+    with store.staging(f"{name}-gguf") as staging:
+        yield install.assemble(entry, staging / f"{name}.gguf")
 
 
 # --------------------------------------------------------------------------- converting

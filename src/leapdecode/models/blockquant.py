@@ -1,0 +1,260 @@
+"""Native models on leapdecode's block-quantized kernel (``qkernel``): weights ``"int4"``.
+
+From a GGUF (a registered model or a ``.gguf`` file) every linear layer keeps the file's own
+blocks (``gguf_blocks``: Q4_K / Q4_0 / Q4_1 as 4-bit codes, Q5_* / Q6_K as 6-bit codes, Q8_0 as
+8-bit codes, each with its exact fp32 scales and offsets): the weights are bit for bit those
+llama.cpp multiplies by.  Before a GGUF tensor is used, its dequantization is compared with
+the converted checkpoint's weight (the same numbers, from transformers' GGUF loader), which
+also tells whether llama.cpp's row permutation of q/k (Llama-architecture GGUFs) must be
+undone.  From a plain float checkpoint, linear layers are quantized to 4-bit codes in groups
+of 32 (``gguf_blocks.quantize_q4``).
+
+The embedding and the norms run in bf16 (the kernel's activation dtype); the output head runs
+on the kernel with fp32 logits.  The packed model is cached as one safetensors file per model,
+format and CPU instruction set (written to a temporary file and renamed), so a warm load reads
+it back in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ModelFileError
+from .native import NativeCausalLM
+from .qkernel import BlockWeight, QLinear, QPart, isa_key
+from .quant import BLOCK_LINEARS
+from .store import cache_dir, say
+
+LAYOUT_VERSION = 1
+ACT_DTYPE = torch.bfloat16
+# HF-side pieces of each fused native linear, with their GGUF names
+GGUF_PARTS = {
+    "wqkv": ("attn_q", "attn_k", "attn_v"),
+    "wo": ("attn_output",),
+    "w_gate_up": ("ffn_gate", "ffn_up"),
+    "w_down": ("ffn_down",),
+}
+
+
+def _permutation(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation for ``heads`` heads (as transformers'
+    GGUF loader does: ``w.reshape(heads, dim, 2, -1).swapaxes(2, 1)``)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(-1)
+
+
+def _matches(w: BlockWeight, reference: torch.Tensor) -> bool:
+    got = torch.from_numpy(w.dequantize())
+    ref = reference.detach().float().cpu()
+    if got.shape != ref.shape:
+        return False
+    return bool(torch.equal(got, ref)) or bool(torch.allclose(got, ref, rtol=1e-6, atol=1e-7))
+
+
+class _GGUFSource:
+    """The GGUF's tensors by name, decoded on request and checked against the checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # the gguf package raises several kinds for a corrupt file
+            raise ModelFileError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.path = path
+        self.kinds: dict[str, int] = {}
+
+    def weight(self, name: str, reference: torch.Tensor, heads: int | None = None) -> BlockWeight:
+        from .gguf_blocks import tensor_weight
+
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelFileError(f"{self.path.name}: no tensor {name!r}")
+        w, how = tensor_weight(tensor)
+        self.kinds[how] = self.kinds.get(how, 0) + w.codes.size
+        if _matches(w, reference):
+            return w
+        if heads is not None:
+            permuted = w.rows(_permutation(w.shape[0], heads))
+            if _matches(permuted, reference):
+                return permuted
+        raise ModelFileError(f"{self.path.name}: tensor {name!r} does not match the converted checkpoint "
+                             "(convert the model again: leapdecode models fetch NAME --force)")
+
+
+def _heads_for(cfg, gguf_name: str) -> int | None:
+    return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(gguf_name)
+
+
+def quantize_native(model: NativeCausalLM, gguf_path: Path | None = None) -> dict[str, int]:
+    """Replace every block linear and the head of a float ``model`` with ``QLinear`` layers (from
+    the GGUF's blocks, else 4-bit group-32 quantization); the rest becomes bf16.  In place;
+    returns the number of weights per source format (e.g. ``{"Q4_K": ..., "Q6_K": ...}``)."""
+    from .gguf_blocks import quantize_q4
+
+    if getattr(model, "quantization", None):
+        raise ValueError(f"model is already quantized ({model.quantization})")
+    cfg = model.cfg
+    source = _GGUFSource(gguf_path) if gguf_path is not None else None
+    kinds: dict[str, int] = {}
+
+    def block_weight(gguf_name: str, ref: torch.Tensor) -> BlockWeight:
+        if source is not None:
+            return source.weight(gguf_name, ref, _heads_for(cfg, gguf_name.rsplit(".", 2)[-2]))
+        w = quantize_q4(ref.detach().float().cpu().numpy())
+        kinds["int4-g32"] = kinds.get("int4-g32", 0) + w.codes.size
+        return w
+
+    with torch.no_grad():
+        for i, block in enumerate(model.layers):
+            for name in BLOCK_LINEARS:
+                lin = getattr(block, name)
+                weight = lin.weight
+                pieces = _split(cfg, name, weight)
+                parts = [QPart.from_block(block_weight(f"blk.{i}.{g}.weight", ref))
+                         for g, ref in zip(GGUF_PARTS[name], pieces)]
+                if any(p.out_features != ref.shape[0] for p, ref in zip(parts[:-1], pieces[:-1])):
+                    raise ModelFileError(f"layer {i} {name}: a part's rows are not a multiple of 16")
+                setattr(block, name, QLinear(parts, lin.bias, out_features=weight.shape[0]))
+        head_name = "token_embd.weight" if cfg.tie_word_embeddings or (
+            source is not None and "output.weight" not in source.tensors) else "output.weight"
+        head_ref = model.head_weight
+        head = QLinear([QPart.from_block(block_weight(head_name, head_ref))], out_fp32=True,
+                       out_features=head_ref.shape[0])
+        model.replace_head(head, None)
+        _to_act_dtype(model)
+    if source is not None:
+        kinds.update(source.kinds)
+    model.quantization = "int4"
+    model.quant_fallbacks = {}
+    return kinds
+
+
+def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+    if name == "wqkv":
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return list(weight.split((q, kv, kv)))
+    if name == "w_gate_up":
+        return list(weight.chunk(2))
+    return [weight]
+
+
+def _to_act_dtype(model: NativeCausalLM) -> None:
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != ACT_DTYPE:
+            p.data = p.data.to(ACT_DTYPE)
+    model._head_weight = None  # dequantized from the kernel's head on demand (``head_weight``)
+
+
+# --------------------------------------------------------------------------- the packed cache
+def packed_path(model_dir: Path, key_source: str) -> Path:
+    """Where the packed form of the model in ``model_dir`` lives (keyed by the model's source,
+    the format's layout version and the CPU's instruction set)."""
+    key = hashlib.sha256(f"{model_dir.resolve()}|{key_source}".encode()).hexdigest()[:16]
+    return cache_dir() / "packed" / f"{model_dir.name}-{key}-int4-v{LAYOUT_VERSION}-{isa_key()}.safetensors"
+
+
+def save_packed(model: NativeCausalLM, path: Path) -> None:
+    """Write the quantized ``model``'s tensors and part layouts to ``path`` atomically."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    layout: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QLinear):
+            layout[name] = {"out_features": module.out_features, "out_fp32": module.out_fp32,
+                            "parts": [p.spec() for p in module.parts]}
+            for j, p in enumerate(module.parts):
+                for t in ("codes", "scales", "zeros"):
+                    tensors[f"{name}.parts.{j}.{t}"] = getattr(p, t)
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = module.bias
+    for name, p in model.named_parameters():
+        if ".parts." not in name:
+            tensors[name] = p.detach()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".packed-", suffix=".safetensors", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                  metadata={"layout": json.dumps(layout), "version": str(LAYOUT_VERSION)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
+    """A model from ``save_packed``'s file; a ``ModelFileError`` if it is unreadable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            layout = json.loads(f.metadata()["layout"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # corrupt or truncated cache file
+        raise ModelFileError(f"cannot read the packed weights {path}: {type(e).__name__}: {e}") from None
+    with torch.device("meta"):
+        model = NativeCausalLM(cfg, max_seq_len=max_seq_len)
+    try:
+        for name, spec in layout.items():
+            parts = [QPart(tensors[f"{name}.parts.{j}.codes"], tensors[f"{name}.parts.{j}.scales"],
+                           tensors[f"{name}.parts.{j}.zeros"], **ps) for j, ps in enumerate(spec["parts"])]
+            bias = tensors.get(f"{name}.bias")
+            if bias is not None:
+                bias = bias[:spec["out_features"]]
+            layer = QLinear(parts, bias, out_fp32=spec["out_fp32"], out_features=spec["out_features"])
+            if name == "lm_head":
+                model.lm_head = layer
+            else:
+                _, i, attr = name.split(".")
+                setattr(model.layers[int(i)], attr, layer)
+        own = {k: v for k, v in tensors.items() if ".parts." not in k and not k.endswith(".bias")}
+        model.load_state_dict(own, strict=False, assign=True)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ModelFileError(f"the packed weights {path} are incomplete ({type(e).__name__}: {e})") from None
+    from .native import rope_tables
+
+    cos, sin = rope_tables(cfg, model.max_seq_len)
+    model.rope_cos, model.rope_sin = cos, sin
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelFileError(f"the packed weights {path} lack {missing[:3]}")
+    model._head_weight = None
+    model.quantization = "int4"
+    model.quant_fallbacks = {}
+    return model.eval()
+
+
+def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.AbstractContextManager] | None,
+              max_seq_len: int | None) -> NativeCausalLM:
+    """The model in ``model_dir`` on the block kernel: from the packed cache when present, else
+    built (from the GGUF ``gguf()`` yields, or by 4-bit quantization) and cached."""
+    from .native import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    path = packed_path(model_dir, key_source)
+    if path.is_file():
+        try:
+            return load_packed(path, cfg, max_seq_len)
+        except ModelFileError as e:
+            say(f"{e}; packing again")
+            path.unlink(missing_ok=True)
+    say(f"packing {model_dir.name} for the int4 kernel (once; cached in {path.parent})")
+    model = NativeCausalLM.from_pretrained(model_dir, dtype=torch.float32, max_seq_len=max_seq_len)
+    with (gguf() if gguf is not None else contextlib.nullcontext(None)) as gguf_path:
+        kinds = quantize_native(model, gguf_path)
+    total = sum(kinds.values()) or 1
+    say("weights: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(kinds.items())))
+    save_packed(model, path)
+    return model
+

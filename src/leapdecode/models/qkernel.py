@@ -1,0 +1,301 @@
+"""leapdecode's own batch-invariant kernel for block-quantized weights (``kernels/qgemm.cpp``).
+
+A weight is kept in the GGUF's block form, ``w[n, k] = s[n, g] * q[n, k] + z[n, g]`` for the
+group ``g`` of column ``k`` (group 16 or 32), with the codes ``q`` as they are in the file
+(4-bit, 6-bit or 8-bit) and the scale ``s`` and offset ``z`` in fp32, where the GGUF's own
+products (``d * sc``, ``dmin * m``) are exact.  So a Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K /
+Q6_K / Q8_0 tensor runs with exactly the weights llama.cpp dequantizes, without re-quantizing.
+
+The kernel (AVX512-BF16 where the CPU has it, portable C++ otherwise) decodes each weight
+tile once per call and applies it to all the rows of the call, and computes every output
+element with the same instruction sequence whatever the number of rows: a token's result does
+not depend on how many tokens share the forward (tests/test_qkernel.py checks it bitwise).
+
+The shared library is compiled on first use with the system C++ compiler (``-march=native``:
+the machine that runs it builds it) into the cache, keyed by the source, the flags and the
+CPU's flags, and published atomically.  Without a compiler ``kernel_problem()`` says why and
+the loader falls back to torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ModelFileError
+from .store import cache_dir
+
+SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
+CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
+BITS = (4, 6, 8)
+GROUPS = (16, 32)
+
+
+class KernelUnavailable(RuntimeError):
+    """The quantized kernel cannot be built or loaded here."""
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``), '' where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
+def isa_key() -> str:
+    """A short key of the CPU's instruction set (cache key of compiled and packed forms)."""
+    return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(target: Path) -> None:
+    cxx = _compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *CXXFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"cannot build the kernel: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    if os.environ.get("LEAPDECODE_NO_QKERNEL"):
+        raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CXXFLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"qgemm-{key}.so"
+    if not target.is_file():
+        _build(target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {target}: {e}") from None
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, i32, i32, i32, i64, vp, vp, i64, i32, i32, vp]
+    lib.ld_qgemm.restype = i32
+    lib.ld_qdequant.argtypes = [vp, vp, vp, i32, i32, i32, i64, i64, vp, i32]
+    lib.ld_qdequant.restype = i32
+    lib.ld_has_avx512bf16.restype = i32
+    return lib
+
+
+def kernel_problem() -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    try:
+        _library()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def kernel_isa() -> str:
+    """'avx512-bf16' or 'portable': which code path the compiled kernel runs."""
+    return "avx512-bf16" if _library().ld_has_avx512bf16() else "portable"
+
+
+# --------------------------------------------------------------------------- packing
+@dataclass
+class BlockWeight:
+    """One weight in block form: ``w = scales * codes + zeros`` per group of ``group`` columns.
+
+    ``codes``: integer ``[N, K]`` (4-bit: 0..15; 6-bit: 0..63 stored, value ``code - offset``;
+    8-bit: -128..127); ``scales``, ``zeros``: fp32 ``[N, K / group]``."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    bits: int
+    group: int
+    offset: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def values(self) -> np.ndarray:
+        """The integer values the codes stand for."""
+        return self.codes.astype(np.int32) - (self.offset if self.bits == 6 else 0)
+
+    def dequantize(self) -> np.ndarray:
+        """fp32 ``[N, K]``: ``scale * value + zero`` (one rounding per product, one per sum)."""
+        n, k = self.codes.shape
+        v = self.values().astype(np.float32).reshape(n, k // self.group, self.group)
+        return (self.scales[..., None] * v + self.zeros[..., None]).reshape(n, k)
+
+    def rows(self, index: np.ndarray) -> "BlockWeight":
+        """The weight with its output rows reordered by ``index``."""
+        return BlockWeight(self.codes[index], self.scales[index], self.zeros[index], self.bits, self.group,
+                           self.offset)
+
+
+def padded(w: BlockWeight, multiple: int = 16) -> BlockWeight:
+    """``w`` with zero rows (code 0, scale 0, zero 0: weight 0) up to a multiple of ``multiple``."""
+    n = w.codes.shape[0]
+    extra = -n % multiple
+    if not extra:
+        return w
+    pad = lambda a, v=0: np.concatenate([a, np.full((extra,) + a.shape[1:], v, dtype=a.dtype)])  # noqa: E731
+    code0 = w.offset if w.bits == 6 else 0  # the code whose value is 0
+    return BlockWeight(pad(w.codes, code0), pad(w.scales), pad(w.zeros), w.bits, w.group, w.offset)
+
+
+def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
+    """The kernel's layout of ``w`` (see kernels/qgemm.cpp): ``codes`` uint8, ``scales`` and
+    ``zeros`` fp32 ``[N/16, K/group, 16]``."""
+    n, k = w.codes.shape
+    g = w.group
+    if w.bits not in BITS or g not in GROUPS or n % 16 or k % g:
+        raise ValueError(f"cannot pack a [{n}, {k}] weight with {w.bits}-bit codes in groups of {g}")
+    ng = k // g
+    c = w.codes.astype(np.uint8, copy=False) if w.bits != 8 else w.codes.astype(np.int8).view(np.uint8)
+    # [u, j, g, p, t] -> [u, g, p, j, t]: pair vector p of unit u, group g holds (n = j, k = 2p + t)
+    c = c.reshape(n // 16, 16, ng, g // 2, 2).transpose(0, 2, 3, 1, 4).reshape(n // 16, ng, g // 2, 32)
+    if w.bits == 4:
+        c = c.reshape(n // 16, ng, g // 4, 2, 32)
+        c = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)
+    sz = [np.ascontiguousarray(a.astype(np.float32).reshape(n // 16, 16, ng).transpose(0, 2, 1))
+          for a in (w.scales, w.zeros)]
+    return {"codes": torch.from_numpy(np.ascontiguousarray(c).reshape(-1)),
+            "scales": torch.from_numpy(sz[0]), "zeros": torch.from_numpy(sz[1])}
+
+
+# --------------------------------------------------------------------------- the layer
+class QPart(nn.Module):
+    """One packed block-quantized weight ``[out_features, in_features]``."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
+                 offset: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.bits, self.group, self.offset = int(bits), int(group), int(offset)
+        self.out_features, self.in_features = int(out_features), int(in_features)
+        units, ng = out_features // 16, in_features // group
+        per_group = 8 * group if bits == 4 else 16 * group
+        if codes.numel() != units * ng * per_group or scales.shape != (units, ng, 16) or zeros.shape != scales.shape:
+            raise ModelFileError(f"packed weight [{out_features}, {in_features}] ({bits}-bit, group {group}) "
+                                 f"has the wrong sizes")
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("zeros", zeros.float().contiguous())
+
+    @classmethod
+    def from_block(cls, w: BlockWeight) -> "QPart":
+        """Pack ``w``; rows are padded with zero weights to a multiple of 16 (``QLinear`` drops them)."""
+        w = padded(w)
+        p = pack(w)
+        n, k = w.shape
+        return cls(p["codes"], p["scales"], p["zeros"], w.bits, w.group, w.offset, n, k)
+
+    def spec(self) -> dict:
+        """What ``__init__`` needs besides the three tensors (for the packed-weights cache)."""
+        return {"bits": self.bits, "group": self.group, "offset": self.offset,
+                "out_features": self.out_features, "in_features": self.in_features}
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[out, in]``: the weight the kernel multiplies by."""
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        rc = _library().ld_qdequant(self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(),
+                                    self.bits, self.offset, self.group, self.out_features, self.in_features,
+                                    out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"ld_qdequant failed ({rc})")
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+
+class QLinear(nn.Module):
+    """A linear layer on block-quantized weights: the parts' outputs side by side (e.g. q, k, v
+    with their own GGUF block types in one fused projection), plus an fp32 bias.
+
+    Input: bf16 (other dtypes are cast); output: bf16, or fp32 with ``out_fp32`` (the head).
+    ``out_features`` (default: all the parts' rows) drops the zero rows that padded the last
+    part to a multiple of 16."""
+
+    def __init__(self, parts: list[QPart], bias: torch.Tensor | None = None, out_fp32: bool = False,
+                 out_features: int | None = None) -> None:
+        super().__init__()
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("QLinear needs parts with one in_features")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.padded_features = sum(p.out_features for p in parts)
+        self.out_features = self.padded_features if out_features is None else int(out_features)
+        if not self.padded_features - parts[-1].out_features < self.out_features <= self.padded_features:
+            raise ValueError(f"out_features {self.out_features} does not fit parts of {self.padded_features} rows")
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias must be [{self.out_features}], not {tuple(bias.shape)}")
+        if bias is not None and self.padded_features != self.out_features:
+            bias = torch.cat([bias.float(), bias.new_zeros(self.padded_features - self.out_features).float()])
+        self.out_fp32 = bool(out_fp32)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._groups = self.in_features // min(p.group for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _library()
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, self.padded_features, dtype=torch.float32 if self.out_fp32 else torch.bfloat16)
+        esize = y.element_size()
+        threads = torch.get_num_threads()
+        xs = torch.empty(MAX_ROWS * self._groups, dtype=torch.float32)  # the kernel's per-row group sums
+        n0 = 0
+        for p in self.parts:
+            bias = self.bias.data_ptr() + 4 * n0 if self.bias is not None else None
+            rc = lib.ld_qgemm(x2.data_ptr(), m, self.in_features, self.in_features, p.codes.data_ptr(),
+                              p.scales.data_ptr(), p.zeros.data_ptr(), p.bits, p.offset, p.group,
+                              p.out_features, bias, y.data_ptr() + esize * n0, self.padded_features,
+                              int(self.out_fp32), threads, xs.data_ptr())
+            if rc:
+                raise RuntimeError(f"ld_qgemm failed ({rc}) on a [{p.out_features}, {p.in_features}] part")
+            n0 += p.out_features
+        if self.padded_features != self.out_features:
+            y = y[:, :self.out_features]
+        out = y.view(*shape[:-1], self.out_features) if y.is_contiguous() else y.reshape(*shape[:-1], self.out_features)
+        return out if self.out_fp32 else out.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[out_features, in_features]``: the weight the kernel multiplies by."""
+        return torch.cat([p.dequantize() for p in self.parts])[:self.out_features]
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{p.out_features}x{p.bits}b/g{p.group}" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts=[{kinds}]"
