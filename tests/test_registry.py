@@ -488,3 +488,13 @@ def test_convert_local_gguf_for_real(cache):
     assert path == cache / "gguf" / registry.REGISTRY["smollm2-135m"].sha256[:16]
     assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert (path / "tokenizer.json").is_file() and (path / "chat_template.jinja").is_file()
+
+
+def test_assembled_gguf_is_built_once_and_kept(fake, cache):
+    path = registry.assembled_gguf("fake")  # three parts -> one file in the cache
+    assert path.is_relative_to(cache) and path.read_bytes() == b"".join(PARTS)
+    stamp = path.stat().st_mtime_ns
+    assert registry.assembled_gguf("fake") == path and path.stat().st_mtime_ns == stamp  # not rebuilt
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]  # no staging left behind
+    path.write_bytes(b"short")  # a truncated file is assembled again
+    assert registry.assembled_gguf("fake").read_bytes() == b"".join(PARTS)

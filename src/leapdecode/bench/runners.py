@@ -382,8 +382,9 @@ def expand_peers(spec: list[str]) -> list[str]:
 
 
 def gguf_path(model_arg: str, loaded) -> Path | None:
-    """The GGUF file behind the model: the ``-m`` argument itself, or a registered model kept as
-    a single GGUF file inside its wheel (``registry.gguf_path``).  None when unknown."""
+    """The GGUF file behind the model: the ``-m`` argument itself, or a registered model's
+    (``registry.assembled_gguf``: multi-part GGUFs are assembled once into the cache).  None
+    when unknown."""
     p = Path(model_arg).expanduser()
     if p.suffix == ".gguf" and p.is_file():
         return p
@@ -392,7 +393,7 @@ def gguf_path(model_arg: str, loaded) -> Path | None:
     if model_arg not in registry.REGISTRY:
         return None
     try:
-        return registry.gguf_path(model_arg)
+        return registry.assembled_gguf(model_arg)
     except LeapdecodeError:
         return None
 
@@ -429,8 +430,7 @@ def make_peers(names: list[str], loaded, model_arg: str, draft_arg: str | None, 
             return runners
         gguf = gguf_path(model_arg, loaded)
         if gguf is None:
-            say(f"skipping {', '.join(cpp_names)}: no GGUF file is known for {model_arg} "
-                "(the registry assembles multi-part GGUFs only to convert them); pass -m FILE.gguf")
+            say(f"skipping {', '.join(cpp_names)}: no GGUF file is known for {model_arg}; pass -m FILE.gguf")
             return runners
         for n in cpp_names:
             try:

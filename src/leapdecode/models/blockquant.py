@@ -34,7 +34,7 @@ from .qkernel import BlockWeight, QLinear, QPart, isa_key
 from .quant import BLOCK_LINEARS
 from .store import cache_dir, say
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 ACT_DTYPE = torch.bfloat16
 # HF-side pieces of each fused native linear, with their GGUF names
 GGUF_PARTS = {
@@ -174,8 +174,9 @@ def save_packed(model: NativeCausalLM, path: Path) -> None:
             layout[name] = {"out_features": module.out_features, "out_fp32": module.out_fp32,
                             "parts": [p.spec() for p in module.parts]}
             for j, p in enumerate(module.parts):
-                for t in ("codes", "scales", "zeros"):
-                    tensors[f"{name}.parts.{j}.{t}"] = getattr(p, t)
+                for t in ("codes", "scales", "zeros", "dsup", "zsup"):
+                    if getattr(p, t) is not None:
+                        tensors[f"{name}.parts.{j}.{t}"] = getattr(p, t)
             if module.bias is not None:
                 tensors[f"{name}.bias"] = module.bias
     for name, p in model.named_parameters():
@@ -208,7 +209,8 @@ def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
     try:
         for name, spec in layout.items():
             parts = [QPart(tensors[f"{name}.parts.{j}.codes"], tensors[f"{name}.parts.{j}.scales"],
-                           tensors[f"{name}.parts.{j}.zeros"], **ps) for j, ps in enumerate(spec["parts"])]
+                           tensors[f"{name}.parts.{j}.zeros"], dsup=tensors.get(f"{name}.parts.{j}.dsup"),
+                           zsup=tensors.get(f"{name}.parts.{j}.zsup"), **ps) for j, ps in enumerate(spec["parts"])]
             bias = tensors.get(f"{name}.bias")
             if bias is not None:
                 bias = bias[:spec["out_features"]]

@@ -95,16 +95,18 @@ def decode(raw: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
         sc, mn = _scale_min_k4(b[..., 4:16])
         s = (d * sc.astype(np.float32)).reshape(n, k // 32)
         z = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
+        factors = (sc.reshape(n, k // 32).astype(np.int8), mn.reshape(n, k // 32).astype(np.int8),
+                   d.reshape(n, -1), -dmin.reshape(n, -1), 8)
         if qtype == Q4_K:
             qs = b[..., 16:144].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes -> sub-blocks 2c, 2c+1
             q = np.stack([qs & 15, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
-            return BlockWeight(q.reshape(n, k), s, z, 4, 32)
+            return BlockWeight(q.reshape(n, k), s, z, 4, 32, factors=factors)
         qh = b[..., 16:48]  # [n, blocks, 32]
         qs = b[..., 48:176].reshape(n, -1, 4, 32)
         q = np.stack([qs & 15, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
         shifts = np.arange(8, dtype=np.uint8).reshape(4, 2)  # sub-block 2c + h uses bit 2c + h of qh[l]
         hb = (qh[:, :, None, None, :] >> shifts[None, None, :, :, None]) & 1
-        return BlockWeight((q | (hb << 4)).reshape(n, k), s, z, 6, 32)
+        return BlockWeight((q | (hb << 4)).reshape(n, k), s, z, 6, 32, factors=factors)
     # Q6_K: ql[128], qh[64], scales[16] (int8), d (fp16)
     ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)  # [half, ql part (l or l + 32), l]
     qh = b[..., 128:192].reshape(n, -1, 2, 32)  # [half, l]
@@ -116,7 +118,9 @@ def decode(raw: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
     high = np.stack([(qh >> (2 * j)) & 3 for j in range(4)], axis=3)  # [n, blocks, half, j, l]
     q = (low | (high << 4)).reshape(n, k)
     s = (d * sc).reshape(n, k // 16)
-    return BlockWeight(q, s, np.zeros_like(s), 6, 16, offset=32)
+    factors = (sc.reshape(n, k // 16).astype(np.int8), np.zeros((n, k // 16), np.int8), d.reshape(n, -1),
+               np.zeros_like(d.reshape(n, -1)), 16)
+    return BlockWeight(q, s, np.zeros_like(s), 6, 16, offset=32, factors=factors)
 
 
 def requantize_q8(w: np.ndarray, group: int = 32) -> BlockWeight:

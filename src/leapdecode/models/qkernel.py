@@ -39,6 +39,11 @@ from .store import cache_dir
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
+# Forwards of more rows than this (prefill chunks) run a bf16 copy of the dequantized weights
+# through oneDNN (compute-bound work: AMX / AVX512-BF16 GEMMs beat a weight-only kernel there).
+# Forwards of up to this many rows (decoding, tree verification: NativeCausalLM's
+# INVARIANT_MAX_TOKENS is the same 64) stay on the batch-invariant kernel.
+DENSE_MIN_ROWS = 64
 BITS = (4, 6, 8)
 GROUPS = (16, 32)
 
@@ -104,9 +109,10 @@ def _library() -> ctypes.CDLL:
     except OSError as e:
         raise KernelUnavailable(f"cannot load {target}: {e}") from None
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, i32, i32, i32, i64, vp, vp, i64, i32, i32, vp]
+    lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, vp, vp, i64,
+                             i32, i32, vp]
     lib.ld_qgemm.restype = i32
-    lib.ld_qdequant.argtypes = [vp, vp, vp, i32, i32, i32, i64, i64, vp, i32]
+    lib.ld_qdequant.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
     lib.ld_qdequant.restype = i32
     lib.ld_has_avx512bf16.restype = i32
     return lib
@@ -140,6 +146,9 @@ class BlockWeight:
     bits: int
     group: int
     offset: int = 0
+    # K-quants: scales = dsup * sc, zeros = zsup * mc per super-block of ``gps`` groups, kept
+    # in that factored form by the kernel (int8 sc, mc [N, K/group]; fp32 dsup, zsup [N, K/group/gps])
+    factors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -157,8 +166,9 @@ class BlockWeight:
 
     def rows(self, index: np.ndarray) -> "BlockWeight":
         """The weight with its output rows reordered by ``index``."""
+        f = self.factors
         return BlockWeight(self.codes[index], self.scales[index], self.zeros[index], self.bits, self.group,
-                           self.offset)
+                           self.offset, None if f is None else (f[0][index], f[1][index], f[2][index], f[3][index], f[4]))
 
 
 def padded(w: BlockWeight, multiple: int = 16) -> BlockWeight:
@@ -169,7 +179,15 @@ def padded(w: BlockWeight, multiple: int = 16) -> BlockWeight:
         return w
     pad = lambda a, v=0: np.concatenate([a, np.full((extra,) + a.shape[1:], v, dtype=a.dtype)])  # noqa: E731
     code0 = w.offset if w.bits == 6 else 0  # the code whose value is 0
-    return BlockWeight(pad(w.codes, code0), pad(w.scales), pad(w.zeros), w.bits, w.group, w.offset)
+    f = w.factors
+    return BlockWeight(pad(w.codes, code0), pad(w.scales), pad(w.zeros), w.bits, w.group, w.offset,
+                       None if f is None else (pad(f[0]), pad(f[1]), pad(f[2]), pad(f[3]), f[4]))
+
+
+def _fp16_exact(a: np.ndarray) -> bool:
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
+    return bool(np.isfinite(h).all()) and np.array_equal(h.astype(np.float32), a.astype(np.float32))
 
 
 def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
@@ -186,29 +204,58 @@ def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
     if w.bits == 4:
         c = c.reshape(n // 16, ng, g // 4, 2, 32)
         c = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)
-    sz = [np.ascontiguousarray(a.astype(np.float32).reshape(n // 16, 16, ng).transpose(0, 2, 1))
-          for a in (w.scales, w.zeros)]
-    return {"codes": torch.from_numpy(np.ascontiguousarray(c).reshape(-1)),
-            "scales": torch.from_numpy(sz[0]), "zeros": torch.from_numpy(sz[1])}
+
+    def units(a: np.ndarray, dtype) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
+        cols = a.shape[1]
+        return torch.from_numpy(np.ascontiguousarray(a.astype(dtype).reshape(n // 16, 16, cols).transpose(0, 2, 1)))
+
+    out = {"codes": torch.from_numpy(np.ascontiguousarray(c).reshape(-1))}
+    if w.factors is not None:
+        sc, mc, dsup, zsup, gps = w.factors
+        if ng % gps:
+            raise ValueError(f"{ng} groups do not split into super-blocks of {gps}")
+        out.update(scales=units(sc, np.int8), zeros=units(mc, np.int8), dsup=units(dsup, np.float32),
+                   zsup=units(zsup, np.float32), smode=2, gps=gps)
+    elif _fp16_exact(w.scales) and _fp16_exact(w.zeros):
+        out.update(scales=units(w.scales, np.float16), zeros=units(w.zeros, np.float16), smode=1, gps=1)
+    else:
+        out.update(scales=units(w.scales, np.float32), zeros=units(w.zeros, np.float32), smode=0, gps=1)
+    return out
 
 
 # --------------------------------------------------------------------------- the layer
 class QPart(nn.Module):
     """One packed block-quantized weight ``[out_features, in_features]``."""
 
+    SCALE_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.int8}
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
-                 offset: int, out_features: int, in_features: int) -> None:
+                 offset: int, out_features: int, in_features: int, dsup: torch.Tensor | None = None,
+                 zsup: torch.Tensor | None = None, smode: int = 0, gps: int = 1) -> None:
         super().__init__()
         self.bits, self.group, self.offset = int(bits), int(group), int(offset)
         self.out_features, self.in_features = int(out_features), int(in_features)
+        self.smode, self.gps = int(smode), int(gps)
         units, ng = out_features // 16, in_features // group
         per_group = 8 * group if bits == 4 else 16 * group
-        if codes.numel() != units * ng * per_group or scales.shape != (units, ng, 16) or zeros.shape != scales.shape:
-            raise ModelFileError(f"packed weight [{out_features}, {in_features}] ({bits}-bit, group {group}) "
-                                 f"has the wrong sizes")
+        problem = None
+        if bits not in BITS or group not in GROUPS or out_features % 16 or in_features % group:
+            problem = f"{bits}-bit codes in groups of {group} do not fit its shape"
+        elif codes.numel() != units * ng * per_group or scales.shape != (units, ng, 16) or zeros.shape != scales.shape:
+            problem = "its tensors have the wrong sizes"
+        elif self.smode not in self.SCALE_DTYPES or scales.dtype != self.SCALE_DTYPES[self.smode] \
+                or zeros.dtype != scales.dtype:
+            problem = f"scale mode {smode} with {scales.dtype} scales"
+        elif self.smode == 2 and (dsup is None or zsup is None or self.gps <= 0 or ng % self.gps
+                                  or dsup.shape != (units, ng // self.gps, 16) or zsup.shape != dsup.shape):
+            problem = "its super-block scales have the wrong sizes"
+        if problem:
+            raise ModelFileError(f"packed weight [{out_features}, {in_features}]: {problem}")
         self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("zeros", zeros.float().contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("zeros", zeros.contiguous())
+        self.register_buffer("dsup", None if dsup is None else dsup.float().contiguous())
+        self.register_buffer("zsup", None if zsup is None else zsup.float().contiguous())
 
     @classmethod
     def from_block(cls, w: BlockWeight) -> "QPart":
@@ -216,25 +263,33 @@ class QPart(nn.Module):
         w = padded(w)
         p = pack(w)
         n, k = w.shape
-        return cls(p["codes"], p["scales"], p["zeros"], w.bits, w.group, w.offset, n, k)
+        return cls(p["codes"], p["scales"], p["zeros"], w.bits, w.group, w.offset, n, k, p.get("dsup"),
+                   p.get("zsup"), p["smode"], p["gps"])
 
     def spec(self) -> dict:
-        """What ``__init__`` needs besides the three tensors (for the packed-weights cache)."""
-        return {"bits": self.bits, "group": self.group, "offset": self.offset,
-                "out_features": self.out_features, "in_features": self.in_features}
+        """What ``__init__`` needs besides the tensors (for the packed-weights cache)."""
+        return {"bits": self.bits, "group": self.group, "offset": self.offset, "smode": self.smode,
+                "gps": self.gps, "out_features": self.out_features, "in_features": self.in_features}
+
+    def pointers(self) -> tuple:
+        """The kernel's weight arguments, from ``codes`` to ``group``."""
+        return (self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(),
+                None if self.dsup is None else self.dsup.data_ptr(),
+                None if self.zsup is None else self.zsup.data_ptr(),
+                self.smode, self.gps, self.bits, self.offset, self.group)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out, in]``: the weight the kernel multiplies by."""
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        rc = _library().ld_qdequant(self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(),
-                                    self.bits, self.offset, self.group, self.out_features, self.in_features,
+        rc = _library().ld_qdequant(*self.pointers(), self.out_features, self.in_features,
                                     out.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"ld_qdequant failed ({rc})")
         return out
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.dsup, self.zsup)
+                   if t is not None)
 
 
 class QLinear(nn.Module):
@@ -262,7 +317,18 @@ class QLinear(nn.Module):
             bias = torch.cat([bias.float(), bias.new_zeros(self.padded_features - self.out_features).float()])
         self.out_fp32 = bool(out_fp32)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._dense: tuple[nn.Module, torch.Tensor | None] | None = None
         self._groups = self.in_features // min(p.group for p in parts)
+
+    def dense(self) -> nn.Module:
+        """The same weights dequantized to a bf16 (oneDNN-packed) linear layer, built on first use
+        and kept: the prefill path for forwards of more than ``DENSE_MIN_ROWS`` rows."""
+        if self._dense is None:
+            from .native import make_linear
+
+            layer = make_linear(self.dequantize().to(torch.bfloat16))
+            self._dense = (layer, None if self.bias is None else self.bias[:self.out_features].to(torch.bfloat16))
+        return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = _library()
@@ -270,9 +336,16 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
+        m = x2.shape[0]
+        if m > DENSE_MIN_ROWS:
+            layer, bias = self.dense()
+            y = layer(x2)
+            if bias is not None:
+                y = y + bias
+            y = y.view(*shape[:-1], self.out_features)
+            return y.float() if self.out_fp32 else y.to(x.dtype)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        m = x2.shape[0]
         y = torch.empty(m, self.padded_features, dtype=torch.float32 if self.out_fp32 else torch.bfloat16)
         esize = y.element_size()
         threads = torch.get_num_threads()
@@ -280,8 +353,7 @@ class QLinear(nn.Module):
         n0 = 0
         for p in self.parts:
             bias = self.bias.data_ptr() + 4 * n0 if self.bias is not None else None
-            rc = lib.ld_qgemm(x2.data_ptr(), m, self.in_features, self.in_features, p.codes.data_ptr(),
-                              p.scales.data_ptr(), p.zeros.data_ptr(), p.bits, p.offset, p.group,
+            rc = lib.ld_qgemm(x2.data_ptr(), m, self.in_features, self.in_features, *p.pointers(),
                               p.out_features, bias, y.data_ptr() + esize * n0, self.padded_features,
                               int(self.out_fp32), threads, xs.data_ptr())
             if rc:

