@@ -1,0 +1,224 @@
+"""GGUF block formats as ``BlockWeight``s (``models/gguf_blocks.py``).
+
+Every direct decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) gives, bit for bit, the
+``gguf`` package's own dequantization of random raw blocks (random bytes, with finite fp16
+scale and min fields); the float fallbacks (``requantize_q8``, ``quantize_q4``) are within half
+a step of the weight; ``tensor_weight`` on a real GGUF (the registered smollm2-135m's, when
+installed) gives gguf's values for its Q4_1 and Q8_0 tensors.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from leapdecode.models import gguf_blocks
+from leapdecode.models.gguf_blocks import BLOCK_BYTES, decode, quantize_q4, requantize_q8, tensor_weight
+
+# type -> byte offsets of its fp16 fields in a block (d, and m / dmin where it has one)
+FP16_FIELDS = {
+    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+}
+# type -> (bits, group, offset) of the BlockWeight
+FORMAT = {
+    T.Q4_0: (4, 32, 0), T.Q4_1: (4, 32, 0), T.Q5_0: (6, 32, 16), T.Q5_1: (6, 32, 0), T.Q8_0: (8, 32, 0),
+    T.Q4_K: (4, 32, 0), T.Q5_K: (6, 32, 0), T.Q6_K: (6, 16, 32),
+}
+TYPES = list(FP16_FIELDS)
+
+
+def random_raw(qtype: T, n: int, k: int, seed: int, scale: float = 0.01, zero_frac: float = 0.05) -> np.ndarray:
+    """Random blocks ``[n, k / block * bytes]`` (uint8) with small finite fp16 fields."""
+    per, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    for pos in FP16_FIELDS[qtype]:
+        vals = (rng.standard_normal((n, k // per)) * scale).astype(np.float16)
+        vals[rng.random(vals.shape) < zero_frac] = 0  # some zero scales too
+        raw[..., pos : pos + 2] = vals[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def test_block_sizes_are_ggmls():
+    assert set(BLOCK_BYTES) == {int(t) for t in TYPES}
+    for t in TYPES:
+        assert BLOCK_BYTES[int(t)] == gguf.GGML_QUANT_SIZES[t], t.name
+        assert gguf_blocks.NATIVE_TYPES[int(t)] == t.name
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_equals_gguf_dequantize(qtype, seed):
+    per = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, k = (5, 2 * per) if seed else (1, per)
+    raw = random_raw(qtype, n, k, seed)
+    ref = dequantize(raw, qtype)
+    assert ref.shape == (n, k) and np.isfinite(ref).all() and np.count_nonzero(ref) > k // 2
+    w = decode(raw.reshape(-1), int(qtype), n, k)
+    bits, group, offset = FORMAT[qtype]
+    assert (w.bits, w.group, w.offset) == (bits, group, offset)
+    assert w.shape == (n, k) and w.scales.shape == w.zeros.shape == (n, k // group)
+    assert w.scales.dtype == w.zeros.dtype == np.float32
+    if bits == 4:
+        assert w.codes.min() >= 0 and w.codes.max() <= 15
+    elif bits == 6:
+        assert w.codes.min() >= 0 and w.codes.max() <= 63
+    got = w.dequantize()
+    assert got.dtype == np.float32
+    assert np.array_equal(got, ref), np.abs(got - ref).max()
+    # the raw array may come in any shape (a GGUFReader's tensor data is [rows, bytes])
+    assert np.array_equal(decode(raw, int(qtype), n, k).dequantize(), ref)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_decode_follows_gguf_byte_by_byte(qtype):
+    # changing any one byte of a block (other than the fp16 fields, kept finite) changes the
+    # weights, and the decoder's weights change exactly as gguf's do
+    per, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = random_raw(qtype, 1, per, seed=7, scale=1.0, zero_frac=0.0)
+    base = decode(raw, int(qtype), 1, per).dequantize()
+    assert np.array_equal(base, dequantize(raw, qtype))
+    rng = np.random.default_rng(8)
+    fp16 = {p + i for p in FP16_FIELDS[qtype] for i in (0, 1)}
+    for pos in range(nbytes):
+        if pos in fp16:
+            continue
+        other = raw.copy()
+        other[0, pos] ^= np.uint8(rng.integers(1, 256))
+        got = decode(other, int(qtype), 1, per).dequantize()
+        assert np.array_equal(got, dequantize(other, qtype)), (qtype.name, pos)
+        assert not np.array_equal(got, base), (qtype.name, pos)
+
+
+def test_blocks_from_ggufs_own_quantizer():
+    # blocks gguf's quantizer wrote (not random bytes): the decoded weight is gguf's round trip
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((6, 128)).astype(np.float32)
+    for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        raw = gguf.quants.quantize(w, qtype)
+        ref = dequantize(raw, qtype)
+        got = decode(raw, int(qtype), 6, 128).dequantize()
+        assert np.array_equal(got, ref), qtype.name
+        assert np.abs(got - w).max() < 0.5  # and close to the weight
+
+
+def test_decode_refuses_unknown_types_and_partial_blocks():
+    raw = random_raw(T.Q4_0, 2, 64, seed=3)
+    with pytest.raises(ValueError, match="no direct block mapping"):
+        decode(raw, int(T.Q2_K), 2, 64)
+    with pytest.raises(ValueError, match="no direct block mapping"):
+        decode(raw, int(T.F16), 2, 64)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        decode(random_raw(T.Q4_K, 1, 256, seed=3), int(T.Q4_K), 2, 128)
+
+
+# ------------------------------------------------------------------ float fallbacks
+def _weights(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((8, 96)) * rng.uniform(0.01, 3.0, (8, 1))).astype(np.float32)
+    w[2] = 0.0  # an all-zero row (scale 0)
+    w[3, :32] = 0.7  # a constant group
+    w[4, 32:64] *= 1e-30  # a tiny group
+    return w
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_requantize_q8_is_within_half_a_step(group, seed):
+    w = _weights(seed)
+    q = requantize_q8(w, group)
+    assert (q.bits, q.group, q.offset) == (8, group, 0) and q.codes.dtype == np.int8
+    assert q.shape == w.shape and q.scales.shape == (8, 96 // group)
+    assert np.array_equal(q.zeros, np.zeros_like(q.scales))
+    g = w.reshape(8, -1, group)
+    assert np.array_equal(q.scales, (np.abs(g).max(-1) / 127.0).astype(np.float32))
+    assert np.abs(q.codes.astype(int)).max() <= 127
+    # every group with a nonzero weight uses the full range (its largest |w| gets code +-127)
+    nz = np.abs(g).max(-1) > 0
+    assert (np.abs(q.codes.astype(int)).reshape(8, -1, group).max(-1)[nz] == 127).all()
+    deq = q.dequantize()
+    step = np.repeat(q.scales, group, 1)
+    assert (np.abs(w - deq) <= step / 2 * (1 + 1e-5) + 1e-6 * np.abs(w)).all(), np.abs(w - deq).max()
+    assert np.array_equal(deq[2], np.zeros(96, np.float32))
+    # the bound has power: a wrong rounding (truncation) breaks it
+    trunc = np.trunc(g / np.where(q.scales > 0, q.scales, 1)[..., None]).reshape(8, 96)
+    assert not (np.abs(w - trunc * step) <= step / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quantize_q4_is_within_half_a_step(group, seed):
+    w = _weights(seed)
+    q = quantize_q4(w, group)
+    assert (q.bits, q.group, q.offset) == (4, group, 0) and q.codes.dtype == np.uint8
+    assert q.codes.min() >= 0 and q.codes.max() <= 15
+    g = w.reshape(8, -1, group)
+    assert np.array_equal(q.zeros, g.min(-1))
+    assert np.array_equal(q.scales, ((g.max(-1) - g.min(-1)) / 15.0).astype(np.float32))
+    deq = q.dequantize()
+    step = np.repeat(q.scales, group, 1)
+    assert (np.abs(w - deq) <= step / 2 * (1 + 1e-5) + 1e-6 * np.abs(w)).all(), np.abs(w - deq).max()
+    # groups that are not constant use codes 0 and 15; constant groups are exact
+    varied = (g.max(-1) > g.min(-1))
+    codes = q.codes.reshape(8, -1, group)
+    assert (codes.min(-1)[varied] == 0).all() and (codes.max(-1)[varied] == 15).all()
+    assert np.array_equal(deq[2], w[2]) and np.array_equal(deq[3, :32], w[3, :32])
+
+
+def test_decoded_blocks_run_on_the_kernel_exactly():
+    from leapdecode.models.qkernel import QPart, kernel_problem
+
+    problem = kernel_problem()
+    if problem is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {problem}")
+    for qtype in TYPES:
+        per = gguf.GGML_QUANT_SIZES[qtype][0]
+        w = decode(random_raw(qtype, 16, 2 * per, seed=11), int(qtype), 16, 2 * per)
+        assert np.array_equal(QPart.from_block(w).dequantize().numpy(), w.dequantize()), qtype.name
+
+
+# ------------------------------------------------------------------ tensor_weight
+def test_tensor_weight_falls_back_to_8_bits_for_other_types():
+    rng = np.random.default_rng(12)
+    dense = (rng.standard_normal((4, 64)) * 0.1).astype(np.float16)
+    fake = SimpleNamespace(shape=np.array([64, 4]), tensor_type=T.F16, data=dense)
+    w, how = tensor_weight(fake)
+    assert how == "F16->Q8"
+    assert w.shape == (4, 64) and w.bits == 8 and w.group == 32
+    ref = requantize_q8(dense.astype(np.float32))
+    assert np.array_equal(w.codes, ref.codes) and np.array_equal(w.dequantize(), ref.dequantize())
+    w16, _ = tensor_weight(fake, fallback_group=16)
+    assert w16.group == 16 and w16.scales.shape == (4, 4)
+    # a direct type keeps its blocks (a fake Q6_K tensor: ggml shape [columns, rows])
+    raw = random_raw(T.Q6_K, 3, 512, seed=13)
+    w, how = tensor_weight(SimpleNamespace(shape=np.array([512, 3]), tensor_type=T.Q6_K, data=raw))
+    assert how == "Q6_K" and w.shape == (3, 512)
+    assert np.array_equal(w.dequantize(), dequantize(raw, T.Q6_K))
+
+
+def test_tensor_weight_on_a_real_gguf():
+    from leapdecode.models.registry import gguf_path
+
+    path = gguf_path("smollm2-135m")
+    if path is None:
+        pytest.skip("the smollm2-135m GGUF is not installed (registry.gguf_path returned None)")
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    seen = set()
+    for name in ("blk.0.attn_k.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        k, n = (int(v) for v in t.shape[:2])
+        w, how = tensor_weight(t)
+        assert how == t.tensor_type.name and how in ("Q4_1", "Q8_0"), (name, how)
+        assert w.shape == (n, k)
+        ref = dequantize(t.data, t.tensor_type).reshape(n, k)
+        assert np.array_equal(w.dequantize(), ref), name
+        assert np.abs(ref).max() > 0
+        seen.add(how)
+    assert seen == {"Q4_1", "Q8_0"}
