@@ -33,6 +33,8 @@ from leapdecode.errors import InvalidParameterError
 from leapdecode.models import native
 from leapdecode.models.loader import load
 from leapdecode.models.native import ModelConfig, NativeCausalLM, PackedLinear
+from leapdecode.models import qkernel
+from leapdecode.models.qkernel import QLinear
 from leapdecode.models.quant import Int4Linear, Int8Linear, kernel_problem, quantize_model
 from leapdecode.models.tiny import tiny_native
 
@@ -272,8 +274,16 @@ def test_everything_but_attention_is_batch_invariant(weights, monkeypatch):
     "~0.1-0.25 in these logits), already at a 12-token context; every other op is invariant "
     "(test_everything_but_attention_is_batch_invariant)"))
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_tree_logits_equal_one_token_at_a_time(weights):
-    assert _mismatches(load("tiny-random", weights=weights).model) == {}
+def test_tree_logits_equal_one_token_at_a_time_with_stock_attention(weights):
+    assert _mismatches(load("tiny-random", weights=weights, attention="sdpa").model) == {}
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_tree_logits_equal_one_token_at_a_time_by_default(weights):
+    # attention="auto" picks the batch-invariant attention for quantized weights
+    model = load("tiny-random", weights=weights).model
+    assert model.attention == "invariant"
+    assert _mismatches(model) == {}
 
 
 def test_quantize_model_swaps_the_layers_and_keeps_head_weight():
@@ -340,7 +350,10 @@ def _divergences(lm, prompts) -> list:
 def test_load_weights_generates_and_speculation_is_lossless(weights, monkeypatch):
     lm = load("tiny-random", weights=weights)
     assert lm.weights == weights and lm.dtype == BF16
-    assert isinstance(lm.model.layers[0].w_down, Int4Linear if weights == "int4" else Int8Linear)
+    # int4 on the CPU runs leapdecode's block kernel (models/qkernel.py) where it builds
+    int4_layer = QLinear if (weights == "int4" and qkernel.kernel_problem() is None) else Int4Linear
+    assert isinstance(lm.model.layers[0].w_down, int4_layer if weights == "int4" else Int8Linear)
+    assert lm.model.attention == "invariant"  # attention="auto" with quantized weights
     # with a batch-invariant attention, verifying drafts changes no token
     monkeypatch.setattr(native, "F", _FunctionalWithAttention())
     assert _divergences(lm, PROMPTS[:3]) == []
@@ -351,7 +364,8 @@ def test_load_weights_generates_and_speculation_is_lossless(weights, monkeypatch
     "can flip a greedy token: here pld on 'abcabcabcabc' (int4) departs from vanilla at token 34, "
     "sam and pld on 'aaaa bbbb aaaa bbbb' (int8) at token 14"))
 def test_speculation_is_lossless_with_stock_attention():
-    found = [d for w in ("int4", "int8") for d in _divergences(load("tiny-random", weights=w), PROMPTS)]
+    found = [d for w in ("int4", "int8")
+             for d in _divergences(load("tiny-random", weights=w, attention="sdpa"), PROMPTS)]
     assert found == []
 
 

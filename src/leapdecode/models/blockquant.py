@@ -34,7 +34,7 @@ from .qkernel import BlockWeight, QLinear, QPart, isa_key
 from .quant import BLOCK_LINEARS
 from .store import cache_dir, say
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 4
 ACT_DTYPE = torch.bfloat16
 # HF-side pieces of each fused native linear, with their GGUF names
 GGUF_PARTS = {

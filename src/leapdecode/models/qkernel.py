@@ -112,9 +112,11 @@ def _library() -> ctypes.CDLL:
     lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, vp, vp, i64,
                              i32, i32, vp]
     lib.ld_qgemm.restype = i32
+    lib.ld_work_bytes.argtypes = [i64, i32]
+    lib.ld_work_bytes.restype = i64
     lib.ld_qdequant.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
     lib.ld_qdequant.restype = i32
-    lib.ld_has_avx512bf16.restype = i32
+    lib.ld_simd.restype = i32
     return lib
 
 
@@ -128,8 +130,8 @@ def kernel_problem() -> str | None:
 
 
 def kernel_isa() -> str:
-    """'avx512-bf16' or 'portable': which code path the compiled kernel runs."""
-    return "avx512-bf16" if _library().ld_has_avx512bf16() else "portable"
+    """'avx512-vnni' or 'portable': which code path the compiled kernel runs (same results)."""
+    return "avx512-vnni" if _library().ld_simd() else "portable"
 
 
 # --------------------------------------------------------------------------- packing
@@ -147,7 +149,8 @@ class BlockWeight:
     group: int
     offset: int = 0
     # K-quants: scales = dsup * sc, zeros = zsup * mc per super-block of ``gps`` groups, kept
-    # in that factored form by the kernel (int8 sc, mc [N, K/group]; fp32 dsup, zsup [N, K/group/gps])
+    # in that factored form by the kernel (int8 sc, mc [N, K/group]; dsup, zsup [N, K/group/gps],
+    # fp16 values as the file stores them)
     factors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None = None
 
     @property
@@ -198,24 +201,32 @@ def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
     if w.bits not in BITS or g not in GROUPS or n % 16 or k % g:
         raise ValueError(f"cannot pack a [{n}, {k}] weight with {w.bits}-bit codes in groups of {g}")
     ng = k // g
-    c = w.codes.astype(np.uint8, copy=False) if w.bits != 8 else w.codes.astype(np.int8).view(np.uint8)
-    # [u, j, g, p, t] -> [u, g, p, j, t]: pair vector p of unit u, group g holds (n = j, k = 2p + t)
-    c = c.reshape(n // 16, 16, ng, g // 2, 2).transpose(0, 2, 3, 1, 4).reshape(n // 16, ng, g // 2, 32)
-    if w.bits == 4:
-        c = c.reshape(n // 16, ng, g // 4, 2, 32)
-        c = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)
+    if w.bits == 8:  # signed values stored as value + 128 (unsigned bytes for vpdpbusd)
+        c = (w.codes.astype(np.int16) + 128).astype(np.uint8)
+    else:
+        c = w.codes.astype(np.uint8, copy=False)
+    # [u, j, g, q, t] -> [u, g, q, j, t]: quad vector q of unit u, group g holds (n = j, k = 4q + t)
+    c = c.reshape(n // 16, 16, ng, g // 4, 4).transpose(0, 2, 3, 1, 4).reshape(n // 16, ng, g // 4, 64)
+    if w.bits in (4, 6):
+        lo = (c & 15).reshape(n // 16, ng, g // 8, 2, 64)
+        lo = (lo[:, :, :, 0, :] | (lo[:, :, :, 1, :] << 4)).astype(np.uint8).reshape(n // 16, ng, -1)
+        if w.bits == 4:
+            c = lo
+        else:  # then the high 2 bits, four quad vectors a byte
+            hi = (c >> 4).reshape(n // 16, ng, g // 16, 4, 64)
+            hi = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6))
+            c = np.concatenate([lo, hi.astype(np.uint8).reshape(n // 16, ng, -1)], axis=-1)
 
     def units(a: np.ndarray, dtype) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
         cols = a.shape[1]
         return torch.from_numpy(np.ascontiguousarray(a.astype(dtype).reshape(n // 16, 16, cols).transpose(0, 2, 1)))
 
     out = {"codes": torch.from_numpy(np.ascontiguousarray(c).reshape(-1))}
-    if w.factors is not None:
-        sc, mc, dsup, zsup, gps = w.factors
-        if ng % gps:
-            raise ValueError(f"{ng} groups do not split into super-blocks of {gps}")
-        out.update(scales=units(sc, np.int8), zeros=units(mc, np.int8), dsup=units(dsup, np.float32),
-                   zsup=units(zsup, np.float32), smode=2, gps=gps)
+    f = w.factors
+    if f is not None and not ng % f[4] and _fp16_exact(f[2]) and _fp16_exact(f[3]):
+        sc, mc, dsup, zsup, gps = f  # the K-quants: fp16 d, dmin and int8 sub-block scales, as in the file
+        out.update(scales=units(sc, np.int8), zeros=units(mc, np.int8), dsup=units(dsup, np.float16),
+                   zsup=units(zsup, np.float16), smode=2, gps=gps)
     elif _fp16_exact(w.scales) and _fp16_exact(w.zeros):
         out.update(scales=units(w.scales, np.float16), zeros=units(w.zeros, np.float16), smode=1, gps=1)
     else:
@@ -237,7 +248,7 @@ class QPart(nn.Module):
         self.out_features, self.in_features = int(out_features), int(in_features)
         self.smode, self.gps = int(smode), int(gps)
         units, ng = out_features // 16, in_features // group
-        per_group = 8 * group if bits == 4 else 16 * group
+        per_group = {4: 8, 6: 12}.get(bits, 16) * group
         problem = None
         if bits not in BITS or group not in GROUPS or out_features % 16 or in_features % group:
             problem = f"{bits}-bit codes in groups of {group} do not fit its shape"
@@ -247,15 +258,16 @@ class QPart(nn.Module):
                 or zeros.dtype != scales.dtype:
             problem = f"scale mode {smode} with {scales.dtype} scales"
         elif self.smode == 2 and (dsup is None or zsup is None or self.gps <= 0 or ng % self.gps
-                                  or dsup.shape != (units, ng // self.gps, 16) or zsup.shape != dsup.shape):
+                                  or dsup.shape != (units, ng // self.gps, 16) or zsup.shape != dsup.shape
+                                  or dsup.dtype != torch.float16 or zsup.dtype != torch.float16):
             problem = "its super-block scales have the wrong sizes"
         if problem:
             raise ModelFileError(f"packed weight [{out_features}, {in_features}]: {problem}")
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("zeros", zeros.contiguous())
-        self.register_buffer("dsup", None if dsup is None else dsup.float().contiguous())
-        self.register_buffer("zsup", None if zsup is None else zsup.float().contiguous())
+        self.register_buffer("dsup", None if dsup is None else dsup.contiguous())
+        self.register_buffer("zsup", None if zsup is None else zsup.contiguous())
 
     @classmethod
     def from_block(cls, w: BlockWeight) -> "QPart":
@@ -318,16 +330,16 @@ class QLinear(nn.Module):
         self.out_fp32 = bool(out_fp32)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._dense: tuple[nn.Module, torch.Tensor | None] | None = None
-        self._groups = self.in_features // min(p.group for p in parts)
+        self._work = max(_library().ld_work_bytes(self.in_features, p.group) for p in parts)
 
-    def dense(self) -> nn.Module:
+    def dense(self) -> tuple[nn.Module, torch.Tensor | None]:
         """The same weights dequantized to a bf16 (oneDNN-packed) linear layer, built on first use
         and kept: the prefill path for forwards of more than ``DENSE_MIN_ROWS`` rows."""
         if self._dense is None:
             from .native import make_linear
 
             layer = make_linear(self.dequantize().to(torch.bfloat16))
-            self._dense = (layer, None if self.bias is None else self.bias[:self.out_features].to(torch.bfloat16))
+            self._dense = (layer, None if self.bias is None else self.bias[:self.out_features])
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -337,25 +349,24 @@ class QLinear(nn.Module):
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         m = x2.shape[0]
-        if m > DENSE_MIN_ROWS:
+        if m > DENSE_MIN_ROWS and not self.out_fp32:  # the head keeps fp32 logits: always the kernel
             layer, bias = self.dense()
             y = layer(x2)
             if bias is not None:
-                y = y + bias
-            y = y.view(*shape[:-1], self.out_features)
-            return y.float() if self.out_fp32 else y.to(x.dtype)
+                y = (y.float() + bias).to(torch.bfloat16)
+            return y.view(*shape[:-1], self.out_features).to(x.dtype)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch.empty(m, self.padded_features, dtype=torch.float32 if self.out_fp32 else torch.bfloat16)
         esize = y.element_size()
         threads = torch.get_num_threads()
-        xs = torch.empty(MAX_ROWS * self._groups, dtype=torch.float32)  # the kernel's per-row group sums
+        work = torch.empty(self._work, dtype=torch.uint8)  # the kernel's quantized activations
         n0 = 0
         for p in self.parts:
             bias = self.bias.data_ptr() + 4 * n0 if self.bias is not None else None
             rc = lib.ld_qgemm(x2.data_ptr(), m, self.in_features, self.in_features, *p.pointers(),
                               p.out_features, bias, y.data_ptr() + esize * n0, self.padded_features,
-                              int(self.out_fp32), threads, xs.data_ptr())
+                              int(self.out_fp32), threads, work.data_ptr())
             if rc:
                 raise RuntimeError(f"ld_qgemm failed ({rc}) on a [{p.out_features}, {p.in_features}] part")
             n0 += p.out_features

@@ -1,41 +1,48 @@
 // Batch-invariant weight-only matmul on GGUF-style block-quantized weights.
 //
-// y[m, n] = bias[n] + sum_g ( s[n, g] * inner(m, n, g) + z[n, g] * xsum(m, g) )
-//   inner(m, n, g) = sum_{k in group g} q[n, k] * x[m, k]        (codes q as exact bf16 values)
-//   xsum(m, g)     = sum_{k in group g} x[m, k]
-// i.e. w[n, k] = s[n, g] * q[n, k] + z[n, g], the GGUF block formula with fp32 scale and offset
-// (Q4_K: s = d*sc, z = -dmin*m; Q4_0: q - 8 as code; Q6_K: s = d*sc, q - 32 as code; ...).
+// Weights: w[n, k] = s[n, g] * c[n, k] + z[n, g] for the group g of column k (G = 16 or 32
+// columns), with integer codes c as the GGUF stores them and fp32 scale s and offset z.
+// Activations: each row's bf16 values are quantized per group of G columns to int8,
+// xq = round(x / dx), dx = max|x| / 127 (as llama.cpp quantizes activations to Q8 blocks).
+// Then, per row m, column n and group g, in this order:
+//   dot  = sum_k c[n, k] * xq[m, k]            (exact int32: vpdpbusd, any order gives the same)
+//   a    = dx[m, g] * float(dot)                b = dx[m, g] * float(sum_k xq[m, k])
+//   acc  = fma(s[n, g], a, acc);  acc = fma(z[n, g], b, acc)
+//   y[m, n] = acc (+ bias[n]) rounded to bf16 or kept fp32.
 //
-// Batch invariance: every output element is computed by the same sequence of floating-point
-// operations whatever M (the number of rows) and whatever the thread count: the reduction over
-// k runs in a fixed order per (m, n) (pairs of k through vdpbf16ps, groups in order), rows never
-// share accumulators, and the column split across threads does not touch the k order.
+// Batch invariance: every output element goes through the same operations whatever the number
+// of rows M and the thread count (rows never share accumulators; the integer dot products are
+// exact), so a token's logits are the same bits in a tree forward as alone.  The portable C++
+// path computes the very same values (integer sums, the same fp32 roundings and FMAs).
 //
-// Layout of the codes (written by leapdecode.models.qkernel.pack):
-//   columns in units of 16; for unit u and group g a block of bytes:
-//   4-bit: G/2 "pair vectors" of 32 nibbles; pair vector p holds element i = (n = i/2, k = 2p + i%2).
-//          Two consecutive pair vectors p, p+1 (p even) share 32 bytes: byte i low nibble = element i
-//          of p, high nibble = element i of p+1.  Bytes per (u, g): 8 * G.
-//   6-bit: one byte per code (0..63), table[c] = c - offset; same element order. Bytes: 16 * G.
-//   8-bit: one signed byte per code; same element order. Bytes: 16 * G.
-//   scales and offsets, by scale mode:
-//     0: s, z fp32 [N/16][K/G][16]
-//     1: s, z fp16 [N/16][K/G][16] (the legacy GGUF types: d, m and 8 d are fp16 values)
-//     2: s = dsup * sc, z = zsup * mc: sc, mc int8 [N/16][K/G][16], dsup, zsup fp32
-//        [N/16][K/G/gps][16] per super-block of gps groups (the K-quants' d * sc and -dmin * m,
-//        exact fp32 products, stored as the file stores them).
+// Layout of the codes (written by leapdecode.models.qkernel.pack): columns in units of 16; per
+// (unit u, group g) a block of bytes made of G/4 "quad vectors" of 64 codes, element e of quad q
+// being (n = 16 u + e / 4, k = G g + 4 q + e % 4):
+//   4-bit (codes 0..15): quads q, q+1 (q even) share 64 bytes: byte e's low nibble is element e
+//          of q, its high nibble element e of q+1.  8 G bytes.
+//   6-bit (codes 0..63, value c - offset): the low nibbles laid out as 4-bit (8 G bytes), then
+//          the high 2 bits: quads q..q+3 (q % 4 == 0) share 64 bytes, byte e holding element e of
+//          quad q + j in bits 2j, 2j+1 (4 G bytes).  12 G bytes.
+//   8-bit (signed value v stored as v + 128): one byte per code.  16 G bytes.
+// Scales and offsets, by scale mode (u, g, 16 columns):
+//   0: s, z fp32 [N/16][K/G][16]
+//   1: s, z fp16 [N/16][K/G][16] (the legacy GGUF types: d, m and 8 d are fp16 values)
+//   2: s = dsup * sc, z = zsup * mc: sc, mc int8 [N/16][K/G][16], dsup, zsup fp16 [N/16][K/G/gps][16]
+//      per super-block of gps groups (the K-quants' d * sc and -dmin * m, exact fp32 products).
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LD_PORTABLE)
 #include <immintrin.h>
-#define LD_AVX512BF16 1
+#define LD_SIMD 1
 #else
-#define LD_AVX512BF16 0
+#define LD_SIMD 0
 #endif
 
-#define MAX_ROWS 64   // rows handled per pass (more rows: several passes, same arithmetic)
-#define MAX_NV 4      // column units (16 columns each) per block
+#define MAX_ROWS 64  // rows handled per pass (more rows: several passes, same arithmetic)
+#define MAX_NV 4     // column units (16 columns each) per block
+
+extern "C" int ld_simd(void) { return LD_SIMD; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t b = (uint32_t)v << 16;
@@ -51,30 +58,6 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (as vcvt
     b += 0x7fffu + ((b >> 16) & 1u);
     return (uint16_t)(b >> 16);
 }
-
-extern "C" int ld_has_avx512bf16(void) { return LD_AVX512BF16; }
-
-static inline int64_t unit_bytes(int bits, int group) { return bits == 4 ? 8 * group : 16 * group; }
-
-// code of element i (0..31) of pair vector p inside one (unit, group) block, as an integer value
-static inline int code_at(const uint8_t* blk, int bits, int offset, int p, int i) {
-    if (bits == 4) {
-        uint8_t b = blk[(p >> 1) * 32 + i];
-        return (p & 1) ? (b >> 4) : (b & 15);
-    }
-    uint8_t b = blk[p * 32 + i];
-    if (bits == 6) return (int)b - offset;
-    return (int)(int8_t)b;
-}
-
-struct Scales {
-    const void* s;
-    const void* z;
-    const float* dsup;
-    const float* zsup;
-    int mode;
-    int gps;
-};
 
 static inline float half_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
@@ -92,6 +75,29 @@ static inline float half_to_f32(uint16_t h) {
     return f;
 }
 
+static inline int64_t unit_bytes(int bits, int group) { return bits == 4 ? 8 * group : bits == 6 ? 12 * group : 16 * group; }
+
+// the code offset: value = stored code - offset
+static inline int code_offset(int bits, int offset) { return bits == 4 ? 0 : bits == 6 ? offset : 128; }
+
+// stored code of element e (0..63) of quad q inside one (unit, group) block
+static inline int code_at(const uint8_t* blk, int bits, int group, int q, int e) {
+    if (bits == 8) return blk[q * 64 + e];
+    uint8_t b = blk[(q >> 1) * 64 + e];
+    int lo = (q & 1) ? (b >> 4) : (b & 15);
+    if (bits == 4) return lo;
+    return lo | (((blk[8 * group + (q >> 2) * 64 + e] >> (2 * (q & 3))) & 3) << 4);
+}
+
+struct Scales {
+    const void* s;
+    const void* z;
+    const uint16_t* dsup;  // fp16
+    const uint16_t* zsup;
+    int mode;
+    int gps;
+};
+
 // scale and offset of the 16 columns of unit u, group g (ng groups a row)
 static inline void scales_at(const Scales& sc, int64_t u, int64_t g, int64_t ng, float* s, float* z) {
     const int64_t i = (u * ng + g) * 16;
@@ -104,53 +110,80 @@ static inline void scales_at(const Scales& sc, int64_t u, int64_t g, int64_t ng,
             z[j] = half_to_f32(((const uint16_t*)sc.z)[i + j]);
         } else {
             const int64_t nsup = ng / sc.gps, si = (u * nsup + g / sc.gps) * 16;
-            s[j] = sc.dsup[si + j] * (float)((const int8_t*)sc.s)[i + j];
-            z[j] = sc.zsup[si + j] * (float)((const int8_t*)sc.z)[i + j];
+            s[j] = half_to_f32(sc.dsup[si + j]) * (float)((const int8_t*)sc.s)[i + j];
+            z[j] = half_to_f32(sc.zsup[si + j]) * (float)((const int8_t*)sc.z)[i + j];
         }
     }
 }
 
-// xsum(m, g) in a fixed order: float sums over the group, k ascending
-static void group_sums(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, int group, float* xs) {
-    int64_t ng = K / group;
+// the activations of `rows` rows quantized per group: xq [rows][K] int8, dx and isum [rows][ng]
+struct Act {
+    int8_t* q;
+    float* dx;
+    int32_t* isum;
+};
+
+static void quantize_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, int group, const Act& act) {
+    const int64_t ng = K / group;
     for (int64_t m = 0; m < rows; ++m)
         for (int64_t g = 0; g < ng; ++g) {
-            float s = 0.f;
             const uint16_t* xp = x + m * ldx + g * group;
-            for (int k = 0; k < group; ++k) s += bf16_to_f32(xp[k]);
-            xs[m * ng + g] = s;
+            float amax = 0.f;
+            for (int k = 0; k < group; ++k) amax = fmaxf(amax, fabsf(bf16_to_f32(xp[k])));
+            const float dx = amax / 127.0f;
+            int32_t sum = 0;
+            int8_t* qp = act.q + m * K + g * group;
+            for (int k = 0; k < group; ++k) {
+                int v = dx > 0.f ? (int)nearbyintf(bf16_to_f32(xp[k]) / dx) : 0;
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                qp[k] = (int8_t)v;
+                sum += v;
+            }
+            act.dx[m * ng + g] = dx;
+            act.isum[m * ng + g] = sum;
         }
 }
 
-#if LD_AVX512BF16
-// dequantize the codes of one (unit, group) block into G/2 bf16 pair vectors (exact integer values)
-static inline void decode_block(const uint8_t* blk, int bits, int group, const __m512i& table_lo,
-                                const __m512i& table_hi, __m512bh* out) {
-    const int pairs = group / 2;
-    if (bits == 4) {
-        const __m512i mask = _mm512_set1_epi16(15);
-        for (int p = 0; p < pairs; p += 2) {
-            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + (p >> 1) * 32)));
-            __m512i lo = _mm512_and_si512(v, mask);
-            __m512i hi = _mm512_srli_epi16(v, 4);
-            out[p] = (__m512bh)_mm512_permutexvar_epi16(lo, table_lo);
-            out[p + 1] = (__m512bh)_mm512_permutexvar_epi16(hi, table_lo);
-        }
-    } else if (bits == 6) {
-        for (int p = 0; p < pairs; ++p) {
-            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + p * 32)));
-            out[p] = (__m512bh)_mm512_permutex2var_epi16(table_lo, v, table_hi);
-        }
-    } else {
-        for (int p = 0; p < pairs; ++p) {
-            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + p * 32))));
-            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + p * 32 + 16))));
-            out[p] = _mm512_cvtne2ps_pbh(b, a);  // lanes 0..15 from a, 16..31 from b
-        }
+static inline void store_row(float* acc16, const float* bias, void* y, int64_t ldy, int64_t m, int64_t n0, int out_fp32) {
+    for (int j = 0; j < 16; ++j) {
+        float r = bias ? acc16[j] + bias[n0 + j] : acc16[j];
+        if (out_fp32) ((float*)y)[m * ldy + n0 + j] = r;
+        else ((uint16_t*)y)[m * ldy + n0 + j] = f32_to_bf16(r);
     }
 }
 
-static inline void scales_avx512(const Scales& sc, int64_t u, int64_t g, int64_t ng, __m512& s, __m512& z) {
+// portable path: the same values as the SIMD path
+static void block_generic(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
+                          int bits, int offset, int group, int64_t u, const float* bias, void* y, int64_t ldy,
+                          int out_fp32) {
+    const int64_t ng = K / group;
+    const int64_t ub = unit_bytes(bits, group);
+    const int off = code_offset(bits, offset);
+    for (int64_t m = 0; m < rows; ++m) {
+        float acc[16] = {0};
+        for (int64_t g = 0; g < ng; ++g) {
+            const uint8_t* blk = codes + (u * ng + g) * ub;
+            const int8_t* xq = act.q + m * K + g * group;
+            int32_t dot[16] = {0};
+            for (int q = 0; q < group / 4; ++q)
+                for (int e = 0; e < 64; ++e) dot[e / 4] += code_at(blk, bits, group, q, e) * (int32_t)xq[4 * q + e % 4];
+            const int32_t isum = act.isum[m * ng + g];
+            const float dx = act.dx[m * ng + g];
+            const float b = dx * (float)isum;
+            float s[16], z[16];
+            scales_at(sc, u, g, ng, s, z);
+            for (int j = 0; j < 16; ++j) {
+                const float a = dx * (float)(dot[j] - off * isum);
+                acc[j] = fmaf(s[j], a, acc[j]);
+                acc[j] = fmaf(z[j], b, acc[j]);
+            }
+        }
+        store_row(acc, bias, y, ldy, m, u * 16, out_fp32);
+    }
+}
+
+#if LD_SIMD
+static inline void scales_simd(const Scales& sc, int64_t u, int64_t g, int64_t ng, __m512& s, __m512& z) {
     const int64_t i = (u * ng + g) * 16;
     if (sc.mode == 0) {
         s = _mm512_loadu_ps((const float*)sc.s + i);
@@ -160,173 +193,179 @@ static inline void scales_avx512(const Scales& sc, int64_t u, int64_t g, int64_t
         z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.z + i)));
     } else {
         const int64_t nsup = ng / sc.gps, si = (u * nsup + g / sc.gps) * 16;
-        s = _mm512_mul_ps(_mm512_loadu_ps(sc.dsup + si),
+        s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc.dsup + si))),
                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.s + i)))));
-        z = _mm512_mul_ps(_mm512_loadu_ps(sc.zsup + si),
+        z = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc.zsup + si))),
                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.z + i)))));
     }
 }
 
+// the G/4 quad vectors of one (unit, group) block as unsigned bytes
+static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i* out) {
+    const int quads = group / 4;
+    const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
+    if (bits == 4) {
+        for (int q = 0; q < quads; q += 2) {
+            __m512i v = _mm512_loadu_si512(blk + (q >> 1) * 64);
+            out[q] = _mm512_and_si512(v, low4);
+            out[q + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+    } else if (bits == 6) {
+        const uint8_t* hib = blk + 8 * group;
+        for (int q = 0; q < quads; q += 4) {
+            __m512i a = _mm512_loadu_si512(blk + (q >> 1) * 64);
+            __m512i b = _mm512_loadu_si512(blk + (q >> 1) * 64 + 64);
+            __m512i h = _mm512_loadu_si512(hib + (q >> 2) * 64);
+            out[q] = _mm512_or_si512(_mm512_and_si512(a, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
+            out[q + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low4),
+                                         _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
+            out[q + 2] = _mm512_or_si512(_mm512_and_si512(b, low4), _mm512_and_si512(h, bits45));
+            out[q + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low4),
+                                         _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45));
+        }
+    } else {
+        for (int q = 0; q < quads; ++q) out[q] = _mm512_loadu_si512(blk + q * 64);
+    }
+}
+
+template <int NV, int RB>
+static inline void rows_simd(const Act& act, int64_t K, int64_t ng, int64_t g, int group, int off, int64_t m0,
+                             const __m512i (*w)[8], const __m512* s, const __m512* z, __m512 (*acc)[NV]) {
+    __m512i dot[RB][NV];
+    for (int r = 0; r < RB; ++r)
+        for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
+    for (int q = 0; q < group / 4; ++q) {
+        __m512i xb[RB];
+        for (int r = 0; r < RB; ++r) {
+            int32_t four;
+            memcpy(&four, act.q + (m0 + r) * K + g * group + 4 * q, 4);
+            xb[r] = _mm512_set1_epi32(four);
+        }
+        for (int v = 0; v < NV; ++v) {
+            const __m512i wv = w[v][q];
+            for (int r = 0; r < RB; ++r) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv, xb[r]);
+        }
+    }
+    for (int r = 0; r < RB; ++r) {
+        const int32_t isum = act.isum[(m0 + r) * ng + g];
+        const float dx = act.dx[(m0 + r) * ng + g];
+        const __m512 dxv = _mm512_set1_ps(dx), bv = _mm512_set1_ps(dx * (float)isum);
+        const __m512i corr = _mm512_set1_epi32(off * isum);
+        for (int v = 0; v < NV; ++v) {
+            const __m512 a = _mm512_mul_ps(dxv, _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v], corr)));
+            acc[m0 + r][v] = _mm512_fmadd_ps(s[v], a, acc[m0 + r][v]);
+            acc[m0 + r][v] = _mm512_fmadd_ps(z[v], bv, acc[m0 + r][v]);
+        }
+    }
+}
+
 template <int NV>
-static void block_avx512(const uint16_t* x, int64_t rows, int64_t ldx, const float* xs, int64_t K,
-                         const uint8_t* codes, const Scales& sc, int bits,
-                         int group, int64_t u0, const float* bias, void* y, int64_t ldy, int out_fp32,
-                         const __m512i& table_lo, const __m512i& table_hi) {
+static void block_simd(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int bits,
+                       int offset, int group, int64_t u0, const float* bias, void* y, int64_t ldy, int out_fp32) {
     const int64_t ng = K / group;
-    const int pairs = group / 2;
     const int64_t ub = unit_bytes(bits, group);
+    const int off = code_offset(bits, offset);
     __m512 acc[MAX_ROWS][NV];
-    __m512bh w[NV][16];  // group <= 32
+    __m512i w[NV][8];  // group <= 32: at most 8 quads
     for (int64_t m = 0; m < rows; ++m)
         for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
         __m512 s[NV], z[NV];
         for (int v = 0; v < NV; ++v) {
             const int64_t u = u0 + v;
-            decode_block(codes + (u * ng + g) * ub, bits, group, table_lo, table_hi, w[v]);
-            scales_avx512(sc, u, g, ng, s[v], z[v]);
+            decode_block(codes + (u * ng + g) * ub, bits, group, w[v]);
+            scales_simd(sc, u, g, ng, s[v], z[v]);
         }
-        for (int64_t m = 0; m < rows; ++m) {
-            const uint16_t* xp = x + m * ldx + g * group;
-            __m512 inner[NV];
-            for (int v = 0; v < NV; ++v) inner[v] = _mm512_setzero_ps();
-            for (int p = 0; p < pairs; ++p) {
-                uint32_t pr;
-                memcpy(&pr, xp + 2 * p, 4);
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pr);
-                for (int v = 0; v < NV; ++v) inner[v] = _mm512_dpbf16_ps(inner[v], w[v][p], xb);
-            }
-            const __m512 xsum = _mm512_set1_ps(xs[m * ng + g]);
-            for (int v = 0; v < NV; ++v) {
-                acc[m][v] = _mm512_fmadd_ps(s[v], inner[v], acc[m][v]);
-                acc[m][v] = _mm512_fmadd_ps(z[v], xsum, acc[m][v]);
-            }
+        // rows in blocks of up to 4 (independent chains sharing the weight registers); a row's
+        // own operations are the same whatever block it falls in
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) rows_simd<NV, 4>(act, K, ng, g, group, off, m, w, s, z, acc);
+        switch (rows - m) {
+            case 3: rows_simd<NV, 3>(act, K, ng, g, group, off, m, w, s, z, acc); break;
+            case 2: rows_simd<NV, 2>(act, K, ng, g, group, off, m, w, s, z, acc); break;
+            case 1: rows_simd<NV, 1>(act, K, ng, g, group, off, m, w, s, z, acc); break;
+            default: break;
         }
     }
+    alignas(64) float tmp[16];
     for (int64_t m = 0; m < rows; ++m)
         for (int v = 0; v < NV; ++v) {
-            const int64_t n0 = (u0 + v) * 16;
-            __m512 r = acc[m][v];
-            if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + n0));
-            if (out_fp32) {
-                _mm512_storeu_ps((float*)y + m * ldy + n0, r);
-            } else {
-                __m256bh h = _mm512_cvtneps_pbh(r);
-                _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * ldy + n0), (__m256i)h);
-            }
+            _mm512_store_ps(tmp, acc[m][v]);
+            store_row(tmp, bias, y, ldy, m, (u0 + v) * 16, out_fp32);
         }
 }
 #endif
 
-// portable path (same formula, same order per element; used where AVX512-BF16 is missing)
-static void block_generic(const uint16_t* x, int64_t rows, int64_t ldx, const float* xs, int64_t K,
-                          const uint8_t* codes, const Scales& sc, int bits,
-                          int offset, int group, int64_t u, const float* bias, void* y, int64_t ldy,
-                          int out_fp32) {
-    const int64_t ng = K / group;
-    const int pairs = group / 2;
-    const int64_t ub = unit_bytes(bits, group);
-    for (int64_t m = 0; m < rows; ++m) {
-        float acc[16] = {0};
-        for (int64_t g = 0; g < ng; ++g) {
-            const uint8_t* blk = codes + (u * ng + g) * ub;
-            const uint16_t* xp = x + m * ldx + g * group;
-            float inner[16] = {0};
-            for (int p = 0; p < pairs; ++p) {
-                float x0 = bf16_to_f32(xp[2 * p]), x1 = bf16_to_f32(xp[2 * p + 1]);
-                for (int j = 0; j < 16; ++j) {
-                    inner[j] += (float)code_at(blk, bits, offset, p, 2 * j + 1) * x1;
-                    inner[j] += (float)code_at(blk, bits, offset, p, 2 * j) * x0;
-                }
-            }
-            float s[16], z[16];
-            scales_at(sc, u, g, ng, s, z);
-            for (int j = 0; j < 16; ++j) {
-                acc[j] = fmaf(s[j], inner[j], acc[j]);
-                acc[j] = fmaf(z[j], xs[m * ng + g], acc[j]);
-            }
-        }
-        for (int j = 0; j < 16; ++j) {
-            const int64_t n = u * 16 + j;
-            float r = acc[j] + (bias ? bias[n] : 0.f);
-            if (out_fp32) ((float*)y)[m * ldy + n] = r;
-            else ((uint16_t*)y)[m * ldy + n] = f32_to_bf16(r);
-        }
-    }
-}
+// bytes of the work buffer ld_qgemm needs for K columns in groups of `group`
+extern "C" int64_t ld_work_bytes(int64_t K, int group) { return MAX_ROWS * (K + 8 * (K / group)); }
 
 // y[M, N] (row stride ldy; bf16 or fp32) = x[M, K] (bf16, row stride ldx) @ W.T (+ bias)
 // returns 0, or a negative error code for an unsupported shape/format
 extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes,
-                        const void* scales, const void* zeros, const float* dsup, const float* zsup,
+                        const void* scales, const void* zeros, const void* dsup, const void* zsup,
                         int smode, int gps, int bits, int offset, int group,
                         int64_t N, const float* bias, void* y, int64_t ldy, int out_fp32, int nthreads,
-                        float* xs_buf) {
-    if (N % 16 || group <= 0 || group > 32 || group % 4 || K % group) return -1;
-    if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
-    const Scales sc = {scales, zeros, dsup, zsup, smode, gps};
+                        void* work) {
+    if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
     if (bits != 4 && bits != 6 && bits != 8) return -2;
     if (bits == 6 && (offset < 0 || offset > 63)) return -3;
+    if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
     if (nthreads < 1) nthreads = 1;
+    const Scales sc = {scales, zeros, (const uint16_t*)dsup, (const uint16_t*)zsup, smode, gps};
     const int64_t ng = K / group;
     const int64_t units = N / 16;
+    Act act;
+    act.q = (int8_t*)work;
+    act.dx = (float*)((char*)work + MAX_ROWS * K);
+    act.isum = (int32_t*)((char*)work + MAX_ROWS * K + 4 * MAX_ROWS * ng);
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
         const int64_t rows = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
-        const uint16_t* xr = x + r0 * ldx;
         void* yr = out_fp32 ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
-        group_sums(xr, ldx, rows, K, group, xs_buf);
-#if LD_AVX512BF16
-        uint16_t tl[32], th[32];
-        for (int i = 0; i < 32; ++i) {
-            float lo = bits == 4 ? (float)(i & 15) : (float)(i - offset);
-            float hi = (float)(i + 32 - offset);
-            tl[i] = f32_to_bf16(lo);
-            th[i] = f32_to_bf16(hi);
-        }
-        const __m512i table_lo = _mm512_loadu_si512(tl), table_hi = _mm512_loadu_si512(th);
+        quantize_rows(x + r0 * ldx, ldx, rows, K, group, act);
+#if LD_SIMD
         const int64_t blocks = (units + MAX_NV - 1) / MAX_NV;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t u0 = b * MAX_NV;
             const int nv = units - u0 < MAX_NV ? (int)(units - u0) : MAX_NV;
             switch (nv) {
-                case 4: block_avx512<4>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
-                case 3: block_avx512<3>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
-                case 2: block_avx512<2>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
-                default: block_avx512<1>(xr, rows, ldx, xs_buf, K, codes, sc, bits, group, u0, bias, yr, ldy, out_fp32, table_lo, table_hi); break;
+                case 4: block_simd<4>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
+                case 3: block_simd<3>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
+                case 2: block_simd<2>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
+                default: block_simd<1>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
             }
         }
 #else
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t u = 0; u < units; ++u)
-            block_generic(xr, rows, ldx, xs_buf, K, codes, sc, bits, offset, group, u, bias, yr, ldy, out_fp32);
+            block_generic(rows, act, K, codes, sc, bits, offset, group, u, bias, yr, ldy, out_fp32);
 #endif
     }
-    (void)ng;
     return 0;
 }
 
-// the weight as fp32 [N, K] (s * q + z, rounded once): for tests and for large-M (prefill) paths
-extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void* zeros, const float* dsup,
-                           const float* zsup, int smode, int gps, int bits, int offset, int group,
+// the weight as fp32 [N, K] (s * value + z, rounded once each): tests and the prefill path
+extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup,
+                           const void* zsup, int smode, int gps, int bits, int offset, int group,
                            int64_t N, int64_t K, float* out, int nthreads) {
-    if (N % 16 || group <= 0 || group > 32 || group % 4 || K % group) return -1;
+    if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
+    if (bits != 4 && bits != 6 && bits != 8) return -2;
     if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
-    const Scales sc = {scales, zeros, dsup, zsup, smode, gps};
+    const Scales sc = {scales, zeros, (const uint16_t*)dsup, (const uint16_t*)zsup, smode, gps};
     const int64_t ng = K / group;
     const int64_t ub = unit_bytes(bits, group);
-    const int pairs = group / 2;
+    const int off = code_offset(bits, offset);
 #pragma omp parallel for schedule(static) num_threads(nthreads < 1 ? 1 : nthreads)
     for (int64_t u = 0; u < N / 16; ++u)
         for (int64_t g = 0; g < ng; ++g) {
             const uint8_t* blk = codes + (u * ng + g) * ub;
             float s[16], z[16];
             scales_at(sc, u, g, ng, s, z);
-            for (int p = 0; p < pairs; ++p)
-                for (int i = 0; i < 32; ++i) {
-                    const int j = i / 2;
-                    const int64_t k = g * group + 2 * p + (i & 1);
-                    out[(u * 16 + j) * K + k] = s[j] * (float)code_at(blk, bits, offset, p, i) + z[j];
+            for (int q = 0; q < group / 4; ++q)
+                for (int e = 0; e < 64; ++e) {
+                    const int j = e / 4;
+                    const int64_t k = g * group + 4 * q + e % 4;
+                    out[(u * 16 + j) * K + k] = s[j] * (float)(code_at(blk, bits, group, q, e) - off) + z[j];
                 }
         }
     return 0;
