@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--weights", default="auto", help="auto, bf16, fp32, int8, int4")
-    ap.add_argument("--attention", default="sdpa", help="sdpa or invariant")
+    ap.add_argument("--attention", default="auto", help="auto, sdpa or invariant")
     ap.add_argument("--context", type=int, default=200, help="committed tokens before the tree")
     ap.add_argument("--sizes", default="1,2,4,8,12,16,24,32")
     ap.add_argument("--repeats", type=int, default=3)

@@ -92,8 +92,8 @@ def markdown(summary: dict) -> str:
     lines = [
         f"# leapdecode bench: {s['model']}",
         "",
-        f"- model: `{s['model']}` ({s['backend']} backend, {s['dtype']}, {s['device']}); "
-        f"draft: `{s.get('draft') or '—'}`",
+        f"- model: `{s['model']}` ({s['backend']} backend, weights {s.get('weights', s['dtype'])}, "
+        f"attention {s.get('attention', '—')}, {s['device']}); draft: `{s.get('draft') or '—'}`",
         f"- workload: `{s['workload']}`: {s['questions']} questions, {s['prompts']} prompts "
         f"(question x turn), categories: {', '.join(s['categories'])}",
         f"- decoding: {'greedy' if s['temperature'] <= 0 else 'sampling, temperature ' + str(s['temperature'])}, "
@@ -116,8 +116,13 @@ def markdown(summary: dict) -> str:
     if s["temperature"] <= 0:
         lines.append(
             "Identical: share of prompts whose tokens equal vanilla's exactly; first diff: token "
-            "index of the first difference. llama.cpp runs the quantized GGUF, so it is not "
-            "expected to match the dequantized weights token for token.")
+            "index of the first difference. llama.cpp rounds differently (its own kernels and "
+            "activation blocks), so it is not expected to match token for token.")
+        if not s.get("batch_invariant", True):
+            lines.append(
+                f"**Greedy identity is not guaranteed in this configuration** (weights "
+                f"{s.get('weights')}, attention {s.get('attention')}: not batch-invariant, so a "
+                "tree forward can round a logit differently from a one-token forward).")
     lines.append(
         "Peak RSS: the largest resident set size of the bench process sampled every 5 ms during a "
         "runner's generations (every loaded model counts, so it grows with each system loaded), "

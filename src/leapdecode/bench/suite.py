@@ -31,6 +31,7 @@ class BenchConfig:
     tree_budget: int | None = None
     dtype: str = "auto"
     weights: str = "auto"
+    attention: str = "auto"
     device: str = "auto"
     backend: str = "auto"
     workload: str | None = None
@@ -109,7 +110,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     questions = select(questions, cfg.limit, cfg.categories, cfg.seed)
 
     t_start = time.perf_counter()
-    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights)
+    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights,
+                  attention=cfg.attention)
     drafts: dict = {}
     runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget, drafts=drafts)
                              for m in methods]
@@ -215,6 +217,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     summary = stats.summarize(records, order=order)
     summary.update({
         "model": loaded.name, "backend": loaded.backend, "dtype": str(loaded.dtype).replace("torch.", ""), "weights": loaded.weights,
+        "attention": getattr(loaded.model, "attention", "-"), "batch_invariant": batch_invariant(loaded),
         "device": str(loaded.device), "draft": cfg.draft or loaded.draft_name,
         "methods": methods, "peers": [r.name for r in runners if r.system != "leapdecode"],
         "workload": workload_desc, "questions": len(questions), "prompts": n_prompt,
@@ -235,3 +238,9 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     report.write_json(out / "summary.json", summary)
     report.write_text(out / "report.md", report.markdown(summary))
     return summary
+
+
+def batch_invariant(loaded) -> bool:
+    """The configuration computes a token's logits with the same bits in a tree forward as
+    alone: quantized weights on the batch-invariant kernels with the invariant attention."""
+    return bool(getattr(loaded.model, "quantization", None)) and getattr(loaded.model, "attention", "") == "invariant"

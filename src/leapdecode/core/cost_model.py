@@ -104,8 +104,9 @@ PROFILE_MAX_AGE_S = 7 * 24 * 3600  # a stored profile older than this is measure
 
 
 def _profile_key(loaded) -> str | None:
-    """What a measured profile depends on: the model file, dtype, backend and the machine (processor
-    or GPU, torch threads, torch version).  None for a model with no file (built in-process)."""
+    """What a measured profile depends on: the model file, dtype, weight format, attention mode,
+    backend and the machine (processor or GPU, torch threads, torch version).  None for a model
+    with no file (built in-process)."""
     path = getattr(loaded, "path", None)
     if path is None:
         return None
@@ -113,8 +114,9 @@ def _profile_key(loaded) -> str | None:
         stamp = Path(path).stat().st_mtime_ns
     except OSError:
         return None
-    return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, loaded.backend, hardware_name(loaded.device),
-                              torch.get_num_threads(), torch.__version__)))
+    fmt = f"{getattr(loaded, 'weights', '')}/{getattr(loaded.model, 'attention', '')}"
+    return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, fmt, loaded.backend,
+                              hardware_name(loaded.device), torch.get_num_threads(), torch.__version__)))
 
 
 def _profiles_path() -> Path:
