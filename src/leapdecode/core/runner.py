@@ -140,8 +140,9 @@ class ModelRunner:
 
     def draft(self, name: str | None = None) -> "LoadedModel":
         """The draft model ``name`` (default: the target's registered pair), loaded on first use
-        with the target's dtype and device unless this runner only serves drafts loaded up front."""
-        from ..models.loader import load
+        in the target's weight format (or dtype) and on its device (``loader.load_draft``), unless
+        this runner only serves drafts loaded up front."""
+        from ..models.loader import load_draft
 
         if name is None:
             name = self.model.draft_name
@@ -155,7 +156,7 @@ class ModelRunner:
             if not self.allow_draft_loading:
                 loaded = ", ".join(sorted(self._drafts)) or "none"
                 raise InvalidParameterError(f"draft model {name!r} is not loaded here (loaded: {loaded})")
-            self._drafts[name] = load(name, dtype=self.model.dtype, device=self.model.device, backend="auto")
+            self._drafts[name] = load_draft(name, self.model)
         return self._drafts[name]
 
 

@@ -361,3 +361,15 @@ def _attention(attention: str, quantized: str | None) -> str:
     if attention == "auto":
         return "invariant" if quantized else "sdpa"
     return attention
+
+
+def load_draft(name: str, target: LoadedModel) -> LoadedModel:
+    """A draft model for ``target``, in the target's weight format where it can run it (a
+    quantized target gets a draft on the same kernels, e.g. the 0.5B's own GGUF blocks), else
+    in the target's dtype, on the target's device."""
+    if getattr(target.model, "quantization", None):
+        try:
+            return load(name, device=target.device, weights=target.weights)
+        except InvalidParameterError:
+            pass  # e.g. a draft on the transformers backend: float weights as before
+    return load(name, dtype=target.dtype, device=target.device, backend="auto")

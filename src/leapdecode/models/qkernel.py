@@ -2,14 +2,18 @@
 
 A weight is kept in the GGUF's block form, ``w[n, k] = s[n, g] * q[n, k] + z[n, g]`` for the
 group ``g`` of column ``k`` (group 16 or 32), with the codes ``q`` as they are in the file
-(4-bit, 6-bit or 8-bit) and the scale ``s`` and offset ``z`` in fp32, where the GGUF's own
-products (``d * sc``, ``dmin * m``) are exact.  So a Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K /
-Q6_K / Q8_0 tensor runs with exactly the weights llama.cpp dequantizes, without re-quantizing.
+(4-bit, 6-bit or 8-bit) and the scale ``s`` and offset ``z`` exact in fp32 (the GGUF's own
+products ``d * sc`` and ``dmin * m``).  So a Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K / Q6_K /
+Q8_0 tensor runs with exactly the weights llama.cpp dequantizes, without re-quantizing.
 
-The kernel (AVX512-BF16 where the CPU has it, portable C++ otherwise) decodes each weight
-tile once per call and applies it to all the rows of the call, and computes every output
-element with the same instruction sequence whatever the number of rows: a token's result does
-not depend on how many tokens share the forward (tests/test_qkernel.py checks it bitwise).
+Activations are quantized the way llama.cpp quantizes them for these formats: each row's bf16
+values to int8 per group of 16/32 columns (``x ~ dx * xq``, ``dx = max|x| / 127``); the dot
+products of codes and ``xq`` are exact integers (``vpdpbusd`` with AVX512-VNNI, or portable C++
+that gives the same bits), scaled per group in fp32.  So a layer's output differs from
+``x @ w.T`` in fp32 by the activation rounding (about 0.5% of its largest output on random
+data; docs/benchmarks.md measures the effect on the model's NLL), and every output element is
+computed by the same operations whatever the number of rows: a token's result does not depend
+on how many tokens share the forward (tests/test_qkernel.py checks it bitwise).
 
 The shared library is compiled on first use with the system C++ compiler (``-march=native``:
 the machine that runs it builds it) into the cache, keyed by the source, the flags and the
@@ -330,7 +334,8 @@ class QLinear(nn.Module):
         self.out_fp32 = bool(out_fp32)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._dense: tuple[nn.Module, torch.Tensor | None] | None = None
-        self._work = max(_library().ld_work_bytes(self.in_features, p.group) for p in parts)
+        # the kernel's work buffer (kernels/qgemm.cpp ld_work_bytes): quantized rows, scales, sums
+        self._work = max(MAX_ROWS * (self.in_features + 8 * (self.in_features // p.group)) for p in parts)
 
     def dense(self) -> tuple[nn.Module, torch.Tensor | None]:
         """The same weights dequantized to a bf16 (oneDNN-packed) linear layer, built on first use

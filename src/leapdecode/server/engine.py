@@ -129,13 +129,13 @@ class Job:
 def build_runner(model: "LoadedModel", drafts: Mapping[str, "LoadedModel | None"] | Iterable[str] = ()) -> ModelRunner:
     """The server's runner: drafts are added here, at start-up, and no other is ever loaded.
     ``drafts``: names, or a mapping from a name to its loaded model (``None``: load it here, with
-    the target's dtype and device)."""
-    from ..models.loader import load
+    the target's weight format or dtype, and device: ``loader.load_draft``)."""
+    from ..models.loader import load_draft
 
     runner = ModelRunner(model, allow_draft_loading=False)
     wanted = dict(drafts) if isinstance(drafts, Mapping) else dict.fromkeys(drafts)
     for name, loaded in wanted.items():
-        runner.add_draft(name, loaded if loaded is not None else load(name, dtype=model.dtype, device=model.device))
+        runner.add_draft(name, loaded if loaded is not None else load_draft(name, model))
     return runner
 
 

@@ -15,7 +15,7 @@
 // exact), so a token's logits are the same bits in a tree forward as alone.  The portable C++
 // path computes the very same values (integer sums, the same fp32 roundings and FMAs).
 //
-// Layout of the codes (written by leapdecode.models.qkernel.pack): columns in units of 16; per
+// Layout of the codes (written by leapdecode.models.qkernel.pack): output rows n of W in units of 16; per
 // (unit u, group g) a block of bytes made of G/4 "quad vectors" of 64 codes, element e of quad q
 // being (n = 16 u + e / 4, k = G g + 4 q + e % 4):
 //   4-bit (codes 0..15): quads q, q+1 (q even) share 64 bytes: byte e's low nibble is element e
