@@ -34,10 +34,13 @@ def test_attended_slots_are_prefix_then_ancestors_then_self():
         cache.attended_slots(7)
 
 
-def test_default_is_stock_sdpa_and_bad_values_are_refused():
+def test_default_attention_follows_the_weights_and_bad_values_are_refused():
+    # attention="auto": the invariant attention with quantized (batch-invariant) weights only
     lm = load("tiny-random", weights="int8")
-    assert lm.model.attention == "sdpa"
-    assert load("tiny-random", weights="int8", attention="invariant").model.attention == "invariant"
+    assert lm.model.attention == "invariant"
+    assert load("tiny-random", weights="bf16").model.attention == "sdpa"
+    assert load("tiny-random", weights="int8", attention="sdpa").model.attention == "sdpa"
+    assert load("tiny-random", weights="bf16", attention="invariant").model.attention == "invariant"
     with pytest.raises(InvalidParameterError, match="attention"):
         load("tiny-random", attention="flash")
     lm.model.attention = "bogus"
