@@ -120,6 +120,8 @@ def _library() -> ctypes.CDLL:
     lib.ld_work_bytes.restype = i64
     lib.ld_qdequant.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
     lib.ld_qdequant.restype = i32
+    lib.ld_qdequant_bf16.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
+    lib.ld_qdequant_bf16.restype = i32
     lib.ld_simd.restype = i32
     return lib
 
@@ -303,6 +305,15 @@ class QPart(nn.Module):
             raise RuntimeError(f"ld_qdequant failed ({rc})")
         return out
 
+    def dequantize_bf16(self) -> torch.Tensor:
+        """``dequantize()`` rounded to bf16, in one pass (the prefill path's copy)."""
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
+        rc = _library().ld_qdequant_bf16(*self.pointers(), self.out_features, self.in_features,
+                                         out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"ld_qdequant_bf16 failed ({rc})")
+        return out
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.dsup, self.zsup)
                    if t is not None)
@@ -343,7 +354,8 @@ class QLinear(nn.Module):
         if self._dense is None:
             from .native import make_linear
 
-            layer = make_linear(self.dequantize().to(torch.bfloat16))
+            weight = torch.cat([p.dequantize_bf16() for p in self.parts])[:self.out_features]
+            layer = make_linear(weight)
             self._dense = (layer, None if self.bias is None else self.bias[:self.out_features])
         return self._dense
 

@@ -370,3 +370,44 @@ extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void*
         }
     return 0;
 }
+
+// the weight rounded to bf16 [N, K] (s * value + z in fp32, then round to nearest even): the
+// bf16 copy of the prefill path, one pass over the codes
+extern "C" int ld_qdequant_bf16(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup,
+                                const void* zsup, int smode, int gps, int bits, int offset, int group,
+                                int64_t N, int64_t K, uint16_t* out, int nthreads) {
+    if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
+    if (bits != 4 && bits != 6 && bits != 8) return -2;
+    if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
+    const Scales sc = {scales, zeros, (const uint16_t*)dsup, (const uint16_t*)zsup, smode, gps};
+    const int64_t ng = K / group;
+    const int64_t ub = unit_bytes(bits, group);
+    const int off = code_offset(bits, offset);
+#pragma omp parallel for schedule(static) num_threads(nthreads < 1 ? 1 : nthreads)
+    for (int64_t u = 0; u < N / 16; ++u)
+        for (int64_t g = 0; g < ng; ++g) {
+            const uint8_t* blk = codes + (u * ng + g) * ub;
+            int c[16][32];
+            for (int q = 0; q < group / 4; ++q) {
+                if (bits == 8) {
+                    for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = blk[q * 64 + e];
+                } else {
+                    const uint8_t* lo = blk + (q >> 1) * 64;
+                    const int shift = (q & 1) * 4;
+                    for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = (lo[e] >> shift) & 15;
+                    if (bits == 6) {
+                        const uint8_t* hi = blk + 8 * group + (q >> 2) * 64;
+                        const int hs = 2 * (q & 3);
+                        for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] |= ((hi[e] >> hs) & 3) << 4;
+                    }
+                }
+            }
+            float s[16], z[16];
+            scales_at(sc, u, g, ng, s, z);
+            for (int j = 0; j < 16; ++j) {
+                uint16_t* row = out + (u * 16 + j) * K + g * group;
+                for (int k = 0; k < group; ++k) row[k] = f32_to_bf16(s[j] * (float)(c[j][k] - off) + z[j]);
+            }
+        }
+    return 0;
+}
