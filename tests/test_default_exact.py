@@ -1,0 +1,50 @@
+"""The default configuration of a real model is batch-invariant and speculation exact.
+
+``load("smollm2-135m")`` with every default (``weights="auto"``, ``attention="auto"``) runs the
+GGUF's own blocks on leapdecode's kernel with the invariant attention; then a token's logits
+are the same bits in a tree forward as alone, and greedy speculative methods give vanilla's
+tokens exactly (issue: "Greedy identity with vanilla: 100% ... in the default format").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import leapdecode
+from leapdecode.models import qkernel
+from leapdecode.models.qkernel import QLinear
+
+from test_invariant_attention import _divergences
+from test_quant import _mismatches
+
+pytestmark = pytest.mark.integration
+
+CHAT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List three differences between TCP and UDP.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if qkernel.kernel_problem() is not None:
+        pytest.skip(f"the block kernel cannot run here: {qkernel.kernel_problem()}")
+    return leapdecode.load("smollm2-135m")
+
+
+def test_default_is_the_gguf_blocks_with_invariant_attention(smol):
+    assert smol.weights == "int4" and smol.model.attention == "invariant"
+    assert isinstance(smol.model.layers[0].wqkv, QLinear) and isinstance(smol.model.lm_head, QLinear)
+    # Q4_1 linears (4-bit codes), the Q8_0 tied head (8-bit codes)
+    assert {p.bits for p in smol.model.layers[0].w_gate_up.parts} == {4}
+    assert {p.bits for p in smol.model.lm_head.parts} == {8}
+
+
+def test_tree_logits_equal_one_token_logits_bitwise(smol):
+    assert _mismatches(smol.model) == {}
+
+
+def test_greedy_speculation_gives_vanilla_tokens(smol):
+    prompts = [smol.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                  add_generation_prompt=True) for p in CHAT_PROMPTS]
+    assert _divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead")) == []
