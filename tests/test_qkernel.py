@@ -44,6 +44,8 @@ from leapdecode.errors import ModelFileError
 from leapdecode.models import qkernel
 from leapdecode.models.qkernel import MAX_ROWS, BlockWeight, QLinear, QPart, kernel_problem, pack, padded
 
+from test_quant import _tree_vs_sequential as _tree_vs_one_at_a_time
+
 BF16 = torch.bfloat16
 # (bits, group, offset): Q4_*/Q4_K; Q6_K; Q5_0; Q8_0
 FORMATS = [(4, 32, 0), (6, 16, 32), (6, 32, 16), (8, 32, 0)]
@@ -784,31 +786,6 @@ def test_qpart_refuses_tensors_of_the_wrong_size(fmt):
 # ------------------------------------------------------------------ 6. tiny models
 TREE = [-1, 0, 1, 1, 3, 0, 5, 6, 2, 8]  # branches, and a chain of depth 5
 CHAIN = list(range(-1, 11))
-
-
-def _tree_vs_one_at_a_time(model, prompt_len: int, parents: list[int], seed: int) -> list:
-    """Nodes whose logits in one tree forward differ (bitwise) from feeding their root-to-node
-    path one token at a time after the same committed prompt."""
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 256, (1, prompt_len), generator=g)
-    toks = torch.randint(0, 256, (1, len(parents)), generator=g)
-    cache = model.new_cache(max_len=prompt_len + len(parents) + 8)
-    model.forward(prompt, cache)
-    cache.commit()
-    tree = model.forward(toks, cache, parents=parents)[0]
-    cache.rollback()
-    bad = []
-    for node in range(len(parents)):
-        path, j = [], node
-        while j >= 0:
-            path.append(j)
-            j = parents[j]
-        for j in reversed(path):
-            out = model.forward(toks[:, j : j + 1], cache)[0, 0]
-        cache.rollback()
-        if not torch.equal(out, tree[node]):
-            bad.append((node, (out - tree[node]).abs().max().item()))
-    return bad
 
 
 def _linears(model) -> list:

@@ -344,10 +344,29 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
     return 0;
 }
 
-// the weight as fp32 [N, K] (s * value + z, rounded once each): tests and the prefill path
-extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup,
-                           const void* zsup, int smode, int gps, int bits, int offset, int group,
-                           int64_t N, int64_t K, float* out, int nthreads) {
+// the stored codes of one (unit, group) block as c[row j][column k within the group]
+static void codes_of_block(const uint8_t* blk, int bits, int group, int c[16][32]) {
+    for (int q = 0; q < group / 4; ++q) {
+        if (bits == 8) {
+            for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = blk[q * 64 + e];
+            continue;
+        }
+        const uint8_t* lo = blk + (q >> 1) * 64;
+        const int shift = (q & 1) * 4;
+        for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = (lo[e] >> shift) & 15;
+        if (bits == 6) {
+            const uint8_t* hi = blk + 8 * group + (q >> 2) * 64;
+            const int hs = 2 * (q & 3);
+            for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] |= ((hi[e] >> hs) & 3) << 4;
+        }
+    }
+}
+
+// the weight [N, K], s * value + z in fp32 (one rounding per product and per sum), stored as
+// fp32 (tests) or rounded to bf16 (the prefill path's copy)
+template <typename T>
+static int dequant(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup, const void* zsup,
+                   int smode, int gps, int bits, int offset, int group, int64_t N, int64_t K, T* out, int nthreads) {
     if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
     if (bits != 4 && bits != 6 && bits != 8) return -2;
     if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
@@ -358,56 +377,30 @@ extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void*
 #pragma omp parallel for schedule(static) num_threads(nthreads < 1 ? 1 : nthreads)
     for (int64_t u = 0; u < N / 16; ++u)
         for (int64_t g = 0; g < ng; ++g) {
-            const uint8_t* blk = codes + (u * ng + g) * ub;
+            int c[16][32];
+            codes_of_block(codes + (u * ng + g) * ub, bits, group, c);
             float s[16], z[16];
             scales_at(sc, u, g, ng, s, z);
-            for (int q = 0; q < group / 4; ++q)
-                for (int e = 0; e < 64; ++e) {
-                    const int j = e / 4;
-                    const int64_t k = g * group + 4 * q + e % 4;
-                    out[(u * 16 + j) * K + k] = s[j] * (float)(code_at(blk, bits, group, q, e) - off) + z[j];
+            for (int j = 0; j < 16; ++j) {
+                T* row = out + (u * 16 + j) * K + g * group;
+                for (int k = 0; k < group; ++k) {
+                    const float w = s[j] * (float)(c[j][k] - off) + z[j];
+                    if constexpr (sizeof(T) == 4) row[k] = w;
+                    else row[k] = f32_to_bf16(w);
                 }
+            }
         }
     return 0;
 }
 
-// the weight rounded to bf16 [N, K] (s * value + z in fp32, then round to nearest even): the
-// bf16 copy of the prefill path, one pass over the codes
+extern "C" int ld_qdequant(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup,
+                           const void* zsup, int smode, int gps, int bits, int offset, int group,
+                           int64_t N, int64_t K, float* out, int nthreads) {
+    return dequant<float>(codes, scales, zeros, dsup, zsup, smode, gps, bits, offset, group, N, K, out, nthreads);
+}
+
 extern "C" int ld_qdequant_bf16(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup,
                                 const void* zsup, int smode, int gps, int bits, int offset, int group,
                                 int64_t N, int64_t K, uint16_t* out, int nthreads) {
-    if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
-    if (bits != 4 && bits != 6 && bits != 8) return -2;
-    if (smode < 0 || smode > 2 || (smode == 2 && (gps <= 0 || (K / group) % gps))) return -4;
-    const Scales sc = {scales, zeros, (const uint16_t*)dsup, (const uint16_t*)zsup, smode, gps};
-    const int64_t ng = K / group;
-    const int64_t ub = unit_bytes(bits, group);
-    const int off = code_offset(bits, offset);
-#pragma omp parallel for schedule(static) num_threads(nthreads < 1 ? 1 : nthreads)
-    for (int64_t u = 0; u < N / 16; ++u)
-        for (int64_t g = 0; g < ng; ++g) {
-            const uint8_t* blk = codes + (u * ng + g) * ub;
-            int c[16][32];
-            for (int q = 0; q < group / 4; ++q) {
-                if (bits == 8) {
-                    for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = blk[q * 64 + e];
-                } else {
-                    const uint8_t* lo = blk + (q >> 1) * 64;
-                    const int shift = (q & 1) * 4;
-                    for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = (lo[e] >> shift) & 15;
-                    if (bits == 6) {
-                        const uint8_t* hi = blk + 8 * group + (q >> 2) * 64;
-                        const int hs = 2 * (q & 3);
-                        for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] |= ((hi[e] >> hs) & 3) << 4;
-                    }
-                }
-            }
-            float s[16], z[16];
-            scales_at(sc, u, g, ng, s, z);
-            for (int j = 0; j < 16; ++j) {
-                uint16_t* row = out + (u * 16 + j) * K + g * group;
-                for (int k = 0; k < group; ++k) row[k] = f32_to_bf16(s[j] * (float)(c[j][k] - off) + z[j]);
-            }
-        }
-    return 0;
+    return dequant<uint16_t>(codes, scales, zeros, dsup, zsup, smode, gps, bits, offset, group, N, K, out, nthreads);
 }
