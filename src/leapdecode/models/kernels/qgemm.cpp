@@ -41,6 +41,9 @@
 
 #define MAX_ROWS 64  // rows handled per pass (more rows: several passes, same arithmetic)
 #define MAX_NV 4     // column units (16 columns each) per block
+#ifndef PREFETCH_GROUPS
+#define PREFETCH_GROUPS 2  // software prefetch distance, in groups
+#endif
 
 extern "C" int ld_simd(void) { return LD_SIMD; }
 
@@ -273,6 +276,10 @@ static void block_simd(int64_t rows, const Act& act, int64_t K, const uint8_t* c
         __m512 s[NV], z[NV];
         for (int v = 0; v < NV; ++v) {
             const int64_t u = u0 + v;
+            if (g + PREFETCH_GROUPS < ng) {  // the unit's codes a few groups ahead (several streams a thread)
+                const char* ahead = (const char*)(codes + (u * ng + g + PREFETCH_GROUPS) * ub);
+                for (int64_t off = 0; off < ub; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+            }
             decode_block(codes + (u * ng + g) * ub, bits, group, w[v]);
             scales_simd(sc, u, g, ng, s[v], z[v]);
         }
