@@ -296,22 +296,17 @@ class QPart(nn.Module):
                 None if self.zsup is None else self.zsup.data_ptr(),
                 self.smode, self.gps, self.bits, self.offset, self.group)
 
-    def dequantize(self) -> torch.Tensor:
-        """fp32 ``[out, in]``: the weight the kernel multiplies by."""
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        rc = _library().ld_qdequant(*self.pointers(), self.out_features, self.in_features,
-                                    out.data_ptr(), torch.get_num_threads())
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[out, in]``: the weight the kernel multiplies by, in fp32 (``s * value + z``), or
+        rounded to bf16 in the same pass (``dtype=torch.bfloat16``: the prefill path's copy)."""
+        fn = {torch.float32: "ld_qdequant", torch.bfloat16: "ld_qdequant_bf16"}.get(dtype)
+        if fn is None:
+            raise ValueError(f"dequantize to fp32 or bf16, not {dtype}")
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        rc = getattr(_library(), fn)(*self.pointers(), self.out_features, self.in_features, out.data_ptr(),
+                                     torch.get_num_threads())
         if rc:
-            raise RuntimeError(f"ld_qdequant failed ({rc})")
-        return out
-
-    def dequantize_bf16(self) -> torch.Tensor:
-        """``dequantize()`` rounded to bf16, in one pass (the prefill path's copy)."""
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
-        rc = _library().ld_qdequant_bf16(*self.pointers(), self.out_features, self.in_features,
-                                         out.data_ptr(), torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"ld_qdequant_bf16 failed ({rc})")
+            raise RuntimeError(f"{fn} failed ({rc})")
         return out
 
     def nbytes(self) -> int:
@@ -354,7 +349,7 @@ class QLinear(nn.Module):
         if self._dense is None:
             from .native import make_linear
 
-            weight = torch.cat([p.dequantize_bf16() for p in self.parts])[:self.out_features]
+            weight = torch.cat([p.dequantize(torch.bfloat16) for p in self.parts])[:self.out_features]
             layer = make_linear(weight)
             self._dense = (layer, None if self.bias is None else self.bias[:self.out_features])
         return self._dense
