@@ -48,3 +48,11 @@ def test_greedy_speculation_gives_vanilla_tokens(smol):
     prompts = [smol.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                   add_generation_prompt=True) for p in CHAT_PROMPTS]
     assert _divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead")) == []
+
+
+def test_auto_keeps_float_weights_where_only_the_portable_kernel_runs(monkeypatch):
+    # the portable path gives the same bits but is far slower than bf16: auto does not pick it
+    monkeypatch.setattr(qkernel, "kernel_isa", lambda: "portable")
+    lm = leapdecode.load("smollm2-135m")
+    assert lm.weights in ("bf16", "fp32") and lm.model.attention == "sdpa"
+    assert leapdecode.load("smollm2-135m", weights="int4").weights == "int4"  # asked for: runs

@@ -212,13 +212,15 @@ def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch
     return weights, torch.float32
 
 
-def block_kernel(device: torch.device) -> bool:
-    """leapdecode's own block-quantized kernel (``qkernel``) runs here (CPU only)."""
+def block_kernel(device: torch.device, simd: bool = False) -> bool:
+    """leapdecode's own block-quantized kernel (``qkernel``) runs here (CPU only); ``simd``: and
+    with its AVX512-VNNI path (the portable one gives the same bits but is far slower, so
+    ``weights="auto"`` does not pick it)."""
     if device.type != "cpu":
         return False
-    from .qkernel import kernel_problem
+    from .qkernel import kernel_isa, kernel_problem
 
-    return kernel_problem() is None
+    return kernel_problem() is None and (not simd or kernel_isa() != "portable")
 
 
 def _gguf_of(name_or_path: str, name: str):
@@ -261,7 +263,7 @@ def load(
     ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
 
     ``weights``: ``"auto"`` (the default: ``"int4"`` for a GGUF model on the CPU when the block
-    kernel builds here, else float as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
+    kernel builds here with its AVX512-VNNI path, else float as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
     ``"int8"`` (per-channel, torch's kernel) / ``"int4"`` with bf16 activations on
     batch-invariant kernels (native backend).  ``"int4"`` on the CPU runs the GGUF's own blocks
     on leapdecode's kernel (``models/blockquant.py``; 4-bit groups of 32 for a float
@@ -329,7 +331,7 @@ def load(
                                     "only the native one has it")
     gguf = _gguf_of(name_or_path, name)
     if (weights == "auto" and backend == "native" and gguf is not None and dtype in (None, "auto")
-            and block_kernel(dev)):
+            and block_kernel(dev, simd=True)):
         quantized = "int4"  # the GGUF's own blocks on the batch-invariant kernel
     if backend == "native":
         try:
