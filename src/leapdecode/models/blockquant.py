@@ -31,11 +31,10 @@ import torch
 from ..errors import ModelFileError
 from .native import NativeCausalLM
 from .qkernel import BlockWeight, QLinear, QPart, isa_key
-from .quant import BLOCK_LINEARS
+from .quant import BLOCK_LINEARS, to_activation_dtype
 from .store import cache_dir, say
 
 LAYOUT_VERSION = 4
-ACT_DTYPE = torch.bfloat16
 # HF-side pieces of each fused native linear, with their GGUF names
 GGUF_PARTS = {
     "wqkv": ("attn_q", "attn_k", "attn_v"),
@@ -130,8 +129,8 @@ def quantize_native(model: NativeCausalLM, gguf_path: Path | None = None) -> dic
         head_ref = model.head_weight
         head = QLinear([QPart.from_block(block_weight(head_name, head_ref))], out_fp32=True,
                        out_features=head_ref.shape[0])
-        model.replace_head(head, None)
-        _to_act_dtype(model)
+        model.replace_head(head)  # head_weight: dequantized from the kernel's head on demand
+        to_activation_dtype(model)
     if source is not None:
         kinds.update(source.kinds)
     model.quantization = "int4"
@@ -147,12 +146,6 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
         return list(weight.chunk(2))
     return [weight]
 
-
-def _to_act_dtype(model: NativeCausalLM) -> None:
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != ACT_DTYPE:
-            p.data = p.data.to(ACT_DTYPE)
-    model._head_weight = None  # dequantized from the kernel's head on demand (``head_weight``)
 
 
 # --------------------------------------------------------------------------- the packed cache
@@ -216,7 +209,7 @@ def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
                 bias = bias[:spec["out_features"]]
             layer = QLinear(parts, bias, out_fp32=spec["out_fp32"], out_features=spec["out_features"])
             if name == "lm_head":
-                model.lm_head = layer
+                model.replace_head(layer)
             else:
                 _, i, attr = name.split(".")
                 setattr(model.layers[int(i)], attr, layer)
@@ -224,17 +217,13 @@ def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
         model.load_state_dict(own, strict=False, assign=True)
     except (KeyError, ValueError, RuntimeError) as e:
         raise ModelFileError(f"the packed weights {path} are incomplete ({type(e).__name__}: {e})") from None
-    from .native import rope_tables
-
-    cos, sin = rope_tables(cfg, model.max_seq_len)
-    model.rope_cos, model.rope_sin = cos, sin
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ModelFileError(f"the packed weights {path} lack {missing[:3]}")
-    model._head_weight = None
+    try:
+        model.materialized()
+    except ValueError as e:
+        raise ModelFileError(f"the packed weights {path} are incomplete ({e})") from None
     model.quantization = "int4"
     model.quant_fallbacks = {}
-    return model.eval()
+    return model
 
 
 def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.AbstractContextManager] | None,

@@ -293,14 +293,8 @@ def load(
                 "(SEED an integer)"
             ) from None
         loaded = tiny_loaded(name_or_path, seed=seed, dtype=dt, device=dev)
-        if quantized == "int4" and block_kernel(dev):
-            from .blockquant import quantize_native
-
-            quantize_native(loaded.model)
-        elif quantized:
-            from .quant import quantize_model
-
-            quantize_model(loaded.model, quantized)
+        if quantized:
+            _quantize(loaded.model, quantized, dev)
         loaded.model.attention = _attention(attention, quantized)
         return loaded
     if backend not in ("auto", "native", "hf"):
@@ -344,9 +338,7 @@ def load(
         except NotImplementedError as e:
             raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
         if quantized and not getattr(model, "quantization", None):
-            from .quant import quantize_model
-
-            quantize_model(model, quantized)  # from the fp32 checkpoint; the rest in bf16
+            _quantize(model, quantized, dev)  # from the fp32 checkpoint; the rest in bf16
         elif not quantized:
             model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
         model.attention = _attention(attention, quantized)
@@ -356,6 +348,19 @@ def load(
         model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path,
                        eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft)
+
+
+def _quantize(model, quantized: str, device: torch.device) -> None:
+    """Quantize a float native model in memory: int4 on leapdecode's block kernel where it runs,
+    else torch's weight-only kernels (``models/quant.py``)."""
+    if quantized == "int4" and block_kernel(device):
+        from .blockquant import quantize_native
+
+        quantize_native(model)
+    else:
+        from .quant import quantize_model
+
+        quantize_model(model, quantized)
 
 
 def _attention(attention: str, quantized: str | None) -> str:

@@ -252,10 +252,14 @@ class NativeCausalLM(nn.Module):
 
     def replace_head(self, head: nn.Module, plain_weight: torch.Tensor | None = None) -> None:
         """Use ``head`` (a packed or quantized output projection) and keep the plain ``[vocab,
-        hidden]`` weight for ``head_weight`` (default: the current head's; a tied head's is the
+        hidden]`` weight for ``head_weight`` (default: the current head's, or, for a head that can
+        ``dequantize()`` itself, its weights dequantized on first use; a tied head's is the
         embedding's anyway)."""
         if not self.cfg.tie_word_embeddings:
-            self._head_weight = (plain_weight if plain_weight is not None else self.head_weight).detach()
+            if plain_weight is None and hasattr(head, "dequantize"):
+                self._head_weight = None  # see head_weight
+            else:
+                self._head_weight = (plain_weight if plain_weight is not None else self.head_weight).detach()
         self.lm_head = head
 
     @property
@@ -265,7 +269,7 @@ class NativeCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             return self.embed.weight
         packed_away = getattr(self, "_head_weight", None)
-        if packed_away is None and not isinstance(self.lm_head, nn.Linear) and hasattr(self.lm_head, "dequantize"):
+        if packed_away is None and hasattr(self.lm_head, "dequantize"):
             # a block-quantized head (models/blockquant.py): its weights, dequantized once on demand
             packed_away = self._head_weight = self.lm_head.dequantize().to(self.dtype)
         return packed_away if packed_away is not None else self.lm_head.weight
@@ -380,13 +384,18 @@ class NativeCausalLM(nn.Module):
         model.load_state_dict(own, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
-        cos, sin = rope_tables(cfg, model.max_seq_len)
-        model.rope_cos = cos.to(device)
-        model.rope_sin = sin.to(device)
-        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        return model.materialized(device)
+
+    def materialized(self, device: str | torch.device = "cpu") -> "NativeCausalLM":
+        """Finish a model built on the meta device whose weights were assigned: the rope tables
+        on ``device``, eval mode; a ``ValueError`` names weights still missing."""
+        cos, sin = rope_tables(self.cfg, self.max_seq_len)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+        missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}")
-        return model.eval()
+        return self.eval()
 
     @classmethod
     def from_pretrained(

@@ -268,6 +268,14 @@ def kernel_problem(weights: str, device: torch.device | str) -> str | None:
     return _probe(weights, device.type, device.index)
 
 
+def to_activation_dtype(model: nn.Module) -> None:
+    """Every floating-point parameter still in another dtype to bf16, the weight-only kernels'
+    activation dtype (in place)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != ACT_DTYPE:
+            p.data = p.data.to(ACT_DTYPE)
+
+
 def quantize_model(model: NativeCausalLM, weights: str, group_size: int = 32) -> NativeCausalLM:
     """Replace ``wqkv``, ``wo``, ``w_gate_up``, ``w_down`` of every block with ``Int8Linear`` or
     ``Int4Linear`` (groups of ``group_size``) and the output head with an ``Int8Linear`` (int4
@@ -307,10 +315,7 @@ def quantize_model(model: NativeCausalLM, weights: str, group_size: int = 32) ->
         head = model.lm_head
         plain = model.head_weight.detach().to(ACT_DTYPE)  # proposers' subset heads slice it
         model.replace_head(convert("lm_head", head, "int8"), plain)
-        # everything still in floating point (embedding, norms, fallback layers) in bf16
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != ACT_DTYPE:
-                p.data = p.data.to(ACT_DTYPE)
+        to_activation_dtype(model)  # the embedding, norms and fallback layers
         if fallbacks and can_pack(model):
             for name in fallbacks:
                 parent, attr = (model, name) if "." not in name else (model.layers[int(name.split(".")[1])],
