@@ -176,10 +176,29 @@ class Block(nn.Module):
         each new token, the cache slots it attends to (``KVCache.attended_slots``); attention is
         then computed one query at a time over those keys gathered into contiguous tensors, and
         ``mask`` is ignored."""
+        h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
+        x = x + self.wo(self.attend(self.wqkv(h), cos, sin, cache, layer, mask, rows))
+        return x + self.mlp(x, self.w_gate_up, self.w_down)
+
+    def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int) -> torch.Tensor:
+        """One layer over the tokens of several sequences side by side (``x``: ``[1, N, hidden]``,
+        the segments' tokens in order): the linear layers see all N rows at once, attention runs per
+        segment on its own cache, exactly as ``forward`` would for that segment alone.  Linear
+        layers are called row-wise (``rowwise_linear``): with the batch-invariant kernels each
+        token's output then has the same bits as in its own sequence's forward."""
+        h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
+        qkv = rowwise_linear(self.wqkv, h)
+        attn = torch.cat([self.attend(qkv[:, s.start : s.stop], s.cos, s.sin, s.cache, layer, s.mask, s.rows)
+                          for s in segments], dim=1)
+        x = x + rowwise_linear(self.wo, attn)
+        return x + self.mlp(x, lambda t: rowwise_linear(self.w_gate_up, t), lambda t: rowwise_linear(self.w_down, t))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+               mask: torch.Tensor | None, rows: list[torch.Tensor] | None) -> torch.Tensor:
+        """Attention of one sequence's new tokens (``qkv``: ``[B, T, q+2kv]``) over its cache;
+        returns ``[B, T, heads * head_dim]``, ready for the output projection."""
         cfg = self.cfg
-        b, t, _ = x.shape
-        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        qkv = self.wqkv(h)
+        b, t, _ = qkv.shape
         q_out = cfg.n_heads * cfg.head_dim
         kv_out = cfg.n_kv_heads * cfg.head_dim
         q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
@@ -204,10 +223,44 @@ class Block(nn.Module):
             ], dim=2)
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, q_out))
-        h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        return attn.transpose(1, 2).reshape(b, t, q_out)
+
+    def mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
+        h = rms_norm(x, self.mlp_norm, self.cfg.rms_norm_eps)
+        gate, up = gate_up(h).chunk(2, dim=-1)
+        return down(F.silu(gate) * up)
+
+
+def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, asking a layer that has a row-wise mode (``QLinear.rowwise``: the
+    batch-invariant kernel at any row count, never the bf16 prefill copy) to use it."""
+    rowwise = getattr(layer, "rowwise", None)
+    return rowwise(x) if rowwise is not None else layer(x)
+
+
+@dataclass
+class Segment:
+    """One sequence's tokens inside a batched forward (``NativeCausalLM.forward_batch``): rows
+    ``start:stop`` of the batch, with that sequence's cache, rope tables and attention plan."""
+
+    start: int
+    stop: int
+    cache: KVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    rows: list[torch.Tensor] | None
+
+
+@dataclass
+class BatchItem:
+    """One sequence's part of a batched forward: what ``NativeCausalLM.forward`` takes for it."""
+
+    tokens: torch.Tensor  # [T]
+    cache: KVCache
+    parents: list[int] | None = None
+    logits_for: slice | list[int] | None = None
+    hidden_states: list | None = None
 
 
 class NativeCausalLM(nn.Module):
@@ -326,19 +379,7 @@ class NativeCausalLM(nn.Module):
         if tokens.dim() == 1:
             tokens = tokens[None]
         t = tokens.shape[1]
-        if self.attention not in ("sdpa", "invariant"):
-            raise ValueError(f"unknown attention {self.attention!r}; use 'sdpa' or 'invariant'")
-        positions, mask = cache.plan_append(parents, t)
-        rows = None
-        if self.attention == "invariant" and t <= self.INVARIANT_MAX_TOKENS:
-            rows, mask = cache.attended_slots(t), None
-        elif mask is None and t > 1:
-            # causal chain after `past` slots: token i sees slots <= past + i
-            total = cache.total
-            past = total - t
-            mask = torch.ones(t, total, dtype=torch.bool, device=tokens.device).tril(past)
-        cos = self.rope_cos[positions].to(self.dtype)
-        sin = self.rope_sin[positions].to(self.dtype)
+        cos, sin, mask, rows = self._plan(cache, parents, t)
         x = self.embed(tokens)
         hidden = hidden_states
         if hidden is not None:
@@ -351,6 +392,72 @@ class NativeCausalLM(nn.Module):
             x = x[:, logits_for]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return (head or self.lm_head)(x).float()
+
+    def _plan(self, cache: KVCache, parents: list[int] | None, t: int):
+        """Register ``t`` new pending nodes in ``cache``; their rope tables and attention plan."""
+        if self.attention not in ("sdpa", "invariant"):
+            raise ValueError(f"unknown attention {self.attention!r}; use 'sdpa' or 'invariant'")
+        positions, mask = cache.plan_append(parents, t)
+        rows = None
+        if self.attention == "invariant" and t <= self.INVARIANT_MAX_TOKENS:
+            rows, mask = cache.attended_slots(t), None
+        elif mask is None and t > 1:
+            # causal chain after `past` slots: token i sees slots <= past + i
+            total = cache.total
+            past = total - t
+            mask = torch.ones(t, total, dtype=torch.bool, device=cache.device).tril(past)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        return cos, sin, mask, rows
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[BatchItem]) -> list[torch.Tensor]:
+        """Forwards of several sequences (each on its own cache) in one pass; returns each item's
+        fp32 logits (``[1, len(logits_for), vocab]``), as ``forward`` would for it alone.
+
+        Items of at most ``INVARIANT_MAX_TOKENS`` tokens (decoding steps, token trees, short prefill
+        chunks) go through the linear layers together, their rows side by side
+        (``Block.forward_rows``); attention stays per sequence.  With the batch-invariant kernels
+        and attention (the default quantized formats) every token then gets the same bits as in
+        its own forward: a request's output does not depend on what else is in the batch.  With
+        other kernels (bf16/fp32 oneDNN linears) it may differ in the last bits, as a tree's rows
+        do.  Longer items (prefill chunks) run as their own ``forward`` (the prefill kernels)."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        small = [i for i, it in enumerate(items) if it.tokens.numel() <= self.INVARIANT_MAX_TOKENS]
+        for i, it in enumerate(items):
+            if i not in small or len(small) == 1:
+                out[i] = self.forward(it.tokens.view(1, -1), it.cache, parents=it.parents, logits_for=it.logits_for,
+                                      hidden_states=it.hidden_states)
+        if len(small) < 2:
+            return out
+        segments, start = [], 0
+        for i in small:
+            it = items[i]
+            t = it.tokens.numel()
+            cos, sin, mask, rows = self._plan(it.cache, it.parents, t)
+            segments.append(Segment(start, start + t, it.cache, cos, sin, mask, rows))
+            start += t
+        x = self.embed(torch.cat([items[i].tokens.view(-1) for i in small])[None])
+        wanted = [items[i].hidden_states is not None for i in small]
+        states = [x] if any(wanted) else None
+        for layer in range(self.cfg.n_layers):
+            x = self.layers[layer].forward_rows(x, segments, layer)
+            if states is not None:
+                states.append(x)
+        picked, counts = [], []
+        for seg, i in zip(segments, small):
+            sel = items[i].logits_for
+            rows = torch.arange(seg.start, seg.stop, device=x.device)
+            rows = rows if sel is None else rows[sel]
+            picked.append(rows)
+            counts.append(rows.numel())
+        x = rms_norm(x[:, torch.cat(picked)], self.norm, self.cfg.rms_norm_eps)
+        logits = rowwise_linear(self.lm_head, x).float() if x.shape[1] else x.new_zeros(1, 0, self.vocab_size).float()
+        for (seg, i, want), part in zip(zip(segments, small, wanted), logits.split(counts, dim=1)):
+            out[i] = part
+            if want:
+                items[i].hidden_states.extend(s[:, seg.start : seg.stop] for s in states)
+        return out
 
     # ------------------------------------------------------------- loading
     @classmethod

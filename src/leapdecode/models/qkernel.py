@@ -355,13 +355,21 @@ class QLinear(nn.Module):
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, rowwise=False)
+
+    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` on the batch-invariant kernel whatever the number of rows (never the bf16
+        prefill copy): the rows of several sequences side by side (``native.rowwise_linear``)."""
+        return self._forward(x, rowwise=True)
+
+    def _forward(self, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
         lib = _library()
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         m = x2.shape[0]
-        if m > DENSE_MIN_ROWS and not self.out_fp32:  # the head keeps fp32 logits: always the kernel
+        if m > DENSE_MIN_ROWS and not self.out_fp32 and not rowwise:  # the head keeps fp32 logits: always the kernel
             layer, bias = self.dense()
             y = layer(x2)
             if bias is not None:
