@@ -272,7 +272,8 @@ def test_drafts_are_accepted_on_repetitive_text(tiny, env, fresh_runner, method)
     auto) do not follow this machine's timings."""
     model = tiny(seed=0)
     want = vanilla(model, REPETITIVE, max_new_tokens=64)
-    got = run(fresh_runner(model, verify_cost="flat"), REPETITIVE, method, env, "copy", max_new_tokens=64)
+    # seeded: lookahead's first window is random, and a few seeds never converge on this text
+    got = run(fresh_runner(model, verify_cost="flat"), REPETITIVE, method, env, "copy", max_new_tokens=64, seed=0)
     assert got.tokens == want.tokens
     if method in ("jacobi",):  # Jacobi iteration from a random-ish guess rarely converges on noise
         return

@@ -186,7 +186,7 @@ class LeapdecodeRunner(Runner):
         self.config = method_config(method, opts)
         # one runner per bench row: each method learns across the bench's prompts, as in a process
         # that serves one method, without sharing what it learns with the other rows
-        self.runner = ModelRunner(loaded)
+        self.runner = ModelRunner(loaded, prefix_cache_bytes=0)  # every run prefills its prompt
         if drafts is not None:
             for name, d in drafts.items():
                 self.runner.add_draft(name, d)

@@ -32,7 +32,7 @@ from .verifier import verify
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry)
 TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
 
 
@@ -58,6 +58,21 @@ class StepOutput:
     tokens: list[int]
     finished: bool
     finish_reason: str | None = None
+
+
+@dataclass
+class Forward:
+    """One target forward a generation needs (``Generation.next_forward``): a prompt chunk
+    (``tree`` None; ``prefill_key``: its prefix-cache key when it is a whole chunk), or a step's
+    root and draft tree (``parents``: the flattened tree, None for a chain; ``hidden``: a list for
+    the per-layer hidden states when the proposer wants them)."""
+
+    tokens: torch.Tensor  # [T]
+    parents: list[int] | None = None
+    tree: TokenTree | None = None
+    hidden: list | None = None
+    prefill_key: bytes | None = None
+    t0: float = 0.0
 
 
 def _check_message(m: Any, i: int) -> None:
@@ -178,26 +193,66 @@ class Generation:
     def start(self) -> None:
         """Take a cache slot from the runner, prefill the prompt (all but its last token, which is
         the first step's root) and start the proposer.  ``step()`` calls it when needed."""
+        self._begin()
+        while self.prefilling:
+            work = self._next_prefill()
+            if work is not None:
+                self.finish_forward(work, self.model.model.forward(
+                    work.tokens[None], self.cache, logits_for=slice(0, 0)))
+        self._ready()
+
+    def _begin(self) -> None:
+        """The cache slot, the random generator and the prefill plan (no forward yet)."""
         if self._started:
             return
         self._started = True
         model, target, params = self.model, self.model.model, self.params
         self._t_start = time.perf_counter()
-        device = target.device
-        self.generator = gen = torch.Generator(device=device)
+        self.generator = gen = torch.Generator(device=target.device)
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         ids = self.prompt_ids
         self.cache = cache = self.runner.acquire_cache(
             model, min(model.max_seq_len, len(ids) + self.max_new_tokens + TREE_MARGIN))
         self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
+        # the prompt but its last token, in chunks aligned to position 0: the same chunks whatever
+        # else runs, so a chunk's keys and values are the same bits wherever it is computed (the
+        # runner's prefix cache reuses whole chunks; see core/prefix_cache.py)
+        self._chunk = min(PREFILL_CHUNK, cache.max_pending)
+        self._prefilled = 0
+        self._prefix_key = b""
+        self._reused = 0
+        self._ready_done = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Started, with prompt chunks still to run through the target."""
+        return self._started and self.result is None and self._prefilled < len(self.prompt_ids) - 1
+
+    def _next_prefill(self) -> "Forward | None":
+        """The next prompt chunk to compute, after taking every chunk the prefix cache has."""
+        ids, cache, prefix = self.prompt_ids, self.cache, self.runner.prefix_cache
+        end = len(ids) - 1
+        while self._prefilled < end:
+            s = self._prefilled
+            chunk = ids[s : min(s + self._chunk, end)]
+            key = prefix.key(self._prefix_key, chunk) if len(chunk) == self._chunk else None
+            if key is not None and prefix.restore(key, cache):
+                self._prefix_key = key
+                self._prefilled += len(chunk)
+                self._reused += len(chunk)
+                continue
+            return Forward(torch.tensor(chunk, device=self.model.device), prefill_key=key)
+        return None
+
+    def _ready(self) -> None:
+        """After the prefill: the decoding state and the proposer (which may prefill its own)."""
+        if self._ready_done:
+            return
+        self._ready_done = True
+        model, params, cache = self.model, self.params, self.cache
         try:
-            step = min(PREFILL_CHUNK, cache.max_pending)  # a chunk is pending until committed
-            for s in range(0, len(ids) - 1, step):
-                chunk = torch.tensor(ids[s : min(s + step, len(ids) - 1)], device=device)
-                target.forward(chunk[None], cache, logits_for=slice(0, 0))
-                cache.commit()
             self._prefill_s = time.perf_counter() - self._t_start
-            self.tokens = list(ids)  # decided so far; the last one is the root (not yet in the cache)
+            self.tokens = list(self.prompt_ids)  # decided so far; the last one is the root (not yet in the cache)
             self.generated: list[int] = []
             self._hist: Counter[int] = Counter()
             self._draft_s = self._verify_s = 0.0
@@ -205,7 +260,7 @@ class Generation:
             self._detok = IncrementalDetokenizer(model.tokenizer)
             self._stops = StopChecker(self.stop)
             self._shown = 0
-            self._history = torch.tensor(self.tokens, device=device) if params.repetition_penalty != 1.0 else None
+            self._history = torch.tensor(self.tokens, device=model.device) if params.repetition_penalty != 1.0 else None
             if self.proposer is not None:
                 if self.proposer.needs_verify_cost(params):
                     self.ctx.verify_cost = self.runner.verify_cost(cache)
@@ -216,25 +271,51 @@ class Generation:
 
     # ----------------------------------------------------------------- step
     def step(self) -> StepOutput:
-        """One propose -> verify -> commit iteration."""
+        """One propose -> verify -> commit iteration (the first call also prefills the prompt)."""
         if self.result is not None:
             return StepOutput("", [], True, self.result.finish_reason)
-        self.start()
         try:
-            return self._step()
+            self.start()
+            work = self.next_forward()
+            if isinstance(work, StepOutput):
+                return work
+            logits = self.model.model.forward(work.tokens[None], self.cache, parents=work.parents,
+                                              **({"hidden_states": work.hidden} if work.hidden is not None else {}))
+            return self.finish_forward(work, logits)
         except BaseException:
             self._release()
             raise
 
-    def _step(self) -> StepOutput:
-        if self._cancelled:
-            return self._finish("cancelled")
-        cache, target, proposer = self.cache, self.model.model, self.proposer
+    def next_forward(self, cap: int | None = None) -> "Forward | StepOutput":
+        """The first half of a step, for a scheduler that batches the target's forwards: the next
+        forward this generation needs (a prompt chunk, or the root and the proposer's tree; ``cap``
+        bounds the tree's size), or a ``StepOutput`` when the generation ended without one.  Hand
+        the forward's logits to ``finish_forward``; nothing else may touch the cache in between."""
+        if self.result is not None:
+            return StepOutput("", [], True, self.result.finish_reason)
+        try:
+            self._begin()
+            if self._cancelled:
+                return self._finish("cancelled")
+            if self.prefilling:
+                work = self._next_prefill()
+                if work is not None:
+                    return work
+            self._ready()
+            return self._plan_step(cap)
+        except BaseException:
+            self._release()
+            raise
+
+    def _plan_step(self, cap: int | None) -> "Forward | StepOutput":
+        cache, proposer = self.cache, self.proposer
         if cache.room() < 1:
             return self._finish("length")
-        tokens, generated = self.tokens, self.generated
-        remaining = self.max_new_tokens - len(generated)
+        tokens = self.tokens
+        remaining = self.max_new_tokens - len(self.generated)
         budget = min(self.tree_budget, cache.room() - 1, max(remaining - 1, 0))
+        if cap is not None:
+            budget = min(budget, max(cap, 0))
         t0 = time.perf_counter()
         tree = proposer.propose(tokens, budget) if proposer is not None and budget > 0 else TokenTree()
         if cache.n_pending:
@@ -242,15 +323,33 @@ class Generation:
                                "cache; a proposer must roll back what it appends")
         tree = tree.truncated(max(budget, 0))
         hidden = [] if proposer is not None and proposer.wants_hidden() else None
-        t1 = time.perf_counter()
         chain = all(p == i - 1 for i, p in enumerate(tree.parents))
-        flat = torch.tensor([tokens[-1]] + tree.tokens, device=target.device)
-        kwargs = {"hidden_states": hidden} if hidden is not None else {}
-        logits = target.forward(flat[None], cache, parents=None if chain else tree.flattened_parents(), **kwargs)[0]
+        flat = torch.tensor([tokens[-1]] + tree.tokens, device=self.model.device)
+        self._draft_s += time.perf_counter() - t0
+        return Forward(flat, None if chain else tree.flattened_parents(), tree=tree, hidden=hidden,
+                       t0=time.perf_counter())
+
+    def finish_forward(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
+        """The second half of a step: ``logits`` (``[1, T, vocab]``) of ``work``'s forward."""
+        try:
+            if work.tree is None:  # a prompt chunk
+                self.cache.commit()
+                self._prefilled += work.tokens.numel()
+                if work.prefill_key is not None:
+                    self._prefix_key = work.prefill_key
+                    self.runner.prefix_cache.store(work.prefill_key, self.cache, self._prefilled, work.tokens.numel())
+                return StepOutput("", [], False)
+            return self._accept(work, logits[0])
+        except BaseException:
+            self._release()
+            raise
+
+    def _accept(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
+        cache, proposer, tree, hidden = self.cache, self.proposer, work.tree, work.hidden
+        tokens, generated = self.tokens, self.generated
         verdict = verify(tree, logits, self.params, self._history, self.generator)
         cache.commit([0] + [a + 1 for a in verdict.accepted])
-        self._verify_s += time.perf_counter() - t1
-        self._draft_s += t1 - t0
+        self._verify_s += time.perf_counter() - work.t0
         self._forwards += 1
         self._hist[len(verdict.accepted)] += 1
         finish = None
@@ -266,7 +365,7 @@ class Generation:
         generated.extend(kept)
         tokens.extend(verdict.tokens)
         if self._history is not None:
-            self._history = torch.tensor(tokens, device=target.device)
+            self._history = torch.tensor(tokens, device=self.model.device)
         if proposer is not None and finish is None:
             t2 = time.perf_counter()
             proposer.observe(tokens, tree, verdict, logits, hidden)
@@ -292,12 +391,23 @@ class Generation:
             return StepOutput(piece, kept, True, finish)
         return StepOutput(piece, kept, False)
 
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per step so far (0 before the first step)."""
+        steps = sum(self._hist.values()) if self._ready_done else 0
+        return sum(k * n for k, n in self._hist.items()) / steps if steps else 0.0
+
     # --------------------------------------------------------------- finish
     def _finish(self, reason: str, text: str | None = None) -> StepOutput:
         if self.result is not None:
             return StepOutput("", [], True, self.result.finish_reason)
         if not self._started:
             self.result = GenerationResult("", [], len(self.prompt_ids), reason, {"method": self.method})
+            return StepOutput("", [], True, reason)
+        if not self._ready_done:  # ended during the prefill (cancelled): the proposer never began
+            self._release()
+            self.result = GenerationResult("", [], len(self.prompt_ids), reason,
+                                           {"method": self.method, "prefix_reused": self._reused})
             return StepOutput("", [], True, reason)
         try:
             if self.proposer is not None:
@@ -318,6 +428,7 @@ class Generation:
             "accept_hist": {str(k): self._hist[k] for k in sorted(self._hist)},
             "wall_s": round(wall, 4),
             "prefill_s": round(self._prefill_s, 4),
+            "prefix_reused": self._reused,
             "draft_s": round(self._draft_s, 4),
             "verify_s": round(self._verify_s, 4),
             "tokens_per_s": round(n / wall, 3) if wall > 0 else 0.0,

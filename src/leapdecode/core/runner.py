@@ -9,6 +9,8 @@ In the spirit of gpt-fast's ``setup_caches`` and vLLM's model runner, the runner
 * the draft models a method may use: loaded by the caller that builds the proposer (the API
   or the server at start-up), never by a proposer; a runner can refuse to load more
   (``allow_draft_loading=False``: the server loads its drafts at start-up only);
+* the prefix cache: the KV of whole prompt chunks, reused by later prompts that start alike
+  (``core/prefix_cache.py``; exact);
 * a bounded proposer memory: what methods learn across generations on this target (bandit
   statistics, acceptance calibration, n-gram pools, datastores), least recently used first out.
 
@@ -24,6 +26,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..errors import InvalidParameterError
+from .prefix_cache import DEFAULT_BYTES as DEFAULT_PREFIX_BYTES
+from .prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
@@ -72,8 +76,10 @@ class ProposerMemory:
 class ModelRunner:
     """Decoding state for one loaded target; see the module docstring."""
 
-    def __init__(self, model: "LoadedModel", memory_entries: int = 64, allow_draft_loading: bool = True) -> None:
+    def __init__(self, model: "LoadedModel", memory_entries: int = 64, allow_draft_loading: bool = True,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES) -> None:
         self.model = model
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.memory = ProposerMemory(memory_entries)
         self.allow_draft_loading = allow_draft_loading
         self._drafts: dict[str, "LoadedModel"] = {}

@@ -166,6 +166,24 @@ class KVCache:
         self.v[layer, :, :, end - t : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def committed_slice(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of committed slots ``[start, stop)``, all layers."""
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"slots [{start}, {stop}) are not committed (length {self.length})")
+        return self.k[:, :, :, start:stop].clone(), self.v[:, :, :, start:stop].clone()
+
+    def append_committed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append keys and values (``[layers, batch, kv_heads, n, head_dim]``, e.g. from
+        ``committed_slice``) as committed tokens; nothing may be pending."""
+        n = k.shape[3]
+        if self.n_pending:
+            raise ValueError("cannot append committed tokens while tree nodes are pending")
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {n} tokens > capacity {self.max_len}")
+        self.k[:, :, :, self.length : self.length + n] = k
+        self.v[:, :, :, self.length : self.length + n] = v
+        self.length += n
+
     # ------------------------------------------------------ commit / rollback
     def commit(self, path: list[int] | None = None) -> None:
         """Keep pending nodes ``path`` (a chain from a root) and drop all others.
