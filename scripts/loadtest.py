@@ -181,48 +181,58 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 async def run_async(url: str, model_id: str | None, clients: int, duration: float, max_requests: int | None,
-                    max_tokens: int, disconnect_prob: float, settle: float, seed: int, api_key: str | None) -> dict:
+                    max_tokens: int, disconnect_prob: float, settle: float, seed: int, api_key: str | None,
+                    warmup: float | None = None) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0), limits=limits,
                                  headers=headers) as client:
         if model_id is None:
             model_id = (await client.get("/v1/models")).json()["data"][0]["id"]
-        # warm-up: the largest KV cache, both endpoints, a hang-up, then a settle
         rng = random.Random(seed)
-        warm = [one_request(client, model_id, random.Random(seed + 10_000 + i), max_tokens, 0.5) for i in range(8)]
-        warm.append(client.post("/v1/completions", json={"model": model_id, "prompt": "warm", "temperature": 0,
-                                                         "max_tokens": max_tokens}))
-        await asyncio.gather(*warm)
+
+        async def phase(seconds: float, limit: int | None) -> tuple[dict, list, list, list, int]:
+            """``clients`` workers for ``seconds`` (or ``limit`` requests)."""
+            outcomes: dict[str, int] = {"completed": 0, "rejected": 0, "disconnected": 0, "error": 0}
+            latencies: list[float] = []
+            ttfts: list[float] = []
+            errors: list[str] = []
+            issued = 0
+            t_end = time.perf_counter() + seconds
+
+            async def worker() -> None:
+                nonlocal issued
+                r = random.Random(rng.random())
+                while time.perf_counter() < t_end and (limit is None or issued < limit):
+                    issued += 1
+                    outcome, lat, ttft, detail = await one_request(client, model_id, r, max_tokens, disconnect_prob)
+                    outcomes[outcome] += 1
+                    if outcome == "completed":
+                        latencies.append(lat)
+                        if ttft is not None:
+                            ttfts.append(ttft)
+                    elif outcome == "rejected":
+                        await asyncio.sleep(r.uniform(0.02, 0.2))
+                    elif outcome == "error" and len(errors) < 10:
+                        errors.append(detail)
+
+            await asyncio.gather(*(worker() for _ in range(clients)))
+            return outcomes, latencies, ttfts, errors, issued
+
+        # warm-up: the same load (by default as long as the run): the allocators' high-water mark of
+        # a full batch of streams is reached in the warm-up (measured: +177 MB in a first 10 s run of
+        # tiny-random at batch 8, then +37, +29, +10 MB in the next ones), so that the check
+        # measures growth, not the first full batch;
+        # plus the largest KV cache; then a settle
+        await phase(duration if warmup is None else warmup, None)
+        await client.post("/v1/completions", json={"model": model_id, "prompt": "warm", "temperature": 0,
+                                                   "max_tokens": max_tokens})
         await wait_idle(client)
         await asyncio.sleep(settle)
         before = await scrape(client)
 
-        outcomes: dict[str, int] = {"completed": 0, "rejected": 0, "disconnected": 0, "error": 0}
-        latencies: list[float] = []
-        ttfts: list[float] = []
-        errors: list[str] = []
-        issued = 0
         t_start = time.perf_counter()
-        t_end = t_start + duration
-
-        async def worker(i: int) -> None:
-            nonlocal issued
-            r = random.Random(rng.random())
-            while time.perf_counter() < t_end and (max_requests is None or issued < max_requests):
-                issued += 1
-                outcome, lat, ttft, detail = await one_request(client, model_id, r, max_tokens, disconnect_prob)
-                outcomes[outcome] += 1
-                if outcome == "completed":
-                    latencies.append(lat)
-                    if ttft is not None:
-                        ttfts.append(ttft)
-                elif outcome == "rejected":
-                    await asyncio.sleep(r.uniform(0.02, 0.2))
-                elif outcome == "error" and len(errors) < 10:
-                    errors.append(detail)
-
-        await asyncio.gather(*(worker(i) for i in range(clients)))
+        outcomes, latencies, ttfts, errors, issued = await phase(duration, max_requests)
         elapsed = time.perf_counter() - t_start
         idle = await wait_idle(client)
         await asyncio.sleep(settle)
@@ -258,6 +268,9 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         "ttft_p95_s": r3(percentile(ttfts, 0.95)),
         "generated_tokens": int(after.get("leapdecode_generated_tokens_total", 0)
                                 - before.get("leapdecode_generated_tokens_total", 0)) if after else None,
+        "tokens_per_s": round((after.get("leapdecode_generated_tokens_total", 0)
+                               - before.get("leapdecode_generated_tokens_total", 0)) / elapsed, 2) if after else None,
+        "mean_batch_size": after.get("leapdecode_mean_batch_size"),
         "server_cancelled_disconnect": int(cancelled(after, "disconnect") - cancelled(before, "disconnect"))
         if after else None,
         "server_cancelled_timeout": int(cancelled(after, "timeout") - cancelled(before, "timeout")) if after else None,
@@ -294,14 +307,14 @@ def check(summary: dict, rss_slack_mb: float = 50.0) -> list[str]:
 def run_loadtest(url: str | None = None, model: str = "tiny-random", model_id: str | None = None,
                  clients: int = 32, duration: float = 10.0, max_requests: int | None = None, max_tokens: int = 48,
                  disconnect_prob: float = 0.2, settle: float = 2.0, max_queue: int = 16, seed: int = 0,
-                 api_key: str | None = None, server_args: list[str] | None = None) -> dict:
+                 api_key: str | None = None, server_args: list[str] | None = None, warmup: float | None = None) -> dict:
     """Run the load test (starting a server unless ``url`` is given) and return its summary."""
     proc = log = None
     if url is None:
         proc, url, log = start_server(model, max_queue, server_args)
     try:
         summary = asyncio.run(run_async(url, model_id, clients, duration, max_requests, max_tokens,
-                                        disconnect_prob, settle, seed, api_key))
+                                        disconnect_prob, settle, seed, api_key, warmup))
     finally:
         if proc is not None:
             summary_exit = proc.poll()  # None: still running, as it should be
@@ -331,11 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=2.0, help="seconds to wait before each RSS reading")
     p.add_argument("--rss-slack-mb", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=float,
+                   help="seconds of the same load before the measured run (default: --duration); the RSS "
+                        "check compares the RSS after the run with the RSS after this warm-up")
+    p.add_argument("--server-args", default="",
+                   help="extra arguments of the started `leapdecode serve`, one string (e.g. \"--max-batch 1\")")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     a = p.parse_args(argv)
     s = run_loadtest(url=a.url, model=a.model, model_id=a.model_id, clients=a.clients, duration=a.duration,
                      max_requests=a.max_requests, max_tokens=a.max_tokens, disconnect_prob=a.disconnect_prob,
-                     settle=a.settle, max_queue=a.max_queue, seed=a.seed, api_key=a.api_key)
+                     settle=a.settle, max_queue=a.max_queue, seed=a.seed, api_key=a.api_key,
+                     server_args=a.server_args.split(), warmup=a.warmup)
     problems = check(s, a.rss_slack_mb)
     if a.json:
         print(json.dumps({**{k: v for k, v in s.items() if k != "server_log_tail"}, "problems": problems}, indent=2))
@@ -345,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  completed {s['completed']}, 429 {s['rejected']}, hung up {s['disconnected']}, errors {s['error']}")
         print(f"  latency p50 {s['latency_p50_s']} s, p95 {s['latency_p95_s']} s; "
               f"first chunk p50 {s['ttft_p50_s']} s, p95 {s['ttft_p95_s']} s")
-        print(f"  server: {s['generated_tokens']} tokens generated, {s['server_cancelled_disconnect']} generations "
+        print(f"  server: {s['generated_tokens']} tokens generated ({s['tokens_per_s']} tokens/s, mean batch "
+              f"{s['mean_batch_size']}), {s['server_cancelled_disconnect']} generations "
               f"cancelled by disconnects, alive={s['server_alive']}")
         print(f"  RSS before {s['rss_before_mb']} MB, after {s['rss_after_mb']} MB (delta {s['rss_delta_mb']} MB)")
         for prob in problems:

@@ -425,15 +425,15 @@ def test_fault_mid_stream_is_an_error_event_with_a_logged_id(server, monkeypatch
 
     def start(self, runner):
         gen = real_start(self, runner)
-        real_step, steps = gen.step, []
+        real_next, steps = gen.next_forward, []
 
-        def step():
+        def next_forward(cap=None):  # what the engine calls once per iteration
             steps.append(1)
             if len(steps) == 4:
                 raise RuntimeError("kaput")
-            return real_step()
+            return real_next(cap)
 
-        gen.step = step
+        gen.next_forward = next_forward
         return gen
 
     monkeypatch.setattr(GenSpec, "start", start)
@@ -534,7 +534,7 @@ def test_queue_full_gives_429_and_disconnects_free_slots(server):
     engine, url = server.engine, server.url
     wait_idle(engine)
     cancelled0 = engine.counters["cancelled"]
-    engine.max_queue = 1
+    engine.max_queue, engine.max_batch = 1, 1  # one running, one waiting: the next is refused
 
     async def scenario():
         started = asyncio.Event()
@@ -568,7 +568,7 @@ def test_queue_full_gives_429_and_disconnects_free_slots(server):
         eventually(lambda: engine.counters["cancelled"] >= cancelled0 + 2, f"not cancelled: {engine.counters}")
         wait_idle(engine)
     finally:
-        engine.max_queue = 4
+        engine.max_queue, engine.max_batch = 4, 8
     metrics = httpx.get(url + "/metrics").text
     assert re.search(r'leapdecode_requests_total\{endpoint="/v1/completions",status="429"\} [1-9]', metrics)
 

@@ -73,6 +73,7 @@ class Forward:
     hidden: list | None = None
     prefill_key: bytes | None = None
     t0: float = 0.0
+    proposed: bool = False  # the proposer drafted this step's tree (it then observes the verdict)
 
 
 def _check_message(m: Any, i: int) -> None:
@@ -224,6 +225,11 @@ class Generation:
         self._ready_done = False
 
     @property
+    def decoding(self) -> bool:
+        """Started, prompt prefilled, not finished: its next forward is a decoding step."""
+        return self._started and self.result is None and not self.prefilling
+
+    @property
     def prefilling(self) -> bool:
         """Started, with prompt chunks still to run through the target."""
         return self._started and self.result is None and self._prefilled < len(self.prompt_ids) - 1
@@ -256,7 +262,7 @@ class Generation:
             self.generated: list[int] = []
             self._hist: Counter[int] = Counter()
             self._draft_s = self._verify_s = 0.0
-            self._forwards = 0
+            self._forwards = self._drafted_steps = self._drafted_accepted = 0
             self._detok = IncrementalDetokenizer(model.tokenizer)
             self._stops = StopChecker(self.stop)
             self._shown = 0
@@ -317,17 +323,18 @@ class Generation:
         if cap is not None:
             budget = min(budget, max(cap, 0))
         t0 = time.perf_counter()
-        tree = proposer.propose(tokens, budget) if proposer is not None and budget > 0 else TokenTree()
+        proposed = proposer is not None and budget > 0  # observe() follows only a propose()
+        tree = proposer.propose(tokens, budget) if proposed else TokenTree()
         if cache.n_pending:
             raise RuntimeError(f"proposer {proposer.name!r} left {cache.n_pending} nodes pending in the target's "
                                "cache; a proposer must roll back what it appends")
         tree = tree.truncated(max(budget, 0))
-        hidden = [] if proposer is not None and proposer.wants_hidden() else None
+        hidden = [] if proposed and proposer.wants_hidden() else None
         chain = all(p == i - 1 for i, p in enumerate(tree.parents))
         flat = torch.tensor([tokens[-1]] + tree.tokens, device=self.model.device)
         self._draft_s += time.perf_counter() - t0
         return Forward(flat, None if chain else tree.flattened_parents(), tree=tree, hidden=hidden,
-                       t0=time.perf_counter())
+                       t0=time.perf_counter(), proposed=proposed)
 
     def finish_forward(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
         """The second half of a step: ``logits`` (``[1, T, vocab]``) of ``work``'s forward."""
@@ -352,6 +359,9 @@ class Generation:
         self._verify_s += time.perf_counter() - work.t0
         self._forwards += 1
         self._hist[len(verdict.accepted)] += 1
+        if len(tree):
+            self._drafted_steps += 1
+            self._drafted_accepted += len(verdict.accepted)
         finish = None
         kept: list[int] = []
         for t in verdict.tokens:
@@ -366,7 +376,7 @@ class Generation:
         tokens.extend(verdict.tokens)
         if self._history is not None:
             self._history = torch.tensor(tokens, device=self.model.device)
-        if proposer is not None and finish is None:
+        if work.proposed and finish is None:
             t2 = time.perf_counter()
             proposer.observe(tokens, tree, verdict, logits, hidden)
             self._draft_s += time.perf_counter() - t2
@@ -392,10 +402,11 @@ class Generation:
         return StepOutput(piece, kept, False)
 
     @property
-    def mean_accepted(self) -> float:
-        """Draft tokens accepted per step so far (0 before the first step)."""
-        steps = sum(self._hist.values()) if self._ready_done else 0
-        return sum(k * n for k, n in self._hist.items()) / steps if steps else 0.0
+    def draft_acceptance(self) -> float:
+        """Draft tokens accepted per step that verified a tree, so far, with a weak prior (one
+        token per step, worth two steps) so that a generation that has not drafted yet gets tried."""
+        steps, accepted = (self._drafted_steps, self._drafted_accepted) if self._ready_done else (0, 0)
+        return (accepted + 2.0) / (steps + 2.0)
 
     # --------------------------------------------------------------- finish
     def _finish(self, reason: str, text: str | None = None) -> StepOutput:
@@ -437,6 +448,10 @@ class Generation:
             stats.update(self.proposer.stats())
         self.result = GenerationResult(text, list(self.generated), len(self.prompt_ids), reason, stats)
         return StepOutput("", [], True, reason)
+
+    def abort(self) -> None:
+        """Give the cache back after a failure that ends this generation (it has no result)."""
+        self._release()  # the runner resets the cache it takes back
 
     def close(self) -> None:
         """Give the cache back now (a generation abandoned before its end)."""

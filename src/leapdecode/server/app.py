@@ -35,6 +35,7 @@ from fastapi.routing import APIRoute
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.prefix_cache import PrefixCache
 from ..errors import InvalidParameterError
 from ..proposers.registry import DEFAULT_METHOD, method_config
 from .config import DEFAULT_MAX_BODY_BYTES, ServerConfig
@@ -85,6 +86,10 @@ def create_app(
     tree_budget: int | None = None,
     max_n: int = 16,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_batch: int = 8,
+    kv_budget_bytes: int | None = None,
+    speculate_under_load: bool = True,
+    prefix_cache_bytes: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model`` (a LoadedModel) with one engine thread.
 
@@ -92,7 +97,11 @@ def create_app(
     options (validated here: an ``InvalidParameterError`` names the bad one); ``drafts``: draft
     models by name (loaded models, or names loaded now with the model's dtype and device), the
     only ones requests may use; the first is the default draft of methods that take one;
-    ``max_queue``: requests that may wait while one runs (more get 429); ``request_timeout``:
+    ``max_batch``: generations decoded together (continuous batching, ``engine.py``);
+    ``kv_budget_bytes``: KV-cache bytes they may reserve (default ``engine.DEFAULT_KV_BUDGET``);
+    ``speculate_under_load``: shrink greedy draft trees as the batch fills (TETRIS-style, by
+    measured cost); ``prefix_cache_bytes``: the exact prefix cache's size (0: off);
+    ``max_queue``: requests that may wait for a place in the batch (more get 429); ``request_timeout``:
     seconds from arrival until the request's generation is cancelled (504);
     ``max_tokens_limit``: the largest ``max_tokens`` accepted (default: the model's context);
     ``default_max_tokens``: for chat requests without ``max_tokens`` (completions default to
@@ -109,6 +118,8 @@ def create_app(
     if default_options.get("draft") is not None:
         wanted.setdefault(default_options["draft"], None)
     runner = build_runner(model, wanted)
+    if prefix_cache_bytes is not None:
+        runner.prefix_cache = PrefixCache(prefix_cache_bytes)
     cfg = ServerConfig(
         model_name=served_model_name or model.name,
         default_method=default_method,
@@ -128,9 +139,13 @@ def create_app(
         raise InvalidParameterError(e.message()) from None
 
     metrics = Metrics()
-    engine = Engine(runner, max_queue=max_queue, metrics=metrics)
+    engine = Engine(runner, max_queue=max_queue, metrics=metrics, max_batch=max_batch,
+                    kv_budget_bytes=kv_budget_bytes, speculate_under_load=speculate_under_load)
     metrics.queue_depth = lambda: engine.queue_depth
     metrics.busy = lambda: int(engine.busy)
+    metrics.batch_size = lambda: engine.batch_size
+    metrics.kv_cache = lambda: (engine.kv_reserved_bytes, engine.kv_budget_bytes)
+    metrics.prefix_cache = runner.prefix_cache.stats
     preparer = Preparer(cfg, runner)
     created = int(time.time())
 

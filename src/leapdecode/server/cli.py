@@ -36,7 +36,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("LEAPDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $LEAPDECODE_API_KEY)")
     p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait while one runs; more get 429 with Retry-After (default: %(default)s)")
+                   help="requests that may wait for a place in the batch; more get 429 with Retry-After "
+                        "(default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="generations decoded together in one batched forward (continuous batching; "
+                        "default: %(default)s; 1 = one at a time)")
+    p.add_argument("--kv-budget-mib", type=int, default=4096,
+                   help="MiB of KV cache the running generations may reserve; a request waits until its "
+                        "slot fits, one that never can gets 400 (default: %(default)s)")
+    p.add_argument("--prefix-cache-mib", type=int, default=512,
+                   help="MiB of prompt KV kept for reuse by requests that start alike (exact; 0 = off; "
+                        "default: %(default)s)")
+    p.add_argument("--no-speculation-under-load", action="store_true",
+                   help="keep every greedy request's full draft tree however full the batch is (default: "
+                        "trees shrink as the batch fills, where the measured cost says they stop paying)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds (queueing included) after which a request's generation is cancelled "
                         "(default: %(default)s)")
@@ -89,7 +102,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     options = parse_option_assignments(spec.config, a.option)
     for name, v, lo in (("--max-queue", a.max_queue, 1), ("--default-max-tokens", a.default_max_tokens, 1),
                         ("--max-tokens-limit", a.max_tokens_limit, 1), ("--tree-budget", a.tree_budget, 1),
-                        ("--max-body-bytes", a.max_body_bytes, 1)):
+                        ("--max-body-bytes", a.max_body_bytes, 1), ("--max-batch", a.max_batch, 1),
+                        ("--kv-budget-mib", a.kv_budget_mib, 1), ("--prefix-cache-mib", a.prefix_cache_mib, 0)):
         if v is not None and v < lo:
             raise LeapdecodeError(f"{name} must be >= {lo}, got {v}")
     method_config(a.method, {**({"tree_budget": a.tree_budget} if a.tree_budget else {}), **options})
@@ -106,7 +120,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                      drafts=default_drafts(model, a.method, options, a.draft), api_key=a.api_key,
                      max_queue=a.max_queue, request_timeout=a.request_timeout, max_tokens_limit=a.max_tokens_limit,
                      default_max_tokens=a.default_max_tokens, served_model_name=a.served_model_name,
-                     tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes)
+                     tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes, max_batch=a.max_batch,
+                     kv_budget_bytes=a.kv_budget_mib * 2**20, prefix_cache_bytes=a.prefix_cache_mib * 2**20,
+                     speculate_under_load=not a.no_speculation_under_load)
     if not a.no_warmup:  # allocates the caches and builds the default method; fails here, not on a request
         generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
     if not _is_loopback(a.host) and not a.api_key:

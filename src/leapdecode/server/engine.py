@@ -1,9 +1,13 @@
-"""The engine: one worker thread that runs generations one at a time, behind a bounded queue.
+"""The engine: one worker thread that decodes the running requests together (continuous
+batching), behind a bounded queue.
 
 torch is not safe to drive from two threads at once, so every generation is built and stepped
 on the single worker thread, on the server's own ``ModelRunner`` (built at start-up with its
-drafts; it never loads another one).  Requests arrive on the asyncio event loop as ``Job``
-objects (a job is one request: its ``n`` generations run back to back and hold one slot); the
+drafts; it never loads another one).  Each iteration steps every running generation in one
+batched target forward (``core/batch.py``: chunked prefill, ragged token trees, TETRIS-style
+speculation caps); requests join between iterations when there is room in the batch and in
+the KV-cache budget, and leave as soon as they finish.  Requests arrive on the asyncio event
+loop as ``Job`` objects (a job is one request: its ``n`` generations run side by side); the
 worker reports back through an ``asyncio.Queue`` of typed events fed with
 ``loop.call_soon_threadsafe``:
 
@@ -15,7 +19,7 @@ worker reports back through an ``asyncio.Queue`` of typed events fed with
 
 (the app adds ``Disconnected()`` itself when the client hangs up).  ``Engine.cancel`` (client
 gone, request timed out) removes a waiting job from the queue at once, or stops a running one
-before its next ``Generation.step()``.
+at its next iteration (its cache slot is free for the next request then).
 """
 
 from __future__ import annotations
@@ -30,16 +34,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 from ..api import start_generation
+from ..core.batch import speculation_caps, step_batch
 from ..core.config import MethodConfig
-from ..core.runner import ModelRunner
+from ..core.generate import TREE_MARGIN
+from ..core.runner import CACHE_ROUND, ModelRunner
 from ..core.sampling import SamplingParams
-from .exceptions import EngineStopped, QueueFullError
+from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 
 if TYPE_CHECKING:
-    from ..core.generate import GenerationResult
+    from ..core.generate import Generation, GenerationResult
     from ..models.decoder import LoadedModel
 
 log = logging.getLogger("leapdecode.server")
+
+DEFAULT_KV_BUDGET = 4 * 2**30  # bytes of KV-cache slots the running generations may hold
 
 
 # ---------------------------------------------------------------------------- events
@@ -106,6 +114,7 @@ class Job:
         self.enqueued_at = time.monotonic()
         self.started_at: float | None = None
         self.cancel_reason: str | None = None
+        self.failed = False
 
     @property
     def cancelled(self) -> bool:
@@ -140,21 +149,63 @@ def build_runner(model: "LoadedModel", drafts: Mapping[str, "LoadedModel | None"
 
 
 # ---------------------------------------------------------------------------- the engine
-class Engine:
-    """A worker thread over a runner; ``max_queue`` jobs may wait while one runs."""
+@dataclass(eq=False)
+class Running:
+    """One generation of a running job."""
 
-    def __init__(self, runner: ModelRunner, max_queue: int = 16, metrics=None) -> None:
+    job: Job
+    index: int
+    gen: "Generation"
+    reserved: int  # KV-cache bytes its slot holds
+
+
+def kv_bytes_per_token(model: "LoadedModel") -> int:
+    """Bytes of the target's KV cache per token (all layers, keys and values)."""
+    decoder = model.model
+    cfg = getattr(decoder, "cfg", None)
+    if cfg is None:
+        return 0
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * torch_dtype_size(decoder.dtype)
+
+
+def torch_dtype_size(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Engine:
+    """Continuous batching over a runner: up to ``max_batch`` generations run together (one
+    batched target forward per iteration, ``core/batch.py``), ``max_queue`` jobs may wait.
+
+    A job is admitted when all its generations fit: ``max_batch`` running generations and
+    ``kv_budget_bytes`` of KV-cache slots (each generation's slot is reserved whole at admission:
+    the prompt, ``max_tokens`` and the tree margin, so a running generation never runs out of
+    cache and nothing is ever preempted; a job waits in the queue instead).  A job that could
+    never fit the budget fails with ``RequestTooLargeError`` (400) at submission."""
+
+    def __init__(self, runner: ModelRunner, max_queue: int = 16, metrics=None, max_batch: int = 8,
+                 kv_budget_bytes: int | None = None, speculate_under_load: bool = True) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.runner = runner
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else DEFAULT_KV_BUDGET
+        self.speculate_under_load = speculate_under_load
         self.metrics = metrics
+        self._per_token = kv_bytes_per_token(runner.model)
         self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
-        self._running: Job | None = None
+        self._running: list[Running] = []
+        self._reserved = 0
         self._stop = False
         self._recent: deque[float] = deque(maxlen=32)  # durations of recent jobs (for Retry-After)
         self.counters = {"submitted": 0, "rejected": 0, "completed": 0, "cancelled": 0, "failed": 0}
+        self.steps = 0  # iterations run
+        self.last_batch = 0  # generations in the last iteration
         self._thread = threading.Thread(target=self._run, name="leapdecode-engine", daemon=True)
         self._thread.start()
 
@@ -165,7 +216,16 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
+
+    @property
+    def batch_size(self) -> int:
+        """Generations running now."""
+        return len(self._running)
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self._reserved
 
     @property
     def alive(self) -> bool:
@@ -173,9 +233,21 @@ class Engine:
 
     def retry_after(self) -> int:
         mean = sum(self._recent) / len(self._recent) if self._recent else 1.0
-        return int(min(60, max(1, math.ceil(mean * (self.queue_depth + 1)))))
+        waves = (self.queue_depth + 1) / max(1, self.max_batch)
+        return int(min(60, max(1, math.ceil(mean * waves))))
+
+    def reservation(self, spec: GenSpec) -> int:
+        """KV-cache bytes a generation's slot takes (as ``Generation.start`` sizes it)."""
+        model = self.runner.model
+        n = min(model.max_seq_len, len(spec.prompt_ids) + spec.max_new_tokens + TREE_MARGIN)
+        return self._per_token * min(-(-n // CACHE_ROUND) * CACHE_ROUND, model.max_seq_len)
 
     def submit(self, job: Job) -> None:
+        need = sum(self.reservation(s) for s in job.specs)
+        if need > self.kv_budget_bytes:
+            raise RequestTooLargeError(
+                f"the request needs {need / 2**20:.0f} MiB of KV cache (prompt + max_tokens, times n); "
+                f"this server's budget is {self.kv_budget_bytes / 2**20:.0f} MiB: ask for fewer tokens")
         with self._cv:
             if self._stop:
                 raise EngineStopped("the server is shutting down")
@@ -187,7 +259,7 @@ class Engine:
             self._cv.notify()
 
     def cancel(self, job: Job, reason: str) -> None:
-        """Stop ``job``: drop it from the queue, or stop its generation before the next step."""
+        """Stop ``job``: drop it from the queue, or stop its generations before their next step."""
         with self._cv:
             if job.cancelled:
                 return
@@ -197,7 +269,7 @@ class Engine:
                 queued = True
             except ValueError:
                 queued = False
-            if queued or self._running is job:
+            if queued or any(r.job is job for r in self._running):
                 self.counters["cancelled"] += 1
                 if self.metrics is not None:
                     self.metrics.observe_cancel(reason)
@@ -206,71 +278,156 @@ class Engine:
         with self._cv:
             self._stop = True
             pending, self._pending = list(self._pending), deque()
-            running = self._running
+            running = {r.job for r in self._running}
             self._cv.notify_all()
         for job in pending:
             job.cancel_reason = "shutdown"
             job.emit(Failed(EngineStopped("the server is shutting down")))
             job.emit(Ended())
-        if running is not None:
-            self.cancel(running, "shutdown")
+        for job in running:
+            self.cancel(job, "shutdown")
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        from .errors import report_internal
+        import torch
 
         while True:
             with self._cv:
-                while not self._pending and not self._stop:
+                while not self._pending and not self._running and not self._stop:
                     self._cv.wait()
-                if self._stop:
+                if self._stop and not self._running:
                     return
-                job = self._pending.popleft()
-                self._running = job
-            t0 = time.monotonic()
-            try:
-                self._run_job(job)
-            except Exception as e:  # never let the worker die
-                self.counters["failed"] += 1
-                job.emit(Failed(e, report_internal(e)))
-            finally:
-                with self._cv:
-                    self._running = None
-                self._recent.append(time.monotonic() - t0)
-                job.emit(Ended())
+                admitted = self._admit()
+            for job in admitted:
+                self._start(job)
+            if self._running:
+                try:
+                    with torch.no_grad():
+                        self._iterate()
+                except Exception as e:  # a fault of the engine itself: fail what runs, never die
+                    self._fail_running(e)
 
-    def _run_job(self, job: Job) -> None:
-        import torch
+    def _admit(self) -> list[Job]:
+        """Jobs from the head of the queue that fit now (called under the lock)."""
+        out = []
+        while self._pending and not self._stop:
+            job = self._pending[0]
+            need = sum(self.reservation(s) for s in job.specs)
+            n = len(self._running) + sum(len(j.specs) for j in out)
+            fits = n + len(job.specs) <= self.max_batch and self._reserved + need <= self.kv_budget_bytes
+            if not fits and (n or out):
+                break  # wait for running generations to finish (FIFO: no overtaking)
+            self._pending.popleft()
+            self._reserved += need
+            out.append(job)
+        return out
+
+    def _start(self, job: Job) -> None:
+        """Build the job's generations (no forward yet) and add them to the running set."""
+        from .errors import report_internal
 
         job.started_at = time.monotonic()
-        for i, spec in enumerate(job.specs):
-            if job.cancelled:
-                return
-            if job.past_deadline():
-                self.cancel(job, "timeout")
-                return
-            with torch.no_grad():
-                gen = spec.start(self.runner)
-            job.emit(Started(i))
-            try:
-                with torch.no_grad():
-                    while True:
-                        if job.past_deadline():
-                            self.cancel(job, "timeout")
-                        if job.cancelled:
-                            gen.cancel()  # the next step finishes it as "cancelled"
-                        out = gen.step()
-                        if out.text or out.tokens:
-                            job.emit(Delta(i, out.text, tuple(out.tokens)))
-                        if out.finished:
-                            break
-            finally:
-                gen.close()  # the KV cache goes back to the runner, whatever happened
-            res = gen.result
-            if self.metrics is not None and res is not None:
-                self.metrics.observe_generation(res.stats, res.finish_reason)
-            job.emit(Finished(i, res))
-        if not job.cancelled:
+        built: list[Running] = []
+        try:
+            for i, spec in enumerate(job.specs):
+                built.append(Running(job, i, spec.start(self.runner), self.reservation(spec)))
+        except Exception as e:
+            with self._cv:
+                self._reserved -= sum(self.reservation(s) for s in job.specs)
+            for r in built:
+                r.gen.close()
+            self._fail(job, e, report_internal(e))
+            return
+        with self._cv:
+            self._reserved -= sum(self.reservation(s) for s in job.specs) - sum(r.reserved for r in built)
+            self._running.extend(built)
+        for r in built:
+            job.emit(Started(r.index))
+
+    def _fail_running(self, error: BaseException) -> None:
+        from .errors import report_internal
+
+        error_id = report_internal(error)
+        with self._cv:
+            running, self._running = self._running, []
+            self._reserved -= sum(r.reserved for r in running)
+        for r in running:
+            r.gen.abort()
+        for job in {r.job: None for r in running}:
+            if not job.failed:
+                job.failed = True
+                self._fail(job, error, error_id)
+
+    def _fail(self, job: Job, error: BaseException, error_id: str | None) -> None:
+        self.counters["failed"] += 1
+        job.emit(Failed(error, error_id))
+        self._end(job)
+
+    def _end(self, job: Job) -> None:
+        self._recent.append(time.monotonic() - (job.started_at or job.enqueued_at))
+        if not job.cancelled and not job.failed:
             self.counters["completed"] += 1
+        job.emit(Ended())
+
+    def _iterate(self) -> None:
+        """One batched step of every running generation."""
+        from .errors import report_internal
+
+        running = list(self._running)
+        for r in running:
+            if r.job.past_deadline():
+                self.cancel(r.job, "timeout")
+            if r.job.cancelled:
+                r.gen.cancel()  # its next step finishes it as "cancelled"
+        caps = self._caps(running) if self.speculate_under_load and len(running) > 1 else None
+        outcomes = step_batch([r.gen for r in running], caps)
+        self.steps += 1
+        self.last_batch = len(running)
+        if self.metrics is not None:
+            self.metrics.observe_step(len(running), sum(1 for o in outcomes if o.output is not None))
+        done: list[Running] = []
+        for r, o in zip(running, outcomes):
+            if o.error is not None:
+                done.extend(x for x in running if x.job is r.job and x not in done)
+                if not r.job.failed:
+                    r.job.failed = True
+                    for x in running:
+                        if x.job is r.job and x is not r:
+                            x.gen.close()
+                    self._fail(r.job, o.error, report_internal(o.error))
+                continue
+            out = o.output
+            if out is None or r.job.failed:
+                continue
+            if out.text or out.tokens:
+                r.job.emit(Delta(r.index, out.text, tuple(out.tokens)))
+            if out.finished:
+                done.append(r)
+                res = r.gen.result
+                if self.metrics is not None and res is not None:
+                    self.metrics.observe_generation(res.stats, res.finish_reason)
+                r.job.emit(Finished(r.index, res))
+        if done:
+            with self._cv:
+                for r in done:
+                    if r in self._running:
+                        self._running.remove(r)
+                        self._reserved -= r.reserved
+                ended = {r.job for r in done if not any(x.job is r.job for x in self._running)}
+            for job in ended:
+                if not job.failed:
+                    self._end(job)
+
+    def _caps(self, running: list[Running]) -> list[int | None] | None:
+        """Draft tokens per greedy speculating generation this iteration (``speculation_caps``)."""
+        spec = [r for r in running if r.gen.proposer is not None and r.gen.params.greedy and r.gen.decoding]
+        if not spec:
+            return None
+        cost = self.runner.verify_cost(spec[0].gen.cache)  # measured once (or read from the profile store)
+        accept = [r.gen.draft_acceptance if r in spec else None for r in running]
+        budgets = [r.gen.tree_budget for r in running]
+        fixed = sum(1 if r in spec else 1 + (r.gen.tree_budget if r.gen.proposer is not None else 0) for r in running)
+        caps = speculation_caps([a if r in spec else None for a, r in zip(accept, running)], budgets, fixed, cost)
+        return [c if r in spec else None for c, r in zip(caps, running)]

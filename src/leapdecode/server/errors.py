@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ..errors import LeapdecodeError, PromptTooLongError, UnknownModelError
-from .exceptions import EngineStopped, QueueFullError
+from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 from .protocol import ErrorBody, ErrorResponse, LeapdecodeExtension
 
 
@@ -114,6 +114,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], Rule], ...] = (  # the first matc
     (ValidationError, Rule(400, "invalid_request_error", describe=describe_validation_error)),
     (PromptTooLongError, Rule(400, "invalid_request_error", "context_length_exceeded")),
     (UnknownModelError, Rule(400, "invalid_request_error", "model_not_found")),
+    (RequestTooLargeError, Rule(400, "invalid_request_error", "kv_cache_budget_exceeded")),
     (LeapdecodeError, Rule(400, "invalid_request_error")),
     (BodyTooLarge, Rule(413, "invalid_request_error", "request_too_large")),
     (QueueFullError, Rule(429, "rate_limit_error", "queue_full",

@@ -1,5 +1,5 @@
 """Exceptions of the server's engine (below both the engine and the status table, which maps
-them to 429 and 503)."""
+them to 400, 429 and 503)."""
 
 
 class QueueFullError(Exception):
@@ -10,3 +10,7 @@ class QueueFullError(Exception):
 
 class EngineStopped(Exception):
     """The server is shutting down."""
+
+
+class RequestTooLargeError(Exception):
+    """The request could never fit the engine's KV-cache budget (400)."""

@@ -57,8 +57,14 @@ class Metrics:
         self.generation_seconds = 0.0
         self.last_tokens_per_s = 0.0
         self.last_mean_accepted = 0.0
+        self.steps = 0  # engine iterations (one batched target forward each)
+        self.step_sequences = 0  # sum over iterations of the generations stepped
+        self.last_batch = 0
         self.queue_depth = lambda: 0  # set by the app: callables reading the engine
         self.busy = lambda: 0
+        self.batch_size = lambda: 0  # generations running now
+        self.kv_cache = lambda: (0, 0)  # (bytes reserved by running generations, budget)
+        self.prefix_cache = lambda: {}  # PrefixCache.stats()
 
     # ------------------------------------------------------------ updates
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -82,6 +88,13 @@ class Metrics:
             if n:
                 self.last_tokens_per_s = float(stats.get("tokens_per_s", 0.0))
                 self.last_mean_accepted = float(stats.get("mean_accepted", 0.0))
+
+    def observe_step(self, batch: int, stepped: int) -> None:
+        """One engine iteration over ``batch`` running generations, ``stepped`` of which ran."""
+        with self._lock:
+            self.steps += 1
+            self.step_sequences += stepped
+            self.last_batch = batch
 
     def observe_cancel(self, reason: str) -> None:
         with self._lock:
@@ -140,6 +153,29 @@ class Metrics:
                    "Tokens emitted per target forward in the last generation.", [("", self.last_mean_accepted)])
         metric("leapdecode_queue_depth", "gauge", "Requests waiting for the engine.", [("", self.queue_depth())])
         metric("leapdecode_engine_busy", "gauge", "1 while the engine runs a request.", [("", self.busy())])
+        metric("leapdecode_batch_size", "gauge", "Generations running in the batch now.", [("", self.batch_size())])
+        with self._lock:
+            metric("leapdecode_engine_steps_total", "counter", "Engine iterations (one batched forward each).",
+                   [("", self.steps)])
+            mean_batch = self.step_sequences / self.steps if self.steps else 0.0
+            metric("leapdecode_mean_batch_size", "gauge", "Generations stepped per iteration since start.",
+                   [("", round(mean_batch, 3))])
+        used, budget = self.kv_cache()
+        metric("leapdecode_kv_cache_bytes", "gauge", "KV-cache bytes reserved by running generations.", [("", used)])
+        metric("leapdecode_kv_cache_budget_bytes", "gauge", "KV-cache bytes running generations may reserve.",
+               [("", budget)])
+        metric("leapdecode_kv_cache_usage_ratio", "gauge", "Reserved over budget.",
+               [("", round(used / budget, 4) if budget else 0.0)])
+        pc = self.prefix_cache()
+        if pc:
+            metric("leapdecode_prefix_cache_hits_total", "counter", "Prompt chunks reused from the prefix cache.",
+                   [("", pc["hits"])])
+            metric("leapdecode_prefix_cache_misses_total", "counter", "Prompt chunks looked up and computed.",
+                   [("", pc["misses"])])
+            metric("leapdecode_prefix_cache_hit_rate", "gauge", "Hits over lookups since start.",
+                   [("", pc["hit_rate"])])
+            metric("leapdecode_prefix_cache_bytes", "gauge", "Bytes of KV kept by the prefix cache.",
+                   [("", pc["bytes"])])
         rss = process_rss_bytes()
         if rss is not None:
             metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", [("", rss)])
