@@ -126,6 +126,7 @@ async def one_request(client: httpx.AsyncClient, model_id: str, rng: random.Rand
     hang_up_queued = rng.random() < disconnect_prob / 4  # give up before the response starts
     t0 = time.perf_counter()
     ttft = None
+    pieces: list[str] = []
 
     async def go() -> tuple[str, str]:
         nonlocal ttft
@@ -138,6 +139,9 @@ async def one_request(client: httpx.AsyncClient, model_id: str, rng: random.Rand
                 return "error", f"status {r.status_code}: {(await r.aread())[:300]!r}"
             chunks, finished, done = 0, False, False
             async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:]).get("choices", []):
+                        pieces.append((c.get("delta") or {}).get("content") or c.get("text") or "")
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -167,7 +171,29 @@ async def one_request(client: httpx.AsyncClient, model_id: str, rng: random.Rand
         outcome, detail = "disconnected", ""
     except (httpx.HTTPError, OSError, ValueError) as e:
         outcome, detail = "error", f"{type(e).__name__}: {e}"
+    if outcome == "completed" and body["temperature"] == 0:
+        GREEDY_SEEN.append((path, {k: v for k, v in body.items() if k != "stream"}, "".join(pieces)))
     return outcome, time.perf_counter() - t0, ttft, detail
+
+
+GREEDY_SEEN: list[tuple[str, dict, str]] = []  # (path, request, streamed text) of completed greedy requests
+
+
+async def solo_mismatches(client: httpx.AsyncClient, seen: list[tuple[str, dict, str]]) -> tuple[int, list[str]]:
+    """Ask each distinct greedy request of the run again, alone (one at a time, nothing else in
+    flight), and compare its text with what the request got under load."""
+    solo: dict[str, str] = {}
+    bad = []
+    for path, body, text in seen:
+        key = json.dumps([path, body], sort_keys=True)
+        if key not in solo:
+            r = (await client.post(path, json=body, timeout=120)).json()
+            c = r["choices"][0]
+            solo[key] = c["message"]["content"] if "message" in c else c["text"]
+        if solo[key] != text:
+            bad.append(f"{path} {body.get('prompt') or body.get('messages')!r:.60} max_tokens={body['max_tokens']}: "
+                       f"under load {text!r:.80}, alone {solo[key]!r:.80}")
+    return len(solo), bad
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -182,7 +208,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 async def run_async(url: str, model_id: str | None, clients: int, duration: float, max_requests: int | None,
                     max_tokens: int, disconnect_prob: float, settle: float, seed: int, api_key: str | None,
-                    warmup: float | None = None) -> dict:
+                    warmup: float | None = None, check_solo: bool = True) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0), limits=limits,
@@ -232,6 +258,7 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         before = await scrape(client)
 
         t_start = time.perf_counter()
+        greedy0 = len(GREEDY_SEEN)
         outcomes, latencies, ttfts, errors, issued = await phase(duration, max_requests)
         elapsed = time.perf_counter() - t_start
         idle = await wait_idle(client)
@@ -242,6 +269,8 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         except (httpx.HTTPError, ValueError):
             health, alive = {}, False
         after = await scrape(client) if alive else {}
+        measured = list(GREEDY_SEEN[greedy0:])
+        checked, mismatches = (await solo_mismatches(client, measured)) if alive and check_solo else (0, [])
 
     rss0 = before.get("process_resident_memory_bytes")
     rss1 = after.get("process_resident_memory_bytes")
@@ -280,6 +309,10 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         "rss_after_mb": round(rss1 / 2**20, 1) if rss1 else None,
         "rss_delta_mb": round((rss1 - rss0) / 2**20, 1) if rss0 and rss1 else None,
         "error_samples": errors,
+        "greedy_completed": len(measured),
+        "solo_checked": checked,
+        "solo_mismatches": len(mismatches),
+        "solo_mismatch_samples": mismatches[:5],
     }
 
 
@@ -291,6 +324,9 @@ def check(summary: dict, rss_slack_mb: float = 50.0) -> list[str]:
                         f"{summary['error_samples'][:3]}")
     if not summary["completed"]:
         problems.append("no request completed")
+    if summary.get("solo_mismatches"):
+        problems.append(f"{summary['solo_mismatches']} greedy request(s) got another text under load than alone: "
+                        f"{summary['solo_mismatch_samples'][:2]}")
     if not summary["server_alive"]:
         problems.append("the server is not alive after the run")
     if not summary["server_idle_after"]:
@@ -307,14 +343,15 @@ def check(summary: dict, rss_slack_mb: float = 50.0) -> list[str]:
 def run_loadtest(url: str | None = None, model: str = "tiny-random", model_id: str | None = None,
                  clients: int = 32, duration: float = 10.0, max_requests: int | None = None, max_tokens: int = 48,
                  disconnect_prob: float = 0.2, settle: float = 2.0, max_queue: int = 16, seed: int = 0,
-                 api_key: str | None = None, server_args: list[str] | None = None, warmup: float | None = None) -> dict:
+                 api_key: str | None = None, server_args: list[str] | None = None, warmup: float | None = None,
+                 check_solo: bool = True) -> dict:
     """Run the load test (starting a server unless ``url`` is given) and return its summary."""
     proc = log = None
     if url is None:
         proc, url, log = start_server(model, max_queue, server_args)
     try:
         summary = asyncio.run(run_async(url, model_id, clients, duration, max_requests, max_tokens,
-                                        disconnect_prob, settle, seed, api_key, warmup))
+                                        disconnect_prob, settle, seed, api_key, warmup, check_solo))
     finally:
         if proc is not None:
             summary_exit = proc.poll()  # None: still running, as it should be
@@ -349,12 +386,14 @@ def main(argv: list[str] | None = None) -> int:
                         "check compares the RSS after the run with the RSS after this warm-up")
     p.add_argument("--server-args", default="",
                    help="extra arguments of the started `leapdecode serve`, one string (e.g. \"--max-batch 1\")")
+    p.add_argument("--no-solo-check", action="store_true",
+                   help="skip asking every greedy request of the run again alone and comparing the texts")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     a = p.parse_args(argv)
     s = run_loadtest(url=a.url, model=a.model, model_id=a.model_id, clients=a.clients, duration=a.duration,
                      max_requests=a.max_requests, max_tokens=a.max_tokens, disconnect_prob=a.disconnect_prob,
                      settle=a.settle, max_queue=a.max_queue, seed=a.seed, api_key=a.api_key,
-                     server_args=a.server_args.split(), warmup=a.warmup)
+                     server_args=a.server_args.split(), warmup=a.warmup, check_solo=not a.no_solo_check)
     problems = check(s, a.rss_slack_mb)
     if a.json:
         print(json.dumps({**{k: v for k, v in s.items() if k != "server_log_tail"}, "problems": problems}, indent=2))
@@ -367,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  server: {s['generated_tokens']} tokens generated ({s['tokens_per_s']} tokens/s, mean batch "
               f"{s['mean_batch_size']}), {s['server_cancelled_disconnect']} generations "
               f"cancelled by disconnects, alive={s['server_alive']}")
+        print(f"  greedy requests completed {s['greedy_completed']}: {s['solo_checked']} distinct asked again alone, "
+              f"{s['solo_mismatches']} with another text")
         print(f"  RSS before {s['rss_before_mb']} MB, after {s['rss_after_mb']} MB (delta {s['rss_delta_mb']} MB)")
         for prob in problems:
             print(f"FAIL: {prob}")

@@ -814,8 +814,12 @@ def test_serve_smollm2_with_method_options():
 @pytest.mark.loadtest
 def test_loadtest_short():
     lt = _loadtest()
-    s = lt.run_loadtest(model="tiny-random", clients=32, duration=10.0, max_tokens=32, settle=1.5)
+    # int4 on the block kernel: the batch-invariant configuration, where every greedy request of the
+    # run must get the same text as when asked again alone (the solo check of the load test)
+    s = lt.run_loadtest(model="tiny-random", clients=32, duration=10.0, max_tokens=32, settle=1.5,
+                        server_args=["--weights", "int4"])
     print(json.dumps({k: v for k, v in s.items() if k != "server_log_tail"}, indent=1))
     assert lt.check(s, rss_slack_mb=50.0) == [], s.get("server_log_tail")
     assert s["completed"] > 0 and s["rejected"] + s["completed"] + s["disconnected"] == s["requests"]
+    assert s["solo_checked"] > 10 and s["solo_mismatches"] == 0 and s["mean_batch_size"] > 2
     assert not s["server_exited_during_run"]
