@@ -110,7 +110,7 @@ def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = N
     work: list[tuple[int, Forward]] = []
     chunks = 0
     for i, gen in enumerate(gens):
-        if gen.prefilling:
+        if gen.needs_prefill:
             if chunks >= max_prefill_chunks:
                 continue
             chunks += 1

@@ -41,7 +41,7 @@ class GenerationResult:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled", "error" (abort())
     stats: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,6 +228,14 @@ class Generation:
     def decoding(self) -> bool:
         """Started, prompt prefilled, not finished: its next forward is a decoding step."""
         return self._started and self.result is None and not self.prefilling
+
+    @property
+    def needs_prefill(self) -> bool:
+        """Its next forward is a prompt chunk (also before it started, when the prompt has more
+        than its root token)."""
+        if not self._started:
+            return self.result is None and len(self.prompt_ids) > 1
+        return self.prefilling
 
     @property
     def prefilling(self) -> bool:
@@ -450,8 +458,11 @@ class Generation:
         return StepOutput("", [], True, reason)
 
     def abort(self) -> None:
-        """Give the cache back after a failure that ends this generation (it has no result)."""
+        """Give the cache back after a failure that ends this generation (finish reason "error")."""
         self._release()  # the runner resets the cache it takes back
+        if self.result is None:  # finished: a later step() or next_forward() does nothing
+            self.result = GenerationResult("", list(getattr(self, "generated", [])), len(self.prompt_ids), "error",
+                                           {"method": self.method})
 
     def close(self) -> None:
         """Give the cache back now (a generation abandoned before its end)."""

@@ -90,6 +90,8 @@ class PrefixCache:
         if size > self.max_bytes:
             return
         with self._lock:
+            if key in self._blocks:  # stored meanwhile by another thread
+                return
             self._blocks[key] = (k, v)
             self._bytes += size
             while self._bytes > self.max_bytes:
