@@ -180,15 +180,19 @@ class Block(nn.Module):
         x = x + self.wo(self.attend(self.wqkv(h), cos, sin, cache, layer, mask, rows))
         return x + self.mlp(x, self.w_gate_up, self.w_down)
 
-    def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int) -> torch.Tensor:
+    def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
         """One layer over the tokens of several sequences side by side (``x``: ``[1, N, hidden]``,
         the segments' tokens in order): the linear layers see all N rows at once, attention runs per
         segment on its own cache, exactly as ``forward`` would for that segment alone.  Linear
         layers are called row-wise (``rowwise_linear``): with the batch-invariant kernels each
         token's output then has the same bits as in its own sequence's forward."""
         h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        qkv = rowwise_linear(self.wqkv, h)
-        attn = torch.cat([self.attend(qkv[:, s.start : s.stop], s.cos, s.sin, s.cache, layer, s.mask, s.rows)
+        # projections and rope for all rows at once (elementwise per row: the same bits as per
+        # sequence), then cache writes and attention per sequence
+        q, k, v = self.rotary_qkv(rowwise_linear(self.wqkv, h), cos, sin)
+        attn = torch.cat([self.attention(q[:, :, s.start : s.stop], k[:, :, s.start : s.stop],
+                                         v[:, :, s.start : s.stop], s.cache, layer, s.mask, s.rows)
                           for s in segments], dim=1)
         x = x + rowwise_linear(self.wo, attn)
         return x + self.mlp(x, lambda t: rowwise_linear(self.w_gate_up, t), lambda t: rowwise_linear(self.w_down, t))
@@ -197,6 +201,10 @@ class Block(nn.Module):
                mask: torch.Tensor | None, rows: list[torch.Tensor] | None) -> torch.Tensor:
         """Attention of one sequence's new tokens (``qkv``: ``[B, T, q+2kv]``) over its cache;
         returns ``[B, T, heads * head_dim]``, ready for the output projection."""
+        return self.attention(*self.rotary_qkv(qkv, cos, sin), cache, layer, mask, rows)
+
+    def rotary_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries, keys and values (``[B, heads, T, head_dim]``) with rope applied."""
         cfg = self.cfg
         b, t, _ = qkv.shape
         q_out = cfg.n_heads * cfg.head_dim
@@ -205,8 +213,14 @@ class Block(nn.Module):
         q = q.view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                  mask: torch.Tensor | None, rows: list[torch.Tensor] | None) -> torch.Tensor:
+        """Write ``k``/``v`` to the cache and attend; ``[B, T, heads * head_dim]``."""
+        cfg = self.cfg
+        b, _, t, _ = q.shape
+        q_out = cfg.n_heads * cfg.head_dim
         keys, values = cache.write(layer, k, v)
         gqa = cfg.n_heads != cfg.n_kv_heads
         if rows is not None:
@@ -438,10 +452,12 @@ class NativeCausalLM(nn.Module):
             segments.append(Segment(start, start + t, it.cache, cos, sin, mask, rows))
             start += t
         x = self.embed(torch.cat([items[i].tokens.view(-1) for i in small])[None])
+        cos = torch.cat([seg.cos for seg in segments])
+        sin = torch.cat([seg.sin for seg in segments])
         wanted = [items[i].hidden_states is not None for i in small]
         states = [x] if any(wanted) else None
         for layer in range(self.cfg.n_layers):
-            x = self.layers[layer].forward_rows(x, segments, layer)
+            x = self.layers[layer].forward_rows(x, segments, layer, cos, sin)
             if states is not None:
                 states.append(x)
         picked, counts = [], []
