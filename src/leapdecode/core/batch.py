@@ -86,14 +86,10 @@ def run_forwards(model, work: list[tuple[Generation, Forward]]) -> list[torch.Te
     decoder = model.model
     batch = getattr(decoder, "forward_batch", None)
     if batch is None or len(work) == 1:
-        return [decoder.forward(f.tokens[None], g.cache, parents=f.parents,
-                                logits_for=slice(0, 0) if f.tree is None else None,
-                                **({"hidden_states": f.hidden} if f.hidden is not None else {}))
-                for g, f in work]
+        return [f.run(decoder, g.cache) for g, f in work]
     from ..models.native import BatchItem
 
-    return batch([BatchItem(f.tokens, g.cache, f.parents, slice(0, 0) if f.tree is None else None, f.hidden)
-                  for g, f in work])
+    return batch([BatchItem(f.tokens, g.cache, f.parents, f.logits_for, f.hidden) for g, f in work])
 
 
 def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = None,
@@ -110,7 +106,7 @@ def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = N
     work: list[tuple[int, Forward]] = []
     chunks = 0
     for i, gen in enumerate(gens):
-        if gen.needs_prefill:
+        if gen.prefilling:
             if chunks >= max_prefill_chunks:
                 continue
             chunks += 1

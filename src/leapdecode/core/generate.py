@@ -75,6 +75,22 @@ class Forward:
     t0: float = 0.0
     proposed: bool = False  # the proposer drafted this step's tree (it then observes the verdict)
 
+    @property
+    def logits_for(self) -> slice | None:
+        """A prompt chunk needs no logits; a step needs all of them."""
+        return slice(0, 0) if self.tree is None else None
+
+    def run(self, decoder, cache) -> torch.Tensor:
+        """This forward alone on ``decoder`` (``[1, T, vocab]`` logits)."""
+        kwargs = {"hidden_states": self.hidden} if self.hidden is not None else {}
+        return decoder.forward(self.tokens[None], cache, parents=self.parents, logits_for=self.logits_for, **kwargs)
+
+
+def cache_tokens(model, prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens a generation asks its KV-cache slot to hold: the prompt, the output and the margin
+    for the last step's tree (the runner rounds it up: ``runner.slot_len``)."""
+    return min(model.max_seq_len, prompt_len + max_new_tokens + TREE_MARGIN)
+
 
 def _check_message(m: Any, i: int) -> None:
     if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -198,8 +214,7 @@ class Generation:
         while self.prefilling:
             work = self._next_prefill()
             if work is not None:
-                self.finish_forward(work, self.model.model.forward(
-                    work.tokens[None], self.cache, logits_for=slice(0, 0)))
+                self.finish_forward(work, work.run(self.model.model, self.cache))
         self._ready()
 
     def _begin(self) -> None:
@@ -212,8 +227,7 @@ class Generation:
         self.generator = gen = torch.Generator(device=target.device)
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         ids = self.prompt_ids
-        self.cache = cache = self.runner.acquire_cache(
-            model, min(model.max_seq_len, len(ids) + self.max_new_tokens + TREE_MARGIN))
+        self.cache = cache = self.runner.acquire_cache(model, cache_tokens(model, len(ids), self.max_new_tokens))
         self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
         # the prompt but its last token, in chunks aligned to position 0: the same chunks whatever
         # else runs, so a chunk's keys and values are the same bits wherever it is computed (the
@@ -230,17 +244,11 @@ class Generation:
         return self._started and self.result is None and not self.prefilling
 
     @property
-    def needs_prefill(self) -> bool:
-        """Its next forward is a prompt chunk (also before it started, when the prompt has more
-        than its root token)."""
-        if not self._started:
-            return self.result is None and len(self.prompt_ids) > 1
-        return self.prefilling
-
-    @property
     def prefilling(self) -> bool:
-        """Started, with prompt chunks still to run through the target."""
-        return self._started and self.result is None and self._prefilled < len(self.prompt_ids) - 1
+        """Not finished, with prompt chunks still to run through the target (so before it started
+        too, when the prompt has more than its root token)."""
+        done = self._prefilled if self._started else 0
+        return self.result is None and done < len(self.prompt_ids) - 1
 
     def _next_prefill(self) -> "Forward | None":
         """The next prompt chunk to compute, after taking every chunk the prefix cache has."""
@@ -293,9 +301,7 @@ class Generation:
             work = self.next_forward()
             if isinstance(work, StepOutput):
                 return work
-            logits = self.model.model.forward(work.tokens[None], self.cache, parents=work.parents,
-                                              **({"hidden_states": work.hidden} if work.hidden is not None else {}))
-            return self.finish_forward(work, logits)
+            return self.finish_forward(work, work.run(self.model.model, self.cache))
         except BaseException:
             self._release()
             raise

@@ -73,6 +73,11 @@ class ProposerMemory:
             self._entries.clear()
 
 
+def slot_len(model: "LoadedModel", max_len: int) -> int:
+    """The length of the cache ``acquire_cache`` hands out for ``max_len`` tokens."""
+    return min(-(-max_len // CACHE_ROUND) * CACHE_ROUND, model.max_seq_len)
+
+
 class ModelRunner:
     """Decoding state for one loaded target; see the module docstring."""
 
@@ -96,7 +101,7 @@ class ModelRunner:
         """An empty cache for ``model`` (the target or a draft) with room for ``max_len`` tokens
         (capped at the model's context), for the caller's use until ``release_cache``."""
         decoder = model.model
-        want = min(-(-max_len // CACHE_ROUND) * CACHE_ROUND, model.max_seq_len)
+        want = slot_len(model, max_len)
         with self._lock:
             idle = self._idle.setdefault(id(decoder), [])
             cache = next((c for c in idle if c.max_len >= want), None)

@@ -255,13 +255,11 @@ def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Segment:
     """One sequence's tokens inside a batched forward (``NativeCausalLM.forward_batch``): rows
-    ``start:stop`` of the batch, with that sequence's cache, rope tables and attention plan."""
+    ``start:stop`` of the batch, with that sequence's cache and attention plan."""
 
     start: int
     stop: int
     cache: KVCache
-    cos: torch.Tensor
-    sin: torch.Tensor
     mask: torch.Tensor | None
     rows: list[torch.Tensor] | None
 
@@ -444,16 +442,17 @@ class NativeCausalLM(nn.Module):
                                       hidden_states=it.hidden_states)
         if len(small) < 2:
             return out
-        segments, start = [], 0
+        segments, coss, sins, start = [], [], [], 0
         for i in small:
             it = items[i]
             t = it.tokens.numel()
             cos, sin, mask, rows = self._plan(it.cache, it.parents, t)
-            segments.append(Segment(start, start + t, it.cache, cos, sin, mask, rows))
+            segments.append(Segment(start, start + t, it.cache, mask, rows))
+            coss.append(cos)
+            sins.append(sin)
             start += t
         x = self.embed(torch.cat([items[i].tokens.view(-1) for i in small])[None])
-        cos = torch.cat([seg.cos for seg in segments])
-        sin = torch.cat([seg.sin for seg in segments])
+        cos, sin = torch.cat(coss), torch.cat(sins)
         wanted = [items[i].hidden_states is not None for i in small]
         states = [x] if any(wanted) else None
         for layer in range(self.cfg.n_layers):

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Union
 from ..api import start_generation
 from ..core.batch import speculation_caps, step_batch
 from ..core.config import MethodConfig
-from ..core.generate import TREE_MARGIN
-from ..core.runner import CACHE_ROUND, ModelRunner
+from ..core.generate import cache_tokens
+from ..core.runner import ModelRunner, slot_len
 from ..core.sampling import SamplingParams
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 
@@ -165,13 +165,7 @@ def kv_bytes_per_token(model: "LoadedModel") -> int:
     cfg = getattr(decoder, "cfg", None)
     if cfg is None:
         return 0
-    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * torch_dtype_size(decoder.dtype)
-
-
-def torch_dtype_size(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * decoder.dtype.itemsize
 
 
 class Engine:
@@ -204,8 +198,6 @@ class Engine:
         self._stop = False
         self._recent: deque[float] = deque(maxlen=32)  # durations of recent jobs (for Retry-After)
         self.counters = {"submitted": 0, "rejected": 0, "completed": 0, "cancelled": 0, "failed": 0}
-        self.steps = 0  # iterations run
-        self.last_batch = 0  # generations in the last iteration
         self._thread = threading.Thread(target=self._run, name="leapdecode-engine", daemon=True)
         self._thread.start()
 
@@ -239,8 +231,7 @@ class Engine:
     def reservation(self, spec: GenSpec) -> int:
         """KV-cache bytes a generation's slot takes (as ``Generation.start`` sizes it)."""
         model = self.runner.model
-        n = min(model.max_seq_len, len(spec.prompt_ids) + spec.max_new_tokens + TREE_MARGIN)
-        return self._per_token * min(-(-n // CACHE_ROUND) * CACHE_ROUND, model.max_seq_len)
+        return self._per_token * slot_len(model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens))
 
     def submit(self, job: Job) -> None:
         need = sum(self.reservation(s) for s in job.specs)
@@ -335,13 +326,12 @@ class Engine:
                 built.append(Running(job, i, spec.start(self.runner), self.reservation(spec)))
         except Exception as e:
             with self._cv:
-                self._reserved -= sum(self.reservation(s) for s in job.specs)
+                self._reserved -= sum(self.reservation(s) for s in job.specs)  # what _admit reserved
             for r in built:
                 r.gen.close()
             self._fail(job, e, report_internal(e))
             return
         with self._cv:
-            self._reserved -= sum(self.reservation(s) for s in job.specs) - sum(r.reserved for r in built)
             self._running.extend(built)
         for r in built:
             job.emit(Started(r.index))
@@ -383,8 +373,6 @@ class Engine:
                 r.gen.cancel()  # its next step finishes it as "cancelled"
         caps = self._caps(running) if self.speculate_under_load and len(running) > 1 else None
         outcomes = step_batch([r.gen for r in running], caps)
-        self.steps += 1
-        self.last_batch = len(running)
         if self.metrics is not None:
             self.metrics.observe_step(len(running), sum(1 for o in outcomes if o.output is not None))
         done: list[Running] = []
@@ -422,12 +410,14 @@ class Engine:
 
     def _caps(self, running: list[Running]) -> list[int | None] | None:
         """Draft tokens per greedy speculating generation this iteration (``speculation_caps``)."""
-        spec = [r for r in running if r.gen.proposer is not None and r.gen.params.greedy and r.gen.decoding]
-        if not spec:
+        gens = [r.gen for r in running]
+        capped = [g.proposer is not None and g.params.greedy and g.decoding for g in gens]
+        if not any(capped):
             return None
-        cost = self.runner.verify_cost(spec[0].gen.cache)  # measured once (or read from the profile store)
-        accept = [r.gen.draft_acceptance if r in spec else None for r in running]
-        budgets = [r.gen.tree_budget for r in running]
-        fixed = sum(1 if r in spec else 1 + (r.gen.tree_budget if r.gen.proposer is not None else 0) for r in running)
-        caps = speculation_caps([a if r in spec else None for a, r in zip(accept, running)], budgets, fixed, cost)
-        return [c if r in spec else None for c, r in zip(caps, running)]
+        # measured once (or read from the profile store) on a cache with nothing pending
+        cost = self.runner.verify_cost(next(g for g, c in zip(gens, capped) if c).cache)
+        accept = [g.draft_acceptance if c else None for g, c in zip(gens, capped)]
+        # rows that are not capped drafts: every root, and the full trees of the uncapped speculators
+        fixed = sum(1 if c or g.proposer is None else 1 + g.tree_budget for g, c in zip(gens, capped))
+        caps = speculation_caps(accept, [g.tree_budget for g in gens], fixed, cost)
+        return [cap if c else None for cap, c in zip(caps, capped)]
