@@ -112,8 +112,9 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float = 60.0) -> bool:
 
 
 async def one_request(client: httpx.AsyncClient, model_id: str, rng: random.Random, max_tokens: int,
-                      disconnect_prob: float) -> tuple[str, float, float | None, str]:
-    """One streamed request: (outcome, latency, time to first chunk, detail)."""
+                      disconnect_prob: float) -> tuple[str, float, float | None, str, tuple | None]:
+    """One streamed request: (outcome, latency, time to first chunk, detail, greedy), ``greedy``
+    being (path, request, streamed text) for a completed greedy request (else None)."""
     chat = rng.random() < 0.5
     body: dict = {"model": model_id, "stream": True, "max_tokens": rng.randint(max(1, max_tokens // 4), max_tokens),
                   "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000)}
@@ -171,12 +172,10 @@ async def one_request(client: httpx.AsyncClient, model_id: str, rng: random.Rand
         outcome, detail = "disconnected", ""
     except (httpx.HTTPError, OSError, ValueError) as e:
         outcome, detail = "error", f"{type(e).__name__}: {e}"
+    greedy = None
     if outcome == "completed" and body["temperature"] == 0:
-        GREEDY_SEEN.append((path, {k: v for k, v in body.items() if k != "stream"}, "".join(pieces)))
-    return outcome, time.perf_counter() - t0, ttft, detail
-
-
-GREEDY_SEEN: list[tuple[str, dict, str]] = []  # (path, request, streamed text) of completed greedy requests
+        greedy = (path, {k: v for k, v in body.items() if k != "stream"}, "".join(pieces))
+    return outcome, time.perf_counter() - t0, ttft, detail, greedy
 
 
 async def solo_mismatches(client: httpx.AsyncClient, seen: list[tuple[str, dict, str]]) -> tuple[int, list[str]]:
@@ -217,12 +216,13 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
             model_id = (await client.get("/v1/models")).json()["data"][0]["id"]
         rng = random.Random(seed)
 
-        async def phase(seconds: float, limit: int | None) -> tuple[dict, list, list, list, int]:
+        async def phase(seconds: float, limit: int | None) -> tuple[dict, list, list, list, int, list]:
             """``clients`` workers for ``seconds`` (or ``limit`` requests)."""
             outcomes: dict[str, int] = {"completed": 0, "rejected": 0, "disconnected": 0, "error": 0}
             latencies: list[float] = []
             ttfts: list[float] = []
             errors: list[str] = []
+            greedy: list[tuple] = []
             issued = 0
             t_end = time.perf_counter() + seconds
 
@@ -231,8 +231,11 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
                 r = random.Random(rng.random())
                 while time.perf_counter() < t_end and (limit is None or issued < limit):
                     issued += 1
-                    outcome, lat, ttft, detail = await one_request(client, model_id, r, max_tokens, disconnect_prob)
+                    outcome, lat, ttft, detail, seen = await one_request(client, model_id, r, max_tokens,
+                                                                         disconnect_prob)
                     outcomes[outcome] += 1
+                    if seen is not None:
+                        greedy.append(seen)
                     if outcome == "completed":
                         latencies.append(lat)
                         if ttft is not None:
@@ -243,7 +246,7 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
                         errors.append(detail)
 
             await asyncio.gather(*(worker() for _ in range(clients)))
-            return outcomes, latencies, ttfts, errors, issued
+            return outcomes, latencies, ttfts, errors, issued, greedy
 
         # warm-up: the same load (by default as long as the run): the allocators' high-water mark of
         # a full batch of streams is reached in the warm-up (measured: +177 MB in a first 10 s run of
@@ -258,8 +261,7 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         before = await scrape(client)
 
         t_start = time.perf_counter()
-        greedy0 = len(GREEDY_SEEN)
-        outcomes, latencies, ttfts, errors, issued = await phase(duration, max_requests)
+        outcomes, latencies, ttfts, errors, issued, measured = await phase(duration, max_requests)
         elapsed = time.perf_counter() - t_start
         idle = await wait_idle(client)
         await asyncio.sleep(settle)
@@ -269,7 +271,6 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         except (httpx.HTTPError, ValueError):
             health, alive = {}, False
         after = await scrape(client) if alive else {}
-        measured = list(GREEDY_SEEN[greedy0:])
         checked, mismatches = (await solo_mismatches(client, measured)) if alive and check_solo else (0, [])
 
     rss0 = before.get("process_resident_memory_bytes")
