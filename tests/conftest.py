@@ -71,6 +71,21 @@ def _forget_what_shared_models_learned():
     yield
 
 
+async def collect_job_events(engine, specs) -> list:
+    """Submit one ``Job`` of ``specs`` to a server ``Engine`` and gather its typed events up to
+    ``Ended`` (60 s per event at most)."""
+    import asyncio
+
+    from leapdecode.server.engine import Ended, Job
+
+    job = Job(specs)
+    engine.submit(job)
+    events = []
+    while not events or not isinstance(events[-1], Ended):
+        events.append(await asyncio.wait_for(job.events.get(), 60))
+    return events
+
+
 def flat_verify_cost():
     """A verification cost that does not grow with the tree: cost-aware methods draft all they can."""
     from leapdecode.core.cost_model import VerifyCost

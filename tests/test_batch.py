@@ -45,6 +45,8 @@ from leapdecode.proposers import method_config
 from leapdecode.server.engine import Delta, Ended, Engine, Failed, Finished, GenSpec, Job, build_runner
 from leapdecode.server.exceptions import RequestTooLargeError
 
+from conftest import collect_job_events
+
 # a verification cost that grows with the tree: fixed (no timing probe), so trees do not depend on
 # this machine, and steep enough that the engine's speculation caps bind as the batch fills
 COST = VerifyCost([1, 4, 16, 64], [1.0, 1.1, 1.6, 4.0])
@@ -619,17 +621,8 @@ class StepLog:
         pass
 
 
-async def _collect(engine: Engine, specs: list[GenSpec]) -> list:
-    job = Job(specs)
-    engine.submit(job)
-    events = []
-    while not events or not isinstance(events[-1], Ended):
-        events.append(await asyncio.wait_for(job.events.get(), 60))
-    return events
-
-
 async def _all(engine: Engine, groups: list[list[GenSpec]]) -> list[list]:
-    return await asyncio.gather(*(_collect(engine, g) for g in groups))
+    return await asyncio.gather(*(collect_job_events(engine, g) for g in groups))
 
 
 def _engine_specs(tokenizer):

@@ -37,8 +37,10 @@ from leapdecode.models.loader import load  # noqa: E402
 from leapdecode.server import engine as engine_mod  # noqa: E402
 from leapdecode.server import prepare as prepare_mod  # noqa: E402
 from leapdecode.server.app import create_app  # noqa: E402
-from leapdecode.server.engine import (Delta, Ended, Engine, Failed, Finished, GenSpec, Job, Started,  # noqa: E402
+from leapdecode.server.engine import (Delta, Ended, Engine, Failed, Finished, GenSpec, Started,  # noqa: E402
                                       build_runner)
+
+from conftest import collect_job_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = 1500  # max_tokens of a greedy generation (no EOS: 'Hello'/'Hi' run to the limit) far longer than any wait
@@ -636,15 +638,6 @@ def test_request_timeout_cancels(server, client):
 
 
 # ---------------------------------------------------------------------------- the engine's typed events
-async def _collect(engine: Engine, specs: list[GenSpec]) -> list:
-    job = Job(specs)
-    engine.submit(job)
-    events = []
-    while not events or not isinstance(events[-1], Ended):
-        events.append(await asyncio.wait_for(job.events.get(), 60))
-    return events
-
-
 def test_engine_typed_events(ref):
     from leapdecode.core.sampling import SamplingParams
     from leapdecode.errors import PromptTooLongError
@@ -655,7 +648,7 @@ def test_engine_typed_events(ref):
     try:
         ids = ref.tokenizer.encode("Hello")
         spec = GenSpec(ids, 12, method_config("pld"), SamplingParams())
-        events = asyncio.run(_collect(engine, [spec, spec]))
+        events = asyncio.run(collect_job_events(engine, [spec, spec]))
         assert [type(e) for e in (events[0], events[-2], events[-1])] == [Started, Finished, Ended]
         for i in (0, 1):
             mine = [e for e in events if getattr(e, "index", None) == i]
@@ -668,7 +661,7 @@ def test_engine_typed_events(ref):
             assert result.text == ref_generate(ref, "Hello", max_new_tokens=12).text
         # a client's mistake found by the engine: Failed with the error itself (no internal error id)
         bad = GenSpec([7] * 2048, 4, method_config("vanilla"), SamplingParams())
-        events = asyncio.run(_collect(engine, [bad]))
+        events = asyncio.run(collect_job_events(engine, [bad]))
         assert [type(e) for e in events] == [Failed, Ended]
         assert isinstance(events[0].error, PromptTooLongError) and events[0].error_id is None
         assert runner.caches_in_use == 0
