@@ -40,9 +40,17 @@ def start_generation(
     options: dict[str, Any] | None = None,
     chat: bool | None = None,
     prompt_ids: list[int] | None = None,
+    json_schema: Any = None,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> Generation:
     """A ``Generation`` (not started): validates every parameter, then builds the method's proposer
-    (loading a draft model or datastore through the runner where the method needs one)."""
+    (loading a draft model or datastore through the runner where the method needs one).
+
+    Structured output (``leapdecode.strategies.grammar``, the ``structured`` extra): at most one of
+    ``json_schema`` (a mapping or its JSON text; ``{"type": "object"}`` for any JSON object),
+    ``regex`` or ``grammar`` (Lark, as llguidance reads it, or GBNF).  The output then follows it,
+    with every method giving vanilla constrained decoding's tokens (greedy) or distribution."""
     if not isinstance(model, (LoadedModel, ModelRunner)):
         raise InvalidParameterError(f"model must be what leapdecode.load() returned, got {type(model).__name__}")
     params = SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
@@ -61,9 +69,14 @@ def start_generation(
         ids = encode_prompt(runner.model, prompt, chat)
     # never more than the context can hold (the cache is sized from this)
     max_new_tokens = min(max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
+    constraint = None
+    if json_schema is not None or regex is not None or grammar is not None:
+        from .strategies.grammar import compile_constraint
+
+        constraint = compile_constraint(runner, json_schema=json_schema, regex=regex, grammar=grammar)
     proposer = build_proposer(cfg, runner)
     return Generation(runner, ids, params, proposer, method=cfg.method, max_new_tokens=max_new_tokens,
-                      stop=stops, tree_budget=cfg.tree_budget)
+                      stop=stops, tree_budget=cfg.tree_budget, constraint=constraint)
 
 
 def generate(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> GenerationResult:

@@ -19,3 +19,12 @@ class InvalidParameterError(LeapdecodeError, ValueError):
 
 class PromptTooLongError(LeapdecodeError):
     pass
+
+
+class GrammarError(InvalidParameterError):
+    """A JSON schema, regex or grammar that is invalid, unsupported by the grammar engine, or too
+    costly to compile (structured output)."""
+
+
+class MissingExtraError(LeapdecodeError):
+    """A feature whose optional dependencies are not installed (the message names the extra)."""

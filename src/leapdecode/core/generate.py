@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
+from .constraint import Constraint, RowMasks, prune_tree
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
@@ -157,6 +158,7 @@ class Generation:
         max_new_tokens: int = 256,
         stop: list[str] | None = None,
         tree_budget: int | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         model = runner.model
         self.runner = runner
@@ -174,6 +176,7 @@ class Generation:
                 f"{model.max_seq_len} (prompt + at least 1 new token)"
             )
         self.proposer = proposer
+        self.constraint = constraint  # a grammar the output must follow (core/constraint.py)
         self.tree_budget = (tree_budget or proposer.default_budget) if proposer is not None else 0
         self.result: GenerationResult | None = None
         self._cancelled = False
@@ -337,12 +340,20 @@ class Generation:
         if cap is not None:
             budget = min(budget, max(cap, 0))
         t0 = time.perf_counter()
-        proposed = proposer is not None and budget > 0  # observe() follows only a propose()
-        tree = proposer.propose(tokens, budget) if proposed else TokenTree()
+        constraint = self.constraint
+        # where the grammar forces the next tokens, it drafts them itself (no proposer time)
+        forced = constraint.forced(budget) if constraint is not None and proposer is not None and budget > 0 else []
+        proposed = proposer is not None and budget > 0 and not forced  # observe() follows only a propose()
+        if forced:
+            tree = TokenTree.chain(forced, source="grammar")
+        else:
+            tree = proposer.propose(tokens, budget) if proposed else TokenTree()
         if cache.n_pending:
             raise RuntimeError(f"proposer {proposer.name!r} left {cache.n_pending} nodes pending in the target's "
                                "cache; a proposer must roll back what it appends")
         tree = tree.truncated(max(budget, 0))
+        if constraint is not None and len(tree):
+            tree = prune_tree(tree, constraint)
         hidden = [] if proposed and proposer.wants_hidden() else None
         chain = all(p == i - 1 for i, p in enumerate(tree.parents))
         flat = torch.tensor([tokens[-1]] + tree.tokens, device=self.model.device)
@@ -368,7 +379,12 @@ class Generation:
     def _accept(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
         cache, proposer, tree, hidden = self.cache, self.proposer, work.tree, work.hidden
         tokens, generated = self.tokens, self.generated
-        verdict = verify(tree, logits, self.params, self._history, self.generator)
+        masks = RowMasks(self.constraint, tree) if self.constraint is not None else None
+        try:
+            verdict = verify(tree, logits, self.params, self._history, self.generator, allowed=masks)
+        finally:
+            if masks is not None:
+                masks.close()
         cache.commit([0] + [a + 1 for a in verdict.accepted])
         self._verify_s += time.perf_counter() - work.t0
         self._forwards += 1
@@ -382,6 +398,8 @@ class Generation:
             if t in self.model.eos_token_ids:
                 finish = "stop"
                 break
+            if self.constraint is not None:
+                self.constraint.push(t)
             kept.append(t)
             if len(generated) + len(kept) >= self.max_new_tokens:
                 finish = "length"

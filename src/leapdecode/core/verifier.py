@@ -23,14 +23,18 @@ root), it walks down from the root:
   there, otherwise that token is emitted and the step ends.  Each stage leaves
   the emitted token distributed exactly as the target's p.
 
-``allowed`` (a bool vocabulary mask per row, optional) is the hook for
-constrained decoding: tokens outside it get probability 0 for the target, so
-drafts outside the constraint are never accepted.
+``allowed`` (optional) is the hook for constrained decoding: a bool vocabulary
+mask per row (``[rows, V]``), or a function ``row -> [V]`` mask that is asked
+only for the rows the walk visits (``core/constraint.py``'s ``RowMasks``).
+Tokens outside it get probability 0 for the target (the target's distribution
+restricted to the allowed tokens and renormalized, as vanilla constrained
+decoding samples), so drafts outside the constraint are never accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,7 +63,7 @@ def verify(
     params: SamplingParams,
     history: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-    allowed: torch.Tensor | None = None,
+    allowed: torch.Tensor | Callable[[int], torch.Tensor] | None = None,
 ) -> Verdict:
     """Accept a path of ``tree`` given target ``logits`` ``[1 + len(tree), V]`` (row 0 = root).
 
@@ -67,24 +71,44 @@ def verify(
     included); it only matters for the repetition penalty.
     """
     extra = _ancestor_tokens(tree) if params.repetition_penalty != 1.0 else None
-    if allowed is not None:
+    lazy = callable(allowed)
+    if allowed is not None and not lazy:
         logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+
+    def row_logits(row: int) -> torch.Tensor:  # [1, V]: one row, masked when the mask is lazy
+        out = logits[row : row + 1]
+        if lazy:
+            mask = allowed(row).to(out.device)
+            if not bool(mask.any()):
+                raise ValueError(f"the constraint allows no token at tree row {row}")
+            out = out.masked_fill(~mask, torch.finfo(out.dtype).min)
+        return out
+
     children = tree.child_map()
     if params.greedy:
-        best = greedy_tokens(logits, params, history, extra).tolist()
+        if lazy:
+            def best_at(row: int) -> int:
+                return int(greedy_tokens(row_logits(row), params, history,
+                                         extra[row : row + 1] if extra else None)[0])
+        else:
+            best_at = greedy_tokens(logits, params, history, extra).tolist().__getitem__
         node, path = -1, []
         while True:
-            token = best[node + 1]
+            token = best_at(node + 1)
             nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), -1)
             if nxt < 0:
                 return Verdict(path, token, [tree.tokens[c] for c in path] + [token])
             path.append(nxt)
             node = nxt
 
-    probs = target_probs(logits, params, history, extra)
+    if lazy:
+        def probs_at(row: int) -> torch.Tensor:
+            return target_probs(row_logits(row), params, history, extra[row : row + 1] if extra else None)[0]
+    else:
+        probs_at = target_probs(logits, params, history, extra).__getitem__
     node, path = -1, []
     while True:
-        p = probs[node + 1]
+        p = probs_at(node + 1)
         kids = children.get(node, [])
         sampled = [c for c in kids if tree.sampled[c]]
         descended = -1

@@ -1,0 +1,138 @@
+"""Constrained decoding in the loop: what a grammar state must offer, and how a token tree meets it.
+
+A ``Constraint`` is the state of a grammar over the tokens generated so far (the grammar engine
+itself lives a layer up, ``leapdecode.strategies.grammar``).  It works like a stack: ``push``
+consumes a token, ``pop`` takes tokens back, ``mask`` is the set of tokens allowed next.  The
+loop uses it three ways, all exact:
+
+* **the distribution**: at every verified row the target's logits are restricted to the allowed
+  tokens (``verify(..., allowed=...)``), which is exactly what vanilla constrained decoding
+  samples from: the target's next-token distribution restricted and renormalized;
+* **pruning** (``prune_tree``): draft nodes the grammar forbids are removed with their subtrees
+  before the verification forward, so no tree slot is spent on them.  A forbidden node that was
+  *drawn* from a draft distribution (``sampled``) keeps its slot as a leaf: recursive rejection
+  sampling needs every draw, in order, to stay exact; only what hangs below it is cut;
+* **forced tokens** (``forced``): where the grammar allows a single continuation (a fixed key
+  name, punctuation), it proposes that chain itself, at no drafting cost; the verifier still
+  decides (several tokenizations of the forced text may be allowed).
+
+``RowMasks`` hands the verifier the mask of each tree row lazily (the verifier only looks at rows
+along the path it walks), moving the grammar state along the tree with push/pop and restoring it
+when closed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .tree import TokenTree
+
+
+class Constraint(ABC):
+    """A grammar's state over the generated tokens; masks are bool tensors over the target's
+    vocabulary (True = allowed), end-of-sequence tokens included when the grammar may end."""
+
+    @abstractmethod
+    def mask(self) -> torch.Tensor:
+        """Tokens allowed next (``[vocab]`` bool, on the CPU)."""
+
+    @abstractmethod
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (cheaper than a mask)."""
+
+    @abstractmethod
+    def push(self, token: int) -> None:
+        """Consume ``token`` (which must be allowed)."""
+
+    @abstractmethod
+    def pop(self, n: int = 1) -> None:
+        """Take back the last ``n`` pushed tokens."""
+
+    @abstractmethod
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces from here (empty when the next token is free)."""
+
+    @abstractmethod
+    def is_eos(self, token: int) -> bool:
+        """Whether ``token`` ends the sequence (it is never pushed)."""
+
+
+def prune_tree(tree: TokenTree, constraint: Constraint) -> TokenTree:
+    """``tree`` without the nodes the grammar forbids (see the module docstring); the constraint's
+    state is unchanged on return."""
+    if not len(tree):
+        return tree
+    keep: list[bool] = [False] * len(tree)
+    leaf_only: list[bool] = [False] * len(tree)  # a forbidden sampled draw: kept, its subtree cut
+    path: list[int] = []  # nodes whose tokens are pushed, root's child first
+    try:
+        for i, p in enumerate(tree.parents):  # parents precede children: a depth-first-ish order
+            if p >= 0 and (not keep[p] or leaf_only[p]):
+                continue
+            # move the grammar state to the end of the path to p
+            target = tree.path_to(p) if p >= 0 else []
+            common = 0
+            while common < min(len(path), len(target)) and path[common] == target[common]:
+                common += 1
+            if len(path) > common:
+                constraint.pop(len(path) - common)
+                del path[common:]
+            for node in target[common:]:
+                constraint.push(tree.tokens[node])
+                path.append(node)
+            if constraint.allows(tree.tokens[i]) and not constraint.is_eos(tree.tokens[i]):
+                keep[i] = True
+            elif tree.sampled[i]:
+                keep[i] = leaf_only[i] = True
+    finally:
+        if path:
+            constraint.pop(len(path))
+    if all(keep) and not any(leaf_only):
+        return tree
+    new_index: dict[int, int] = {}
+    out = TokenTree()
+    for i in range(len(tree)):
+        if not keep[i]:
+            continue
+        parent = tree.parents[i]
+        new_index[i] = out.add(tree.tokens[i], new_index[parent] if parent >= 0 else -1, tree.sampled[i],
+                               tree.sources[i] if tree.sources else "", tree.aux[i] if tree.aux else False)
+        if i in tree.q:
+            out.q[new_index[i]] = tree.q[i]
+    if -1 in tree.q:
+        out.q[-1] = tree.q[-1]
+    return out
+
+
+class RowMasks:
+    """The allowed-token mask of each row of a flattened tree (row 0 = the root), computed when the
+    verifier asks for it; ``close()`` puts the constraint back where it was."""
+
+    def __init__(self, constraint: Constraint, tree: TokenTree) -> None:
+        self.constraint = constraint
+        self.tree = tree
+        self.path: list[int] = []
+
+    def __call__(self, row: int) -> torch.Tensor:
+        target = self.tree.path_to(row - 1) if row > 0 else []
+        c, path = self.constraint, self.path
+        common = 0
+        while common < min(len(path), len(target)) and path[common] == target[common]:
+            common += 1
+        if len(path) > common:
+            c.pop(len(path) - common)
+            del path[common:]
+        for node in target[common:]:
+            token = self.tree.tokens[node]
+            if not c.allows(token) or c.is_eos(token):  # unreachable: the verifier never descends there
+                return torch.zeros_like(c.mask())
+            c.push(token)
+            path.append(node)
+        return c.mask()
+
+    def close(self) -> None:
+        if self.path:
+            self.constraint.pop(len(self.path))
+            self.path = []
