@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .core.config import MethodConfig
+from .core.constraint import Constraint
 from .core.generate import Generation, GenerationResult, check_max_new_tokens, check_stop, encode_prompt
 from .core.runner import ModelRunner, runner_for
 from .core.sampling import SamplingParams
@@ -43,6 +44,7 @@ def start_generation(
     json_schema: Any = None,
     regex: str | None = None,
     grammar: str | None = None,
+    constraint: Constraint | None = None,
 ) -> Generation:
     """A ``Generation`` (not started): validates every parameter, then builds the method's proposer
     (loading a draft model or datastore through the runner where the method needs one).
@@ -50,7 +52,9 @@ def start_generation(
     Structured output (``leapdecode.strategies.grammar``, the ``structured`` extra): at most one of
     ``json_schema`` (a mapping or its JSON text; ``{"type": "object"}`` for any JSON object),
     ``regex`` or ``grammar`` (Lark, as llguidance reads it, or GBNF).  The output then follows it,
-    with every method giving vanilla constrained decoding's tokens (greedy) or distribution."""
+    with every method giving vanilla constrained decoding's tokens (greedy) or distribution.
+    ``constraint`` passes one already compiled instead (``strategies.grammar.compile_constraint``;
+    a server compiles while validating the request), used by this generation only."""
     if not isinstance(model, (LoadedModel, ModelRunner)):
         raise InvalidParameterError(f"model must be what leapdecode.load() returned, got {type(model).__name__}")
     params = SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
@@ -69,8 +73,9 @@ def start_generation(
         ids = encode_prompt(runner.model, prompt, chat)
     # never more than the context can hold (the cache is sized from this)
     max_new_tokens = min(max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
-    constraint = None
     if json_schema is not None or regex is not None or grammar is not None:
+        if constraint is not None:
+            raise InvalidParameterError("give json_schema, regex or grammar, or a compiled constraint, not both")
         from .strategies.grammar import compile_constraint
 
         constraint = compile_constraint(runner, json_schema=json_schema, regex=regex, grammar=grammar)

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import sys
+from pathlib import Path
 
 from .errors import LeapdecodeError
 
@@ -63,6 +64,15 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="random seed (sampling)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s = p.add_argument_group("structured output (exact under every method; needs the 'structured' extra)")
+    s.add_argument("--json-schema", metavar="FILE",
+                   help="the output is JSON that validates against this JSON schema (a file, or - for stdin)")
+    s.add_argument("--json-object", action="store_true",
+                   help='the output is a JSON object (any keys); same as a schema {"type": "object"}')
+    s.add_argument("--regex", help="the output matches this regular expression (whole output)")
+    s.add_argument("--grammar", metavar="FILE",
+                   help="the output follows this grammar: Lark syntax as llguidance reads it, or GBNF "
+                        "(llama.cpp's format, recognised by '::=')")
 
 
 def method_options(a: argparse.Namespace) -> dict:
@@ -92,7 +102,36 @@ def decoding_kwargs(a: argparse.Namespace) -> dict:
     check_max_new_tokens(a.max_new_tokens)
     return dict(method=a.method, options=options, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, typical_p=a.typical_p,
-                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
+                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, **structure_kwargs(a))
+
+
+def read_text_arg(flag: str, path: str) -> str:
+    """The text of a file named on the command line (``-``: standard input), or a clear error."""
+    if path == "-":
+        return read_stdin_text()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LeapdecodeError(f"{flag} {path}: cannot read it ({e.__class__.__name__}: {e})") from None
+
+
+def structure_kwargs(a: argparse.Namespace) -> dict:
+    """``json_schema`` / ``regex`` / ``grammar`` from the structured-output flags (at most one)."""
+    given = [f for f, v in (("--json-schema", a.json_schema), ("--json-object", a.json_object or None),
+                            ("--regex", a.regex), ("--grammar", a.grammar)) if v is not None]
+    if len(given) > 1:
+        raise LeapdecodeError(f"give at most one of {', '.join(given)}")
+    if a.json_schema is not None:
+        from .strategies.grammar import check_json_schema
+
+        return {"json_schema": check_json_schema(read_text_arg("--json-schema", a.json_schema))}
+    if a.json_object:
+        return {"json_schema": {"type": "object"}}
+    if a.regex is not None:
+        return {"regex": a.regex}
+    if a.grammar is not None:
+        return {"grammar": read_text_arg("--grammar", a.grammar)}
+    return {}
 
 
 def load_from_args(a: argparse.Namespace):

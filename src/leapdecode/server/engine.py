@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Union
 from ..api import start_generation
 from ..core.batch import speculation_caps, step_batch
 from ..core.config import MethodConfig
+from ..core.constraint import Constraint
 from ..core.generate import cache_tokens
 from ..core.runner import ModelRunner, slot_len
 from ..core.sampling import SamplingParams
@@ -98,10 +99,12 @@ class GenSpec:
     method: MethodConfig
     sampling: SamplingParams
     stop: list[str] | None = None
+    constraint: Constraint | None = None  # structured output: this generation's own grammar state
 
     def start(self, runner: ModelRunner):
         return start_generation(runner, prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
-                                method=self.method, stop=self.stop, **self.sampling.as_dict())
+                                method=self.method, stop=self.stop, constraint=self.constraint,
+                                **self.sampling.as_dict())
 
 
 class Job:

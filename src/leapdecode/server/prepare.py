@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fastapi import Request
@@ -113,10 +113,21 @@ def draft_in_use(cfg: MethodConfig, runner: ModelRunner) -> str | None:
     return name if name in runner.drafts else None
 
 
-def _specs(req, prompts: list[list[int]], max_new: list[int]) -> list[GenSpec]:
+def _specs(req, prompts: list[list[int]], max_new: list[int], runner: ModelRunner) -> list[GenSpec]:
     n = req.choices_per_prompt
-    return [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop)
-            for p, ids in enumerate(prompts) for j in range(n)]
+    specs = [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop)
+             for p, ids in enumerate(prompts) for j in range(n)]
+    structure = req.structure
+    if structure:  # compiled here, off the engine thread: a refused grammar is a 400 before queueing
+        from ..strategies.grammar import compile_constraint
+
+        param = "response_format" if "json_schema" in structure else f"leapdecode.{next(iter(structure))}"
+        try:
+            first = compile_constraint(runner, **structure)
+        except InvalidParameterError as e:
+            raise ApiError(400, str(e), param=param) from None
+        specs = [replace(spec, constraint=first if i == 0 else first.fork()) for i, spec in enumerate(specs)]
+    return specs
 
 
 def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> Prepared:
@@ -159,7 +170,7 @@ def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> P
         max_new = [max_new_tokens(req.requested_max_tokens, len(ids), model.max_seq_len,
                                   COMPLETION_DEFAULT_MAX_TOKENS, "prompt") for ids in prompts]
     return Prepared(kind=kind, request=req, prompt_lens=[len(p) for p in prompts], echo=echo,
-                    specs=_specs(req, prompts, max_new), draft=draft_in_use(req.method_config, runner))
+                    specs=_specs(req, prompts, max_new, runner), draft=draft_in_use(req.method_config, runner))
 
 
 class Preparer:

@@ -112,6 +112,8 @@ class LeapdecodeExtension(BaseModel):
     min_p: Number | None = None
     typical_p: Number | None = None
     repetition_penalty: Number | None = None
+    regex: str | None = None  # structured output: the completion matches this regex
+    grammar: str | None = None  # structured output: Lark (llguidance) or GBNF grammar
 
     @field_validator("method", mode="before")
     @classmethod
@@ -248,9 +250,25 @@ class _Request(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
-            raise PydanticCustomError("unsupported_parameter", "{what} is not supported by this server",
-                                      {"what": "other than {'type': 'text'}"})
+        """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``;
+        a schema is checked against its metaschema here (the grammar engine compiles it later)."""
+        if v is None:
+            return None
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise verbatim("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}",
+                           param="response_format.type")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise verbatim("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                               param="response_format.json_schema.schema")
+            from ..strategies.grammar import check_json_schema
+
+            try:
+                check_json_schema(spec["schema"])
+            except InvalidParameterError as e:
+                raise verbatim(str(e), param="response_format.json_schema.schema") from None
         return v
 
     @field_validator("stop", mode="before")
@@ -305,7 +323,26 @@ class _Request(BaseModel):
             raise PydanticCustomError("unsupported_parameter", "other than n is not supported by this server",
                                       {"param": "best_of"})
         self._method_config = resolve_method(self.leapdecode, _defaults(info))
+        given = [k for k, v in self.structure.items() if v is not None]
+        if len(given) > 1:
+            raise verbatim(f"give one of response_format (json), leapdecode.regex, leapdecode.grammar; got "
+                           f"{', '.join(given)}", param="response_format")
         return self
+
+    @property
+    def structure(self) -> dict[str, Any]:
+        """What the output must follow, as ``compile_constraint`` keywords (empty: free text)."""
+        fmt, ext = self.response_format, self.leapdecode
+        out: dict[str, Any] = {}
+        if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+            out["json_schema"] = {"type": "object"}
+        elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            out["json_schema"] = fmt["json_schema"]["schema"]
+        if ext is not None and ext.regex is not None:
+            out["regex"] = ext.regex
+        if ext is not None and ext.grammar is not None:
+            out["grammar"] = ext.grammar
+        return out
 
     # ------------------------------------------------------------ resolved values
     @property

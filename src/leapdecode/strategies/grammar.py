@@ -32,6 +32,9 @@ from ..core.constraint import Constraint
 from ..errors import GrammarError, InvalidParameterError, MissingExtraError
 
 COMPILE_TIMEOUT_S = 10.0  # wall-clock bound on compiling one grammar
+# whitespace allowed between JSON tokens: any JSON whitespace, but a bounded run of it, so that a
+# model cannot loop on blank lines forever (small models do); deep pretty-printing still fits
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 
 
 def _llguidance():
@@ -55,6 +58,10 @@ class GrammarConstraint(Constraint):
         self.grammar_eos = grammar_eos
         self._eos_index = torch.tensor(self.eos_ids, dtype=torch.long)
         self._bit = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+    def fork(self) -> "GrammarConstraint":
+        """An independent copy in the same state (another generation under the same grammar)."""
+        return GrammarConstraint(self.matcher.deep_copy(), self.vocab_size, set(self.eos_ids), self.grammar_eos)
 
     def mask(self) -> torch.Tensor:
         raw = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
@@ -122,7 +129,8 @@ def grammar_text(*, json_schema: Any = None, regex: str | None = None, grammar: 
     if json_schema is not None:
         schema = check_json_schema(json_schema)
         try:
-            return ll.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            return ll.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                         defaults={"whitespace_pattern": JSON_WHITESPACE})
         except ValueError as e:
             raise GrammarError(f"JSON schema not supported: {e}") from None
     if regex is not None:
@@ -177,8 +185,8 @@ def compile_constraint(runner, *, json_schema: Any = None, regex: str | None = N
         raise GrammarError(f"cannot compile the grammar: {out['error']}")
     matcher = out["matcher"]
     if matcher.is_error():
-        lines = matcher.get_error().strip().splitlines() or ["unknown error"]
-        raise GrammarError(f"the grammar engine refused it: {lines[0]}")
+        detail = " ".join(matcher.get_error().split())[:400] or "unknown error"
+        raise GrammarError(f"the grammar engine refused it: {detail}")
     model = runner.model
     eos = tok.eos_token if isinstance(getattr(tok, "eos_token", None), int) else model.tokenizer.eos_token_id
     return GrammarConstraint(matcher, model.model.vocab_size, set(model.eos_token_ids), int(eos))
