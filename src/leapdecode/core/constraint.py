@@ -23,6 +23,7 @@ when closed.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -114,8 +115,16 @@ class RowMasks:
         self.constraint = constraint
         self.tree = tree
         self.path: list[int] = []
+        self.seconds = 0.0  # time spent in the grammar engine (masks and moves)
 
     def __call__(self, row: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._mask(row)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _mask(self, row: int) -> torch.Tensor:
         target = self.tree.path_to(row - 1) if row > 0 else []
         c, path = self.constraint, self.path
         common = 0
@@ -134,5 +143,7 @@ class RowMasks:
 
     def close(self) -> None:
         if self.path:
+            t0 = time.perf_counter()
             self.constraint.pop(len(self.path))
             self.path = []
+            self.seconds += time.perf_counter() - t0

@@ -25,6 +25,8 @@ import torch
 from ..errors import InvalidParameterError, PromptTooLongError
 from .constraint import Constraint, RowMasks, prune_tree
 from .detokenizer import IncrementalDetokenizer, StopChecker
+from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
+from .kv_policy import KVPolicy, PolicyState
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
 from .tree import TokenTree
@@ -87,9 +89,12 @@ class Forward:
         return decoder.forward(self.tokens[None], cache, parents=self.parents, logits_for=self.logits_for, **kwargs)
 
 
-def cache_tokens(model, prompt_len: int, max_new_tokens: int) -> int:
+def cache_tokens(model, prompt_len: int, max_new_tokens: int, kv_policy: KVPolicy | None = None) -> int:
     """Tokens a generation asks its KV-cache slot to hold: the prompt, the output and the margin
-    for the last step's tree (the runner rounds it up: ``runner.slot_len``)."""
+    for the last step's tree (the runner rounds it up: ``runner.slot_len``); with a KV-cache
+    policy, what the policy keeps plus a prefill chunk or a tree (``KVPolicy.cache_tokens``)."""
+    if kv_policy is not None:
+        return min(model.max_seq_len, kv_policy.cache_tokens(prompt_len, max_new_tokens, TREE_MARGIN))
     return min(model.max_seq_len, prompt_len + max_new_tokens + TREE_MARGIN)
 
 
@@ -102,8 +107,10 @@ def _check_message(m: Any, i: int) -> None:
         raise InvalidParameterError(f"message {i}: 'content' must be a string, got {type(m['content']).__name__}")
 
 
-def encode_prompt(model, prompt, chat: bool | None = None) -> list[int]:
-    """A string (plain, or as one user message with ``chat=True``) or a list of chat messages."""
+def encode_prompt(model, prompt, chat: bool | None = None, tools: list[dict] | None = None) -> list[int]:
+    """A string (plain, or as one user message with ``chat=True``) or a list of chat messages.
+    ``tools``: function definitions (OpenAI's ``{"type": "function", "function": {...}}``) for a
+    chat template that reads ``tools``."""
     tok = model.tokenizer
     if isinstance(prompt, str):
         if chat:
@@ -122,7 +129,12 @@ def encode_prompt(model, prompt, chat: bool | None = None) -> list[int]:
         _check_message(m, i)
     if not getattr(tok, "chat_template", None):
         raise InvalidParameterError(f"model {model.name} has no chat template; pass a plain string prompt")
-    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    extra = {}
+    if tools:
+        if "tools" not in str(tok.chat_template):
+            raise InvalidParameterError(f"model {model.name}'s chat template does not support tools")
+        extra["tools"] = tools
+    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
@@ -158,6 +170,7 @@ class Generation:
         max_new_tokens: int = 256,
         stop: list[str] | None = None,
         tree_budget: int | None = None,
+        kv_policy: KVPolicy | None = None,
         constraint: Constraint | None = None,
     ) -> None:
         model = runner.model
@@ -175,6 +188,15 @@ class Generation:
                 f"prompt has {len(self.prompt_ids)} tokens; the context of {model.name} holds "
                 f"{model.max_seq_len} (prompt + at least 1 new token)"
             )
+        if kv_policy is not None:
+            if not isinstance(kv_policy, KVPolicy):
+                raise InvalidParameterError(f"kv_policy must be a KV-cache policy config (core/kv_policy.py), got "
+                                            f"{type(kv_policy).__name__}")
+            if getattr(model, "backend", None) != "native":
+                raise InvalidParameterError(f"kv_policy needs the native backend ({model.name} runs on "
+                                            f"{getattr(model, 'backend', '?')!r})")
+        self.kv_policy = kv_policy  # lossy KV-cache compression (core/kv_policy.py); None: exact
+        self._kv: PolicyState | None = None
         self.proposer = proposer
         self.constraint = constraint  # a grammar the output must follow (core/constraint.py)
         self.tree_budget = (tree_budget or proposer.default_budget) if proposer is not None else 0
@@ -230,12 +252,18 @@ class Generation:
         self.generator = gen = torch.Generator(device=target.device)
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         ids = self.prompt_ids
-        self.cache = cache = self.runner.acquire_cache(model, cache_tokens(model, len(ids), self.max_new_tokens))
+        policy = self.kv_policy
+        if policy is None:
+            self.cache = cache = self.runner.acquire_cache(model, cache_tokens(model, len(ids), self.max_new_tokens))
+        else:
+            self.cache = cache = self.runner.acquire_cache(
+                model, cache_tokens(model, len(ids), self.max_new_tokens, policy), kind=policy.cache_kind)
+            self._kv = policy.start(model, cache)
         self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
         # the prompt but its last token, in chunks aligned to position 0: the same chunks whatever
         # else runs, so a chunk's keys and values are the same bits wherever it is computed (the
         # runner's prefix cache reuses whole chunks; see core/prefix_cache.py)
-        self._chunk = min(PREFILL_CHUNK, cache.max_pending)
+        self._chunk = min(PREFILL_CHUNK if policy is None else POLICY_PREFILL_CHUNK, cache.max_pending)
         self._prefilled = 0
         self._prefix_key = b""
         self._reused = 0
@@ -260,7 +288,8 @@ class Generation:
         while self._prefilled < end:
             s = self._prefilled
             chunk = ids[s : min(s + self._chunk, end)]
-            key = prefix.key(self._prefix_key, chunk) if len(chunk) == self._chunk else None
+            # a generation with a KV-cache policy neither reads nor writes the prefix cache
+            key = prefix.key(self._prefix_key, chunk) if len(chunk) == self._chunk and self._kv is None else None
             if key is not None and prefix.restore(key, cache):
                 self._prefix_key = key
                 self._prefilled += len(chunk)
@@ -280,7 +309,7 @@ class Generation:
             self.tokens = list(self.prompt_ids)  # decided so far; the last one is the root (not yet in the cache)
             self.generated: list[int] = []
             self._hist: Counter[int] = Counter()
-            self._draft_s = self._verify_s = 0.0
+            self._draft_s = self._verify_s = self._constraint_s = 0.0
             self._forwards = self._drafted_steps = self._drafted_accepted = 0
             self._detok = IncrementalDetokenizer(model.tokenizer)
             self._stops = StopChecker(self.stop)
@@ -342,7 +371,9 @@ class Generation:
         t0 = time.perf_counter()
         constraint = self.constraint
         # where the grammar forces the next tokens, it drafts them itself (no proposer time)
+        t_grammar = time.perf_counter()
         forced = constraint.forced(budget) if constraint is not None and proposer is not None and budget > 0 else []
+        t_grammar = time.perf_counter() - t_grammar
         proposed = proposer is not None and budget > 0 and not forced  # observe() follows only a propose()
         if forced:
             tree = TokenTree.chain(forced, source="grammar")
@@ -353,7 +384,10 @@ class Generation:
                                "cache; a proposer must roll back what it appends")
         tree = tree.truncated(max(budget, 0))
         if constraint is not None and len(tree):
+            t1 = time.perf_counter()
             tree = prune_tree(tree, constraint)
+            t_grammar += time.perf_counter() - t1
+        self._constraint_s += t_grammar
         hidden = [] if proposed and proposer.wants_hidden() else None
         chain = all(p == i - 1 for i, p in enumerate(tree.parents))
         flat = torch.tensor([tokens[-1]] + tree.tokens, device=self.model.device)
@@ -367,6 +401,8 @@ class Generation:
             if work.tree is None:  # a prompt chunk
                 self.cache.commit()
                 self._prefilled += work.tokens.numel()
+                if self._kv is not None:
+                    self._kv.committed(range(work.tokens.numel()), "prefill" if self.prefilling else "prefill_end")
                 if work.prefill_key is not None:
                     self._prefix_key = work.prefill_key
                     self.runner.prefix_cache.store(work.prefill_key, self.cache, self._prefilled, work.tokens.numel())
@@ -385,7 +421,11 @@ class Generation:
         finally:
             if masks is not None:
                 masks.close()
-        cache.commit([0] + [a + 1 for a in verdict.accepted])
+                self._constraint_s += masks.seconds
+        path = [0] + [a + 1 for a in verdict.accepted]
+        cache.commit(path)
+        if self._kv is not None:
+            self._kv.committed(path, "decode")
         self._verify_s += time.perf_counter() - work.t0
         self._forwards += 1
         self._hist[len(verdict.accepted)] += 1
@@ -399,7 +439,9 @@ class Generation:
                 finish = "stop"
                 break
             if self.constraint is not None:
+                t1 = time.perf_counter()
                 self.constraint.push(t)
+                self._constraint_s += time.perf_counter() - t1
             kept.append(t)
             if len(generated) + len(kept) >= self.max_new_tokens:
                 finish = "length"
@@ -476,8 +518,12 @@ class Generation:
             "verify_s": round(self._verify_s, 4),
             "tokens_per_s": round(n / wall, 3) if wall > 0 else 0.0,
         }
+        if self.constraint is not None:
+            stats["constraint_s"] = round(self._constraint_s, 5)  # masks, pruning, forced drafts, pushes
         if self.proposer is not None:
             stats.update(self.proposer.stats())
+        if self._kv is not None:
+            stats.update(self._kv.stats())
         self.result = GenerationResult(text, list(self.generated), len(self.prompt_ids), reason, stats)
         return StepOutput("", [], True, reason)
 
