@@ -23,6 +23,7 @@ from .config import ServerConfig
 from .engine import GenSpec
 from .errors import ApiError, BodyTooLarge
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tools import ToolCalling, special_tags, template_supports_tools, tool_call_grammar
 
 Kind = Literal["chat", "completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -38,6 +39,7 @@ class Prepared:
     echo: list[str] | None  # completions with echo: the prompts' text, one per prompt
     specs: list[GenSpec]  # one per choice: prompt-major, n per prompt
     draft: str | None  # the draft model the method uses, if any
+    tools: ToolCalling | None = None  # chat with tools: the answers' tool calls are parsed out
 
     @property
     def n(self) -> int:
@@ -113,11 +115,32 @@ def draft_in_use(cfg: MethodConfig, runner: ModelRunner) -> str | None:
     return name if name in runner.drafts else None
 
 
+def _tool_schema_error(runner: ModelRunner, calling: ToolCalling, error: InvalidParameterError) -> ApiError:
+    """The 400 for tools whose call grammar llguidance refused: naming the first tool whose
+    parameters schema it refuses alone (else the tools as a whole)."""
+    from ..strategies.grammar import compile_constraint
+
+    for i, tool in enumerate(calling.tools):
+        if tool in calling.allowed:
+            try:
+                compile_constraint(runner, json_schema=tool.parameters)
+            except InvalidParameterError as e:
+                where = f"tools[{i}].function.parameters"
+                return ApiError(400, f"{where}: {e}", param=where)
+    return ApiError(400, str(error), param="tools")
+
+
 def _specs(req, prompts: list[list[int]], max_new: list[int], runner: ModelRunner) -> list[GenSpec]:
     n = req.choices_per_prompt
     specs = [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop)
              for p, ids in enumerate(prompts) for j in range(n)]
     structure = req.structure
+    calling = req.tool_calling if isinstance(req, ChatCompletionRequest) else None
+    if calling is not None and calling.constrained:  # tool_choice "required" or a named function
+        from ..strategies.grammar import grammar_tokenizer
+
+        special = special_tags(runner.model.tokenizer, grammar_tokenizer(runner).is_special_token)
+        structure = {"grammar": tool_call_grammar(calling, special)}
     if structure:  # compiled here, off the engine thread: a refused grammar is a 400 before queueing
         from ..strategies.grammar import compile_constraint
 
@@ -125,6 +148,8 @@ def _specs(req, prompts: list[list[int]], max_new: list[int], runner: ModelRunne
         try:
             first = compile_constraint(runner, **structure)
         except InvalidParameterError as e:
+            if calling is not None and calling.constrained:
+                raise _tool_schema_error(runner, calling, e) from None
             raise ApiError(400, str(e), param=param) from None
         specs = [replace(spec, constraint=first if i == 0 else first.fork()) for i, spec in enumerate(specs)]
     return specs
@@ -137,8 +162,18 @@ def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> P
     if kind == "chat":
         req = ChatCompletionRequest.model_validate(body, context=cfg.defaults(runner))
         check_model(req.model, cfg)
+        calling = req.tool_calling
+        with_tools = [i for i, m in enumerate(req.messages) if m.uses_tools]
+        if (calling is not None or with_tools) and not template_supports_tools(model.tokenizer):
+            why = f"model {model.name}'s chat template does not support tools (it never reads 'tools')"
+            if calling is not None:
+                raise ApiError(400, f"{why}: send tool_choice 'none' or no tools, or serve a model whose template "
+                                    "supports them (Qwen2.5's)", param="tools")
+            raise ApiError(400, f"{why}, so it cannot show messages[{with_tools[0]}] (a tool call or a tool's "
+                                "answer)", param=f"messages[{with_tools[0]}]")
         try:
-            ids = encode_prompt(model, [m.as_template_message() for m in req.messages])
+            ids = encode_prompt(model, [m.as_template_message() for m in req.messages],
+                                tools=calling.for_template() if calling is not None else None)
         except InvalidParameterError as e:
             raise ApiError(400, str(e), param="messages") from None
         prompts, echo = [ids], None
@@ -170,7 +205,8 @@ def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> P
         max_new = [max_new_tokens(req.requested_max_tokens, len(ids), model.max_seq_len,
                                   COMPLETION_DEFAULT_MAX_TOKENS, "prompt") for ids in prompts]
     return Prepared(kind=kind, request=req, prompt_lens=[len(p) for p in prompts], echo=echo,
-                    specs=_specs(req, prompts, max_new, runner), draft=draft_in_use(req.method_config, runner))
+                    specs=_specs(req, prompts, max_new, runner), draft=draft_in_use(req.method_config, runner),
+                    tools=req.tool_calling if kind == "chat" else None)
 
 
 class Preparer:

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PlainValidator, PrivateAttr, SerializerFunctionWrapHandler, \
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, SerializerFunctionWrapHandler, \
     ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -30,6 +30,7 @@ from ..core.config import MethodConfig
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
 from ..proposers.registry import DEFAULT_METHOD, METHODS, method_config, method_spec
+from .tools import NAME_RE, NO_PARAMETERS, Tool, ToolCalling
 
 
 # ---------------------------------------------------------------------------- server context
@@ -186,9 +187,7 @@ def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> Method
 UNSUPPORTED = {  # field -> (accepted values, what it is)
     "logprobs": ((None, False), "(token log-probabilities)"),
     "top_logprobs": ((None, 0), "(token log-probabilities)"),
-    "tools": ((None, [], {}), "(tool calling)"),
-    "functions": ((None, [], {}), "(tool calling)"),
-    "tool_choice": ((None, "none"), "(tool calling)"),
+    "functions": ((None, [], {}), "(deprecated function calling; use tools)"),
     "logit_bias": ((None, {}), ""),
     "presence_penalty": ((None, 0), "(use leapdecode.repetition_penalty)"),
     "frequency_penalty": ((None, 0), "(use leapdecode.repetition_penalty)"),
@@ -228,6 +227,7 @@ class _Request(BaseModel):
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -379,14 +379,116 @@ class _Request(BaseModel):
             seed=None if self.seed is None else self.seed + seed_offset)
 
 
-ROLES = ("system", "developer", "user", "assistant")
+# ---------------------------------------------------------------------------- tools (chat only)
+TOOL_SHAPE = "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}"
+TOOL_CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+
+
+def parse_tools(v: Any) -> tuple[Tool, ...] | None:
+    """OpenAI's ``tools``, validated (every error names its field: ``tools[1].function.name``)."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise verbatim(f"tools must be an array of {TOOL_SHAPE} objects", param="tools")
+    from ..strategies.grammar import check_json_schema
+
+    out: list[Tool] = []
+    seen: dict[str, int] = {}
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise verbatim(f"{where} must be an object {TOOL_SHAPE}", param=where)
+        if t.get("type") != "function":
+            raise verbatim(f"{where}.type must be 'function', got {_shown(t.get('type'))}", param=f"{where}.type")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise verbatim(f"{where}.function must be an object {{'name', 'description', 'parameters'}}",
+                           param=f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise verbatim(f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got "
+                           f"{_shown(name)}", param=f"{where}.function.name")
+        if name in seen:
+            raise verbatim(f"{where}.function.name {name!r} is also the name of tools[{seen[name]}]; function "
+                           "names must be unique", param=f"{where}.function.name")
+        seen[name] = i
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise verbatim(f"{where}.function.description must be a string", param=f"{where}.function.description")
+        params = fn.get("parameters")
+        where_p = f"{where}.function.parameters"
+        if params is None:
+            params = dict(NO_PARAMETERS)
+        else:
+            if not isinstance(params, dict):
+                raise verbatim(f"{where_p} must be a JSON schema (an object), got {_shown(params)}", param=where_p)
+            try:
+                check_json_schema(params)
+            except InvalidParameterError as e:
+                raise verbatim(f"{where_p}: {e}", param=where_p) from None
+            kind = params.get("type", "object")
+            if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+                raise verbatim(f"{where_p} must describe an object (type 'object'): a call's arguments are a JSON "
+                               f"object; got type {_shown(kind)}", param=where_p)
+        out.append(Tool(name, description, params))
+    return tuple(out) or None
+
+
+def parse_tool_choice(v: Any) -> str | dict | None:
+    if v is None or v in ("none", "auto", "required"):
+        return v
+    fn = v.get("function") if isinstance(v, dict) else None
+    if isinstance(v, dict) and v.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        return {"type": "function", "function": {"name": fn["name"]}}
+    raise verbatim(f"tool_choice must be {TOOL_CHOICES}, got {_shown(v)}", param="tool_choice")
+
+
+class FunctionCallIn(BaseModel):
+    """A past call in an assistant message; ``arguments`` is OpenAI's JSON string (an object is
+    taken too), kept as the object the chat template renders."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: Any = None
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _arguments(cls, v: Any) -> Any:
+        if v is None or v == "":
+            return {}
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise PydanticCustomError("ld_field", "must be a JSON object as a string, got {got}",
+                                          {"got": _shown(v)}) from None
+        if not isinstance(v, dict):
+            raise PydanticCustomError("ld_field", "must be a JSON object as a string, got {got}", {"got": _shown(v)})
+        return v
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(BaseModel):
+    """A message; an assistant's may carry ``tool_calls`` (its ``content`` then may be null), and a
+    ``tool`` message answers one call (``tool_call_id``).  Fields are validated in this order."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+    content: str | None = Field(default=None, validate_default=True)
 
     @field_validator("role", mode="before")
     @classmethod
@@ -396,9 +498,31 @@ class ChatMessage(BaseModel):
                                       {"roles": ", ".join(ROLES), "got": _shown(v)})
         return v
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v == []:
+            return None
+        if info.data.get("role") != "assistant":
+            raise PydanticCustomError("ld_field", "is only allowed on assistant messages")
+        return v
+
+    @field_validator("tool_call_id", mode="before")
+    @classmethod
+    def _tool_call_id(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") == "tool":
+            raise PydanticCustomError("missing", "Field required")
+        if v is not None and not isinstance(v, str):
+            raise PydanticCustomError("ld_field", "must be a string, got {got}", {"got": _shown(v)})
+        return v
+
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, v: Any) -> Any:
+    def _content(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return None
+            raise PydanticCustomError("missing", "Field required")
         if isinstance(v, list):
             texts = []
             for part in v:
@@ -411,9 +535,23 @@ class ChatMessage(BaseModel):
             raise PydanticCustomError("ld_field", "must be a string or an array of text parts")
         return v
 
-    def as_template_message(self) -> dict[str, str]:
-        """As the chat template takes it (``developer`` is OpenAI's newer name for ``system``)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    def as_template_message(self) -> dict[str, Any]:
+        """As the chat template takes it (``developer`` is OpenAI's newer name for ``system``; a tool
+        call's arguments as an object, as transformers' templates render them)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.content if self.content is not None else ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{**({"id": c.id} if c.id is not None else {}), "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    @property
+    def uses_tools(self) -> bool:
+        """A tool call or a tool's answer (the chat template must know tools)."""
+        return self.role == "tool" or bool(self.tool_calls)
 
 
 class ChatCompletionRequest(_Request):
@@ -426,10 +564,62 @@ class ChatCompletionRequest(_Request):
             raise verbatim("messages must be a non-empty array of {role, content} objects")
         return v
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, v: Any) -> Any:
+        return parse_tools(v)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        return parse_tool_choice(v)
+
+    @field_validator("parallel_tool_calls", mode="before")
+    @classmethod
+    def _parallel(cls, v: Any) -> Any:
+        return v if v is None else _bool(v)
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise verbatim("tool_choice needs tools (an array of functions the model may call)", param="tool_choice")
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            if name not in {t.name for t in self.tools}:
+                raise verbatim(f"tool_choice names the function {name!r}, which is not in tools (functions: "
+                               f"{', '.join(t.name for t in self.tools)})", param="tool_choice.function.name")
+        given = [k for k, v in self.structure.items() if v is not None]
+        if self.tool_calling is not None and given:
+            what = "response_format" if given[0] == "json_schema" else f"leapdecode.{given[0]}"
+            raise verbatim(f"tools (with tool_choice other than 'none') and {what} cannot be combined: a call's "
+                           "arguments follow its function's parameters schema; send tool_choice 'none' for a "
+                           f"structured answer", param=what)
+        return self
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        """What the request asks of tools (``None``: no tools, or ``tool_choice: "none"``)."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return None
+        parallel = self.parallel_tool_calls is True  # not OpenAI's default: small models loop on calls
+        if isinstance(choice, dict):
+            return ToolCalling(self.tools, "function", choice["function"]["name"], parallel)
+        return ToolCalling(self.tools, "required" if choice == "required" else "auto", None, parallel)
+
 
 class CompletionRequest(_Request):
     prompt: list[str | list[int]]
     echo: Bool | None = None
+
+    @field_validator("tools", "tool_choice", "parallel_tool_calls")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v not in (None, [], "none") and not isinstance(v, bool):
+            raise PydanticCustomError("unsupported_parameter", "is only supported by /v1/chat/completions "
+                                      "(tool calling)")
+        return v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -469,9 +659,31 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    """A whole call in one streamed delta (OpenAI streams the arguments in pieces; one piece is valid)."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is tool calls only
+    tool_calls: list[ToolCallOut] | None = None  # sent only when there are calls
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return _drop_none(handler(self), "tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -508,10 +720,11 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return _drop_none(handler(self), "role", "content")
+        return _drop_none(handler(self), "role", "content", "tool_calls")
 
 
 class ChatChunkChoice(BaseModel):

@@ -23,7 +23,9 @@ from .engine import Delta, Disconnected, Ended, Engine, Event, Failed, Finished,
 from .errors import RequestTimeout, api_error
 from .prepare import Prepared
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-                       ChatDelta, CompletionChoice, CompletionChunk, CompletionResponse, Usage)
+                       ChatDelta, CompletionChoice, CompletionChunk, CompletionResponse, FunctionCallOut, ToolCallDelta,
+                       ToolCallOut, Usage)
+from .tools import ToolCall, ToolTextFilter, parse_tool_calls
 
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up; nobody reads it
 
@@ -75,6 +77,26 @@ def finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "length"
 
 
+def tool_finish_reason(reason: str, calls) -> str:
+    """``tool_calls`` for an answer that ended by itself with calls (OpenAI's reason)."""
+    return "tool_calls" if calls and reason == "stop" else finish_reason(reason)
+
+
+def tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
+def chat_choice(prep: Prepared, k: int, result) -> ChatChoice:
+    """One choice of a chat answer: its text, or (with tools) its content and tool calls."""
+    if prep.tools is None:
+        return ChatChoice(index=k, message=AssistantMessage(content=result.text),
+                          finish_reason=finish_reason(result.finish_reason))
+    parsed = parse_tool_calls(result.text, prep.tools.names)
+    calls = [tool_call_out(c) for c in parsed.calls]
+    message = AssistantMessage(content=parsed.content if calls else result.text, tool_calls=calls or None)
+    return ChatChoice(index=k, message=message, finish_reason=tool_finish_reason(result.finish_reason, calls))
+
+
 def usage(prompt_lens: list[int], results: list) -> Usage:
     p = sum(prompt_lens)
     c = sum(len(r.tokens) for r in results if r is not None)
@@ -111,12 +133,23 @@ def sse(obj: BaseModel | dict, exclude: set[str] | None = None) -> str:
 
 
 class Chunks:
-    """The SSE chunks of one streamed answer."""
+    """The SSE chunks of one streamed answer.  With tools, a choice's content goes through a
+    ``ToolTextFilter`` (what may be a tool call is held back) and its calls are sent whole, in one
+    ``tool_calls`` delta before its last chunk."""
 
     def __init__(self, prep: Prepared, rid: str, created: int, model_name: str) -> None:
         self.prep, self.chat = prep, prep.kind == "chat"
         self.common = dict(id=rid, created=created, model=model_name)
         self.exclude = None if prep.include_usage else {"usage"}
+        self.filters: dict[int, ToolTextFilter] = {}
+
+    def _filter(self, k: int) -> ToolTextFilter | None:
+        tools = self.prep.tools if self.chat else None
+        if tools is None:
+            return None
+        if k not in self.filters:
+            self.filters[k] = ToolTextFilter(tools.names, hold_all=tools.constrained)
+        return self.filters[k]
 
     def _choice(self, k: int, text: str | None, finish: str | None = None, role: bool = False, **more) -> str:
         if self.chat:
@@ -133,11 +166,26 @@ class Chunks:
             return self._choice(k, self.prep.echo[k // self.prep.n])
         return None
 
-    def text(self, k: int, text: str) -> str:
+    def text(self, k: int, text: str) -> str | None:
+        f = self._filter(k)
+        if f is not None:
+            text = f.feed(text)
+            if not text:
+                return None
         return self._choice(k, text)
 
-    def finished(self, k: int, reason: str, stats: dict) -> str:
-        return self._choice(k, None if self.chat else "", finish_reason(reason), leapdecode=stats)
+    def finished(self, k: int, result, stats: dict) -> str:
+        f = self._filter(k)
+        if f is None:
+            return self._choice(k, None if self.chat else "", finish_reason(result.finish_reason), leapdecode=stats)
+        rest, calls = f.finish(result.text)
+        out = self._choice(k, rest) if rest else ""
+        if calls:
+            delta = ChatDelta(tool_calls=[ToolCallDelta(index=i, **tool_call_out(c).model_dump())
+                                          for i, c in enumerate(calls)])
+            out += sse(ChatCompletionChunk(**self.common, choices=[ChatChunkChoice(index=k, delta=delta)]),
+                       self.exclude)
+        return out + self._choice(k, None, tool_finish_reason(result.finish_reason, calls), leapdecode=stats)
 
     def usage(self, u: Usage, stats: dict) -> str:
         cls = ChatCompletionChunk if self.chat else CompletionChunk
@@ -191,9 +239,7 @@ async def _json_answer(events: JobEvents, prep: Prepared, rid: str, created: int
     common = dict(id=rid, created=created, model=model_name, usage=usage(prep.prompt_lens, results),
                   leapdecode=stats_field(prep, events.job, results))
     if prep.kind == "chat":
-        body = ChatCompletionResponse(**common, choices=[
-            ChatChoice(index=k, message=AssistantMessage(content=r.text), finish_reason=finish_reason(r.finish_reason))
-            for k, r in enumerate(results)])
+        body = ChatCompletionResponse(**common, choices=[chat_choice(prep, k, r) for k, r in enumerate(results)])
     else:
         body = CompletionResponse(**common, choices=[
             CompletionChoice(index=k, text=(prep.echo[k // prep.n] if prep.echo else "") + r.text,
@@ -213,12 +259,13 @@ async def _stream(events: JobEvents, ev: Event, chunks: Chunks, prep: Prepared) 
                 if piece:
                     yield piece
             elif isinstance(ev, Delta):
-                if ev.text:
-                    yield chunks.text(ev.index, ev.text)
+                piece = chunks.text(ev.index, ev.text) if ev.text else None
+                if piece:
+                    yield piece
             elif isinstance(ev, Finished):
                 results[ev.index] = ev.result
                 if ev.result.finish_reason != "cancelled":
-                    yield chunks.finished(ev.index, ev.result.finish_reason, stats_field(prep, job, [ev.result]))
+                    yield chunks.finished(ev.index, ev.result, stats_field(prep, job, [ev.result]))
             elif isinstance(ev, Failed):
                 over = True  # the engine stopped the job itself
                 yield sse(api_error(ev.error, ev.error_id).body())
