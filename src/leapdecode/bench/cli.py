@@ -38,8 +38,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--peers", default="",
                    help="comma-separated peers: hf (= hf, hf-assisted, hf-pld), llamacpp (= llamacpp, "
                         "llamacpp-pld), hf-generate (HF's plain generate alone), or single rows")
-    p.add_argument("--workload", help="Spec-Bench-format jsonl, or `humaneval` "
+    p.add_argument("--workload", help="Spec-Bench-format jsonl, `humaneval`, or `schemastore` (structured "
+                                      "output: SchemaStore's real-world JSON schemas, each output constrained "
+                                      "to its schema; needs the structured extra) "
                                       "(default: shared/data/spec_bench/questions_dev.jsonl)")
+    p.add_argument("--json-object", action="store_true",
+                   help="structured output: constrain every output to a JSON object (e.g. with "
+                        "--categories extraction); reports validity and the grammar engine's time")
     p.add_argument("--limit", type=int, help="number of questions, sampled stratified by category")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument("--seed", type=int, default=0, help="sampling of questions (and of tokens with --temperature)")
@@ -72,6 +77,7 @@ def config_from_args(a: argparse.Namespace):
         dtype=a.dtype, weights=a.weights, attention=a.attention, device=a.device, backend=a.backend, workload=a.workload, limit=a.limit,
         categories=_csv(a.categories) or None, seed=a.seed, max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, repeats=a.repeats, plots=not a.no_plots, progress=not a.no_progress,
+        json_object=a.json_object,
     )
     if a.demo:
         from ..models.registry import DEFAULT_MODEL

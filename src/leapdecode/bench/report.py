@@ -127,11 +127,40 @@ def markdown(summary: dict) -> str:
         "Peak RSS: the largest resident set size of the bench process sampled every 5 ms during a "
         "runner's generations (every loaded model counts, so it grows with each system loaded), "
         "not the increment of one run.")
+    if s.get("structured"):
+        lines += ["", *structured_lines(s["structured"])]
     if s.get("skipped"):
         lines += ["", "Skipped:", *[f"- {m}" for m in s["skipped"]]]
     if s.get("plots"):
         lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in s["plots"]]]
     return "\n".join(lines) + "\n"
+
+
+def _share(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f}%"
+
+
+def structured_lines(g: dict) -> list[str]:
+    """The structured-output section: schema support, compile time, validity, grammar time."""
+    lines = [
+        "## Structured output",
+        "",
+        f"- grammar engine: llguidance; schemas supported: {g['supported']} of {g['schemas']} "
+        f"({fmt_pct(100 * g['supported'] / g['schemas'] if g['schemas'] else None)}); compile time p50 "
+        f"{fmt_f(g['compile_ms_p50'])} ms, p95 {fmt_f(g['compile_ms_p95'])} ms",
+        "",
+        "| runner | outputs | ended (EOS) | valid of ended | cut by the token limit | grammar us/token "
+        "| grammar share of wall |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in g["rows"]:
+        lines.append(f"| {r['runner']} | {r['outputs']} | {r['ended']} | {r['valid']}/{r['ended']} "
+                     f"| {r['cut_by_limit']} | {fmt_f(r['grammar_us_per_token'], 1)} "
+                     f"| {_share(r['grammar_share_of_wall'])} |")
+    lines += ["", "Valid: the output parses as JSON and validates against its schema (`jsonschema`); an "
+              "output cut by the token limit is incomplete and not counted. Grammar time: masks, draft "
+              "pruning, forced drafts and state moves (leapdecode), or the logits processor (hf)."]
+    return lines
 
 
 def print_table(summary: dict, console) -> None:
@@ -145,6 +174,14 @@ def print_table(summary: dict, console) -> None:
     for r in rows:
         t.add_row(*r)
     console.print(t)
+    g = summary.get("structured")
+    if g:
+        console.print(f"structured output: {g['supported']}/{g['schemas']} schemas supported, compile p50 "
+                      f"{fmt_f(g['compile_ms_p50'])} ms", markup=False, highlight=False)
+        for r in g["rows"]:
+            console.print(f"  {r['runner']}: valid {r['valid']}/{r['ended']} ended, {r['cut_by_limit']} cut by the "
+                          f"limit, grammar {fmt_f(r['grammar_us_per_token'], 1)} us/token "
+                          f"({_share(r['grammar_share_of_wall'])} of wall)", markup=False, highlight=False)
 
 
 # --------------------------------------------------------------------------- plots

@@ -1,7 +1,7 @@
 """Runners: leapdecode's methods and the peer systems behind one interface.
 
-``runner.run(prompt_ids, max_new_tokens, temperature, seed) -> RunOutput``: decode from
-the given prompt token ids (every runner gets the same ids, so token ids can be compared
+``runner.run(prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput``: decode from
+the given prompt token ids (under ``structure``, ``compile_constraint``'s keywords, when given) (every runner gets the same ids, so token ids can be compared
 with vanilla's) and report the generated ids without the end-of-sequence token, the wall
 time of the whole call, the target's forward passes where known, and the peak resident
 memory sampled during the call.
@@ -10,7 +10,8 @@ Peers:
 
 * ``hf``, ``hf-assisted``, ``hf-pld``: transformers ``generate`` on the same converted
   weights, dtype and device (greedy; with ``assistant_model`` = the draft; with
-  ``prompt_lookup_num_tokens=10``);
+  ``prompt_lookup_num_tokens=10``); under a structure, with a logits processor running the same
+  grammar engine (``GrammarLogitsProcessor``: llguidance through ``strategies/grammar.py``);
 * ``llamacpp``, ``llamacpp-pld``: llama-cpp-python on the model's GGUF (quantized weights,
   so its tokens may differ from vanilla's), greedy and with ``LlamaPromptLookupDecoding``.
 """
@@ -57,6 +58,7 @@ class RunOutput:
     peak_rss_mb: float | None = None
     peak_gpu_mb: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    constraint_s: float | None = None  # time in the grammar engine (structured runs)
 
     @property
     def new_tokens(self) -> int:
@@ -146,17 +148,17 @@ class Runner:
         self.device = device or torch.device("cpu")
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-            seed: int | None = None) -> RunOutput:
+            seed: int | None = None, structure: dict | None = None) -> RunOutput:
         with PeakMemory(self.device) as mem:
             synchronize(self.device)
             t0 = time.perf_counter()
-            out = self._run(prompt_ids, max_new_tokens, temperature, seed)
+            out = self._run(prompt_ids, max_new_tokens, temperature, seed, structure)
             synchronize(self.device)
             out.wall_s = time.perf_counter() - t0
         out.peak_rss_mb, out.peak_gpu_mb = mem.peak_rss_mb, mem.peak_gpu_mb
         return out
 
-    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:  # pragma: no cover
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:  # pragma: no cover
         raise NotImplementedError
 
     def close(self) -> None:
@@ -194,13 +196,14 @@ class LeapdecodeRunner(Runner):
             if "draft" in fields and name is not None and name not in drafts:
                 drafts[name] = self.runner.draft(name)
 
-    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:
         from ..api import start_generation
 
         res = start_generation(self.runner, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
-                               temperature=temperature, seed=seed, method=self.config).run()
+                               temperature=temperature, seed=seed, method=self.config, **(structure or {})).run()
         return RunOutput(tokens=list(res.tokens), wall_s=0.0, target_forwards=res.stats.get("target_forwards"),
-                         text=res.text, finish_reason=res.finish_reason, extra={"stats": res.stats})
+                         text=res.text, finish_reason=res.finish_reason, extra={"stats": res.stats},
+                         constraint_s=res.stats.get("constraint_s"))
 
 
 def _strip_eos(ids: list[int], eos: set[int]) -> tuple[list[int], str]:
@@ -247,7 +250,17 @@ class _HFShared:
         self.draft_arg = draft_arg if draft_arg is not None else loaded.draft_name
         self._model = None
         self._assistant = None
+        self._grammar_runner = None
         self.forwards = 0
+
+    def constraint(self, structure: dict):
+        """A fresh grammar constraint for one generation (llguidance, as leapdecode's own rows)."""
+        from ..core.runner import ModelRunner
+        from ..strategies.grammar import compile_constraint
+
+        if self._grammar_runner is None:
+            self._grammar_runner = ModelRunner(self.loaded, prefix_cache_bytes=0)
+        return compile_constraint(self._grammar_runner, **structure)
 
     def _load(self, path: Path):
         from transformers import AutoModelForCausalLM, GenerationConfig
@@ -298,7 +311,7 @@ class HFRunner(Runner):
             self.shared.assistant
 
     @torch.inference_mode()
-    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:
         eos = sorted(self.eos)
         # the same end-of-sequence set as leapdecode (chat models end turns with <|im_end|> etc.)
         kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=eos or None,
@@ -311,6 +324,12 @@ class HFRunner(Runner):
             kwargs["assistant_model"] = self.shared.assistant
         elif self.name == "hf-pld":
             kwargs["prompt_lookup_num_tokens"] = PLD_TOKENS
+        processor = None
+        if structure:
+            from transformers import LogitsProcessorList
+
+            processor = GrammarLogitsProcessor(self.shared.constraint(structure), len(prompt_ids))
+            kwargs["logits_processor"] = LogitsProcessorList([processor])
         model = self.shared.model
         ids = torch.tensor([prompt_ids], device=self.device)
         self.shared.forwards = 0
@@ -318,7 +337,46 @@ class HFRunner(Runner):
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
         new = out[0, len(prompt_ids):].tolist()
         tokens, finish = _strip_eos(new, self.eos)
-        return RunOutput(tokens=tokens, wall_s=0.0, target_forwards=self.shared.forwards, finish_reason=finish)
+        return RunOutput(tokens=tokens, wall_s=0.0, target_forwards=self.shared.forwards, finish_reason=finish,
+                         text=self.shared.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+                         if structure else "",
+                         constraint_s=processor.seconds if processor is not None else None)
+
+
+class GrammarLogitsProcessor:
+    """A transformers logits processor that masks the scores with the grammar state after the
+    tokens generated so far (the same llguidance constraint leapdecode uses).  It follows
+    ``input_ids`` wherever they go (assisted generation re-scores candidates and drops rejected
+    ones): the constraint is moved to the new tokens by popping to the common prefix."""
+
+    def __init__(self, constraint, prompt_len: int) -> None:
+        self.constraint = constraint
+        self.prompt_len = prompt_len
+        self.pushed: list[int] = []
+        self.seconds = 0.0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        c = self.constraint
+        new = input_ids[0, self.prompt_len:].tolist()
+        common = 0
+        while common < min(len(new), len(self.pushed)) and new[common] == self.pushed[common]:
+            common += 1
+        if len(self.pushed) > common:
+            c.pop(len(self.pushed) - common)
+            del self.pushed[common:]
+        for t in new[common:]:
+            if c.is_eos(t) or not c.allows(t):
+                break  # a rejected candidate's tail: never scored as a prefix of the output
+            c.push(t)
+            self.pushed.append(t)
+        mask = c.mask().to(scores.device)
+        vocab = min(scores.shape[-1], mask.shape[0])
+        out = scores.clone()
+        out[..., :vocab] = scores[..., :vocab].masked_fill(~mask[:vocab], float("-inf"))
+        out[..., vocab:] = float("-inf")
+        self.seconds += time.perf_counter() - t0
+        return out
 
 
 class LlamaCppRunner(Runner):
@@ -340,7 +398,9 @@ class LlamaCppRunner(Runner):
                          seed=0, **kwargs)
         self.eos.add(int(self.llm.token_eos()))
 
-    def _run(self, prompt_ids, max_new_tokens, temperature, seed) -> RunOutput:
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:
+        if structure:
+            raise SkipPeer(f"{self.name}: structured output is not benchmarked on llama.cpp here")
         self.llm.reset()
         if seed is not None and hasattr(self.llm, "set_seed"):
             self.llm.set_seed(seed)

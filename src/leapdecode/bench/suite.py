@@ -7,12 +7,13 @@ first turn is the history every runner gets for the second turn), ``repeats`` ti
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import InvalidParameterError, LeapdecodeError
 from . import report, stats
@@ -44,6 +45,7 @@ class BenchConfig:
     out: Path = Path("bench_out")
     plots: bool = True
     progress: bool = True
+    json_object: bool = False  # constrain every output to a JSON object (structured output)
 
 
 def validate_methods(methods: list[str]) -> list[str]:
@@ -107,11 +109,22 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     except ValueError as e:
         raise InvalidParameterError(str(e)) from None
     questions, workload_desc = load_workload(cfg.workload)
-    questions = select(questions, cfg.limit, cfg.categories, cfg.seed)
+    if cfg.json_object:
+        for q in questions:
+            q.meta.setdefault("json_schema", {"type": "object"})
+    structured = any("json_schema" in q.meta for q in questions)
 
     t_start = time.perf_counter()
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights,
                   attention=cfg.attention)
+    grammar: dict[str, Any] = {}
+    if structured:  # compile every schema once: what the engine supports, and how fast
+        questions, grammar = compile_structures(loaded, questions, cfg.categories)
+        note(f"structured output: the grammar engine supports {grammar['supported']} of {grammar['schemas']} "
+             f"schemas (compile p50 {grammar['compile_ms_p50']} ms)")
+        if not questions:
+            raise LeapdecodeError("no question's schema is supported by the grammar engine")
+    questions = select(questions, cfg.limit, cfg.categories, cfg.seed)
     drafts: dict = {}
     runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget, drafts=drafts)
                              for m in methods]
@@ -123,7 +136,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     first = encode_turn(loaded, questions[0], [], questions[0].turns[0])
     for r in list(runners):
         try:
-            r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed)
+            r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed, structure_of(questions[0]))
         except LeapdecodeError:
             raise
         except Exception as e:
@@ -168,7 +181,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                     for r in list(runners):
                         progress.update(task, description=f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
                         try:
-                            res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed)
+                            res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed, structure_of(q))
                         except LeapdecodeError:
                             raise
                         except Exception as e:
@@ -198,6 +211,9 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                             "finish_reason": res.finish_reason,
                             "peak_rss_mb": res.peak_rss_mb,
                             "peak_gpu_mb": res.peak_gpu_mb,
+                            **({"valid": output_valid(res.text, q.meta["json_schema"])
+                                if res.finish_reason == "stop" else None,
+                                "constraint_s": res.constraint_s} if "json_schema" in q.meta else {}),
                         })
                         progress.advance(task)
                 if failed:
@@ -215,6 +231,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         raise LeapdecodeError("no prompt could be benchmarked: " + "; ".join(notes[-3:]))
 
     summary = stats.summarize(records, order=order)
+    if structured:
+        summary["structured"] = {**grammar, "rows": structured_rows(records, order)}
     summary.update({
         "model": loaded.name, "backend": loaded.backend, "dtype": str(loaded.dtype).replace("torch.", ""), "weights": loaded.weights,
         "attention": getattr(loaded.model, "attention", "-"), "batch_invariant": batch_invariant(loaded),
@@ -238,6 +256,70 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     report.write_json(out / "summary.json", summary)
     report.write_text(out / "report.md", report.markdown(summary))
     return summary
+
+
+def structure_of(q: Question) -> dict | None:
+    """``compile_constraint`` keywords for a question's output (None: free text)."""
+    return {"json_schema": q.meta["json_schema"]} if "json_schema" in q.meta else None
+
+
+def compile_structures(loaded, questions: list[Question], categories: list[str] | None):
+    """The questions whose schema the grammar engine supports, and compile statistics."""
+    from ..core.runner import ModelRunner
+    from ..errors import GrammarError
+    from ..strategies.grammar import compile_constraint
+
+    if categories:
+        questions = [q for q in questions if q.category in set(categories)]
+    runner = ModelRunner(loaded, prefix_cache_bytes=0)
+    compile_constraint(runner, json_schema={"type": "object"})  # builds the tokenizer view once
+    kept, times, refused = [], [], 0
+    for q in questions:
+        if "json_schema" not in q.meta:
+            kept.append(q)
+            continue
+        t0 = time.perf_counter()
+        try:
+            compile_constraint(runner, json_schema=q.meta["json_schema"])
+        except GrammarError:
+            refused += 1
+            continue
+        times.append(time.perf_counter() - t0)
+        kept.append(q)
+    times.sort()
+    pct = (lambda p: round(1e3 * times[min(len(times) - 1, int(p * len(times)))], 2)) if times else (lambda p: None)
+    return kept, {"schemas": len(times) + refused, "supported": len(times), "refused": refused,
+                  "compile_ms_p50": pct(0.5), "compile_ms_p95": pct(0.95)}
+
+
+def output_valid(text: str, schema: dict) -> bool:
+    """The output parses as JSON and validates against the schema (``jsonschema``)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+    return True
+
+
+def structured_rows(records: list[dict], order: list[str]) -> list[dict]:
+    """Per runner: outputs that ended (EOS) and those valid among them, outputs cut by the token
+    limit, and the grammar engine's time per generated token and as a share of the wall time."""
+    out = []
+    for name in order:
+        rs = [r for r in records if r["method"] == name and "valid" in r]
+        if not rs:
+            continue
+        ended = [r for r in rs if r["valid"] is not None]
+        grammar_s = [r["constraint_s"] for r in rs if r.get("constraint_s") is not None]
+        tokens = sum(r["new_tokens"] for r in rs if r.get("constraint_s") is not None)
+        wall = sum(r["wall_s"] for r in rs if r.get("constraint_s") is not None)
+        out.append({"runner": name, "outputs": len(rs), "ended": len(ended),
+                    "valid": sum(1 for r in ended if r["valid"]), "cut_by_limit": len(rs) - len(ended),
+                    "grammar_us_per_token": round(1e6 * sum(grammar_s) / tokens, 1) if tokens else None,
+                    "grammar_share_of_wall": round(sum(grammar_s) / wall, 4) if wall else None})
+    return out
 
 
 def batch_invariant(loaded) -> bool:

