@@ -13,9 +13,12 @@ and its statistics (``mean_accepted``: tokens emitted per target forward, ``toke
 another gets a 400.
 
 Differences from OpenAI worth knowing: greedy decoding is ``temperature: 0``
-(OpenAI's default temperature, 1, is kept); logprobs, tools, logit_bias and
-presence/frequency penalties are not supported (400).  Errors are OpenAI error
-objects ``{"error": {"message", "type", "param", "code"}}`` (``errors.py``).
+(OpenAI's default temperature, 1, is kept); logprobs, logit_bias, the deprecated
+``functions`` and presence/frequency penalties are not supported (400).  Tools
+(``tools``, ``tool_choice``) work where the model's chat template reads ``tools``, in the
+Hermes ``<tool_call>`` format (``tools.py``); ``parallel_tool_calls`` defaults to one call.
+Errors are OpenAI error objects ``{"error": {"message", "type", "param", "code"}}``
+(``errors.py``).
 
 Where things are: ``protocol.py`` (request and response models), ``prepare.py`` (body limit,
 validation and tokenization, off the event loop), ``engine.py`` (the worker thread and its
