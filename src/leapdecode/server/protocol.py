@@ -221,13 +221,14 @@ class _Request(BaseModel):
     seed: Int | None = None
     stop: list[str] | None = None
     leapdecode: LeapdecodeExtension | None = None
+    # tool calling: validated by ChatCompletionRequest (a tuple of ``Tool``), refused by CompletionRequest
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     # OpenAI parameters this server does not implement: accepted only at their neutral values
     logprobs: Any = None
     top_logprobs: Any = None
-    tools: Any = None
     functions: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
