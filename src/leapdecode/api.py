@@ -17,6 +17,7 @@ from typing import Any
 from .core.config import MethodConfig
 from .core.constraint import Constraint
 from .core.generate import Generation, GenerationResult, check_max_new_tokens, check_stop, encode_prompt
+from .core.kv_policy import KVPolicy, parse_kv_policy
 from .core.runner import ModelRunner, runner_for
 from .core.sampling import SamplingParams
 from .errors import InvalidParameterError
@@ -41,6 +42,7 @@ def start_generation(
     options: dict[str, Any] | None = None,
     chat: bool | None = None,
     prompt_ids: list[int] | None = None,
+    kv_policy: str | KVPolicy | None = None,
     json_schema: Any = None,
     regex: str | None = None,
     grammar: str | None = None,
@@ -54,13 +56,19 @@ def start_generation(
     ``regex`` or ``grammar`` (Lark, as llguidance reads it, or GBNF).  The output then follows it,
     with every method giving vanilla constrained decoding's tokens (greedy) or distribution.
     ``constraint`` passes one already compiled instead (``strategies.grammar.compile_constraint``;
-    a server compiles while validating the request), used by this generation only."""
+    a server compiles while validating the request), used by this generation only.
+
+    ``kv_policy``: lossy KV-cache compression for long generations (``core/kv_policy.py``), a
+    spec string (``"streaming:sink=4,window=256"``, ``"h2o:budget=256,recent=32"``,
+    ``"snapkv:budget=256"``, ``"scope:prefill=256,decode=128"``, ``"expected:budget=256"``,
+    ``"int8"``) or a config object; None (the default): the exact, uncompressed cache."""
     if not isinstance(model, (LoadedModel, ModelRunner)):
         raise InvalidParameterError(f"model must be what leapdecode.load() returned, got {type(model).__name__}")
     params = SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
     check_max_new_tokens(max_new_tokens)
     stops = check_stop(stop)
     cfg = method_config(method, options)
+    policy = parse_kv_policy(kv_policy)
     runner = runner_for(model)
     if prompt_ids is not None:
         if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
@@ -81,7 +89,7 @@ def start_generation(
         constraint = compile_constraint(runner, json_schema=json_schema, regex=regex, grammar=grammar)
     proposer = build_proposer(cfg, runner)
     return Generation(runner, ids, params, proposer, method=cfg.method, max_new_tokens=max_new_tokens,
-                      stop=stops, tree_budget=cfg.tree_budget, constraint=constraint)
+                      stop=stops, tree_budget=cfg.tree_budget, kv_policy=policy, constraint=constraint)
 
 
 def generate(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> GenerationResult:

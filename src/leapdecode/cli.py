@@ -64,6 +64,11 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="random seed (sampling)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--kv-policy", metavar="SPEC",
+                   help="KV-cache compression for long generations. LOSSY: the output can change (every "
+                        "other option here is exact); off by default. streaming:sink=4,window=256 | "
+                        "h2o:budget=256,recent=32 | snapkv:budget=256 | scope:prefill=256,decode=128 | "
+                        "expected:budget=256 | int8 (docs/methods.md; native backend only)")
     s = p.add_argument_group("structured output (exact under every method; needs the 'structured' extra)")
     s.add_argument("--json-schema", metavar="FILE",
                    help="the output is JSON that validates against this JSON schema (a file, or - for stdin)")
@@ -99,10 +104,14 @@ def decoding_kwargs(a: argparse.Namespace) -> dict:
     options = method_options(a)
     method_config(a.method, options)  # unknown or invalid options fail here, before loading
     SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty, a.seed)
+    from .core.kv_policy import parse_kv_policy
+
+    kv_policy = parse_kv_policy(getattr(a, "kv_policy", None))  # a bad spec fails here, before loading
     check_max_new_tokens(a.max_new_tokens)
     return dict(method=a.method, options=options, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, typical_p=a.typical_p,
-                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, **structure_kwargs(a))
+                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
+                kv_policy=kv_policy, **structure_kwargs(a))
 
 
 def read_text_arg(flag: str, path: str) -> str:

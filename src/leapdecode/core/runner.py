@@ -88,8 +88,8 @@ class ModelRunner:
         self.memory = ProposerMemory(memory_entries)
         self.allow_draft_loading = allow_draft_loading
         self._drafts: dict[str, "LoadedModel"] = {}
-        self._idle: dict[int, list["KVCache"]] = {}  # id(decoder) -> free caches
-        self._busy: dict[int, int] = {}  # id(cache) -> id(decoder)
+        self._idle: dict[tuple[int, str], list["KVCache"]] = {}  # (id(decoder), kind) -> free caches
+        self._busy: dict[int, tuple[int, str]] = {}  # id(cache) -> (id(decoder), kind)
         self._verify_cost: "VerifyCost | None" = None
         self._lock = threading.Lock()
 
@@ -97,23 +97,29 @@ class ModelRunner:
         return f"ModelRunner({self.model.name!r}, drafts={sorted(self._drafts)}, busy_caches={len(self._busy)})"
 
     # ----------------------------------------------------------------- caches
-    def acquire_cache(self, model: "LoadedModel", max_len: int) -> "KVCache":
+    def acquire_cache(self, model: "LoadedModel", max_len: int, kind: str = "plain") -> "KVCache":
         """An empty cache for ``model`` (the target or a draft) with room for ``max_len`` tokens
-        (capped at the model's context), for the caller's use until ``release_cache``."""
+        (capped at the model's context), for the caller's use until ``release_cache``.  ``kind``:
+        ``"plain"``, or ``"int8"`` (an int8 KV-cache policy; native backend): idle caches are
+        reused only by a request for the same kind."""
         decoder = model.model
         want = slot_len(model, max_len)
+        pool = (id(decoder), kind)
         with self._lock:
-            idle = self._idle.setdefault(id(decoder), [])
+            idle = self._idle.setdefault(pool, [])
             cache = next((c for c in idle if c.max_len >= want), None)
             if cache is not None:
                 idle.remove(cache)
             elif idle and len(idle) >= IDLE_CACHES:
                 idle.pop(0)  # too small for this request: free one before allocating
         if cache is None:
-            cache = decoder.new_cache(batch_size=1, max_len=want)
+            if kind == "plain":
+                cache = decoder.new_cache(batch_size=1, max_len=want)
+            else:
+                cache = decoder.new_cache(batch_size=1, max_len=want, kind=kind)
         cache.reset()
         with self._lock:
-            self._busy[id(cache)] = id(decoder)
+            self._busy[id(cache)] = pool
         return cache
 
     def release_cache(self, cache: "KVCache") -> None:

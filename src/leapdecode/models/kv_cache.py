@@ -20,6 +20,30 @@ shape.  ``split_slots()`` turns a cache of ``batch`` rows into ``batch`` one-row
 caches over the same storage, each with its own length and tree: independent
 sequences in one allocation (the runner hands one slot to each generation in
 flight; a batched scheduler can run several slots in one forward).
+
+KV-cache compression (``core/kv_policy.py``, lossy, off by default) adds three things, each
+inert when unused:
+
+* ``keep(slots)`` evicts committed tokens: per (layer, kv head) it keeps the given committed
+  slots (the same count for every head, so ``length`` stays one number) and gathers them to
+  the front, in the order given.  Pending tree nodes are never touched (nothing may be
+  pending), so speculation works on a compressed cache as on a full one.
+* ``pos_offset``: the number of committed tokens evicted so far.  A token appended later gets
+  its true position (``length + pos_offset + depth``): keys are stored after rope, so a kept
+  key needs no re-rotation and every query meets every key at their original distance.  These
+  are the original positions, not StreamingLLM's positions within the cache: re-rotating the
+  kept keys to contiguous in-cache positions would cost a pass over the whole cache per
+  eviction, and the models leapdecode serves (Llama/Qwen2 with rope tables as long as their
+  context) are never asked for a position beyond the context they were trained on, since a
+  generation's true length is bounded by that context anyway.
+* ``observer``: when set (a callable ``observer(layer, q, keys)``), the native decoder calls it
+  after each layer's cache write with that forward's rope'd queries (``[B, heads, T, D]``) and
+  the keys it attends over; the policies that score tokens by attention read the queries there.
+  ``None`` (the default, a class attribute) costs one attribute test per layer.
+
+``Int8KVCache`` stores keys and values as int8 with one scale per (token, head) (symmetric
+absmax: ``scale = max|x| / 127``), dequantized for attention: 1 byte per element plus 4 bytes
+of scale per head and token, about half of bf16.
 """
 
 from __future__ import annotations
@@ -28,6 +52,9 @@ import torch
 
 
 class KVCache:
+    observer = None  # observer(layer, q, keys) after each layer's write (see the module docstring)
+    pos_offset = 0  # committed tokens evicted so far (``keep``): true position = slot + pos_offset
+
     def __init__(
         self,
         n_layers: int,
@@ -39,9 +66,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         max_pending: int = 256,
     ) -> None:
-        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._allocate((n_layers, batch_size, n_kv_heads, max_len, head_dim), dtype, device)
         self.max_len = max_len
         self.batch_size = batch_size
         self.device = torch.device(device)
@@ -51,6 +76,23 @@ class KVCache:
         self._depths: list[int] = []
         # ancestor-or-self relation among pending nodes, on the cache's device
         self._anc = torch.zeros(max_pending, max_pending, dtype=torch.bool, device=device)
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _storage(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds per-slot data (slot dimension 3): moved together."""
+        return self.k, self.v
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache's storage (all slots, in use or not)."""
+        return sum(t.numel() * t.element_size() for t in self._storage())
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.nbytes // self.max_len
 
     def split_slots(self) -> list["KVCache"]:
         """One-row caches over this cache's storage, one per batch row (views, no copy)."""
@@ -127,8 +169,9 @@ class KVCache:
                     anc[i] = anc[p - start]
             anc[i, node] = True
         self._anc[start : start + n_new, : start + n_new] = anc.to(self.device)
+        base = self.length + self.pos_offset  # the true position of the first pending slot
         positions = torch.tensor(
-            [self.length + d for d in self._depths[start:]], dtype=torch.long, device=self.device
+            [base + d for d in self._depths[start:]], dtype=torch.long, device=self.device
         )
         if chain:
             return positions, None
@@ -205,8 +248,8 @@ class KVCache:
             s_idx = torch.tensor([s for s, _ in moved], device=self.device)
             d_idx = torch.tensor([d for _, d in moved], device=self.device)
             # index_select first: sources may overlap destinations
-            self.k.index_copy_(3, d_idx, self.k.index_select(3, s_idx))
-            self.v.index_copy_(3, d_idx, self.v.index_select(3, s_idx))
+            for t in self._storage():
+                t.index_copy_(3, d_idx, t.index_select(3, s_idx))
         self.length += len(path)
         self._clear_pending()
 
@@ -224,7 +267,120 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
         self._clear_pending()
+        if self.observer is not None or self.pos_offset:
+            self.observer = None
+            self.pos_offset = 0
+
+    # ------------------------------------------------------------ compression
+    def layer_kv(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``[0, end)`` of one layer (``[B, H, n, D]``; default: the
+        committed slots), as attention sees them."""
+        end = self.length if end is None else end
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Evict committed tokens: keep, per (layer, kv head), the committed slots ``slots``
+        (``[layers, kv_heads, n]``, or ``[n]`` for the same slots everywhere; long, on the
+        cache's device) and gather them to slots ``[0, n)`` in the order given.  Nothing may be
+        pending.  ``pos_offset`` grows by the number evicted, so later tokens keep their true
+        positions."""
+        if self.n_pending:
+            raise ValueError("cannot evict while tree nodes are pending")
+        storage = self._storage()
+        layers, _, heads = storage[0].shape[:3]
+        if slots.dim() == 1:
+            slots = slots.view(1, 1, -1).expand(layers, heads, -1)
+        n = slots.shape[-1]
+        if slots.shape != (layers, heads, n):
+            raise ValueError(f"slots of shape {tuple(slots.shape)}; want [{layers}, {heads}, n] or [n]")
+        if n > self.length or (n and (int(slots.min()) < 0 or int(slots.max()) >= self.length)):
+            raise ValueError(f"slots to keep must be {n} <= {self.length} committed slots")
+        b = storage[0].shape[1]
+        for t in storage:
+            idx = slots[:, None, :, :, None].expand(layers, b, heads, n, t.shape[4])
+            t[:, :, :, :n] = t[:, :, :, : self.length].gather(3, idx)
+        self.pos_offset += self.length - n
+        self.length = n
 
     def _clear_pending(self) -> None:
         self._parents.clear()
         self._depths.clear()
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``,
+    ``scale = max|x| / 127`` (fp32, last dimension 1); an all-zero row gets scale 1."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8KVCache(KVCache):
+    """A ``KVCache`` whose keys and values are stored as int8 with an fp32 scale per (token, kv
+    head), dequantized to the model's dtype for attention (lossy: the round-trip error of an
+    element is at most half its row's scale, ``max|x| / 254``).  Batch size 1 only (the runner
+    hands out one-row caches); ``k``/``v`` do not exist here: read ``layer_kv``."""
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.dtype = dtype
+        self.kq = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.vq = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.ks = torch.ones(shape[:-1] + (1,), dtype=torch.float32, device=device)
+        self.vs = torch.ones(shape[:-1] + (1,), dtype=torch.float32, device=device)
+
+    def _storage(self) -> tuple[torch.Tensor, ...]:
+        return self.kq, self.vq, self.ks, self.vs
+
+    def split_slots(self) -> list["KVCache"]:
+        raise NotImplementedError("an int8 KV cache has one row; acquire one per sequence")
+
+    def _dequantized(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = (self.kq[layer, :, :, :end].float() * self.ks[layer, :, :, :end]).to(self.dtype)
+        v = (self.vq[layer, :, :, :end].float() * self.vs[layer, :, :, :end]).to(self.dtype)
+        return k, v
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        end = self.total
+        kq, ks = quantize_int8(k)
+        vq, vs = quantize_int8(v)
+        self.kq[layer, :, :, end - t : end] = kq
+        self.ks[layer, :, :, end - t : end] = ks
+        self.vq[layer, :, :, end - t : end] = vq
+        self.vs[layer, :, :, end - t : end] = vs
+        return self._dequantized(layer, end)
+
+    def layer_kv(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._dequantized(layer, self.length if end is None else end)
+
+    def committed_slice(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"slots [{start}, {stop}) are not committed (length {self.length})")
+        ks = [self._dequantized(layer, stop) for layer in range(self.kq.shape[0])]
+        k = torch.stack([a[:, :, start:] for a, _ in ks])
+        v = torch.stack([b[:, :, start:] for _, b in ks])
+        return k, v
+
+    def append_committed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[3]
+        if self.n_pending:
+            raise ValueError("cannot append committed tokens while tree nodes are pending")
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {n} tokens > capacity {self.max_len}")
+        s = slice(self.length, self.length + n)
+        self.kq[:, :, :, s], self.ks[:, :, :, s] = quantize_int8(k)
+        self.vq[:, :, :, s], self.vs[:, :, :, s] = quantize_int8(v)
+        self.length += n
+
+
+CACHE_KINDS = {"plain": KVCache, "int8": Int8KVCache}
+
+
+def cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          kind: str = "plain") -> int:
+    """Bytes one token takes in a cache of ``kind`` (all layers, keys and values)."""
+    if kind == "int8":
+        return n_layers * 2 * n_kv_heads * (head_dim + 4)
+    return n_layers * 2 * n_kv_heads * head_dim * dtype.itemsize

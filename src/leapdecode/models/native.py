@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import KVCache
+from .kv_cache import CACHE_KINDS, KVCache
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -222,6 +222,8 @@ class Block(nn.Module):
         b, _, t, _ = q.shape
         q_out = cfg.n_heads * cfg.head_dim
         keys, values = cache.write(layer, k, v)
+        if cache.observer is not None:  # a KV-cache policy reads the queries (core/kv_policy.py)
+            cache.observer(layer, q, keys)
         gqa = cfg.n_heads != cfg.n_kv_heads
         if rows is not None:
             # one query per call, over exactly its visible keys in cache order, all contiguous:
@@ -351,8 +353,12 @@ class NativeCausalLM(nn.Module):
     def n_layers(self) -> int:
         return self.cfg.n_layers
 
-    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
-        return KVCache(
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None, kind: str = "plain") -> KVCache:
+        """An empty cache; ``kind``: ``"plain"`` (the model's dtype) or ``"int8"``
+        (``kv_cache.Int8KVCache``, lossy: for an ``int8`` KV-cache policy)."""
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"unknown KV cache kind {kind!r}; use one of {', '.join(CACHE_KINDS)}")
+        return CACHE_KINDS[kind](
             self.cfg.n_layers,
             self.cfg.n_kv_heads,
             self.cfg.head_dim,

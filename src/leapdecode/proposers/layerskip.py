@@ -221,11 +221,12 @@ class LayerSkipProposer(Proposer):
         attends to the committed prefix before it and to itself.  Rolled back on exit."""
         model, cache = self.model, self.cache
         pos = cache.length - 1
+        true_pos = pos + cache.pos_offset  # its position (a KV-cache policy may have evicted earlier tokens)
         _, mask = cache.plan_append([-1] * rows, rows)
         try:
             mask[:, pos] = False  # the token's committed copy: its pending rows stand in for it
-            cos = model.rope_cos[pos : pos + 1].to(model.dtype)
-            sin = model.rope_sin[pos : pos + 1].to(model.dtype)
+            cos = model.rope_cos[true_pos : true_pos + 1].to(model.dtype)
+            sin = model.rope_sin[true_pos : true_pos + 1].to(model.dtype)
 
             def run_layer(i: int, states: torch.Tensor) -> torch.Tensor:
                 return model.layers[i](states[None], cos, sin, cache, i, mask)[0]

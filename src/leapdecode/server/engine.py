@@ -38,6 +38,7 @@ from ..core.batch import speculation_caps, step_batch
 from ..core.config import MethodConfig
 from ..core.constraint import Constraint
 from ..core.generate import cache_tokens
+from ..core.kv_policy import KVPolicy
 from ..core.runner import ModelRunner, slot_len
 from ..core.sampling import SamplingParams
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
@@ -100,10 +101,11 @@ class GenSpec:
     sampling: SamplingParams
     stop: list[str] | None = None
     constraint: Constraint | None = None  # structured output: this generation's own grammar state
+    kv_policy: KVPolicy | None = None  # lossy KV-cache compression (core/kv_policy.py); None: exact
 
     def start(self, runner: ModelRunner):
         return start_generation(runner, prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
-                                method=self.method, stop=self.stop, constraint=self.constraint,
+                                method=self.method, stop=self.stop, kv_policy=self.kv_policy, constraint=self.constraint,
                                 **self.sampling.as_dict())
 
 
@@ -162,13 +164,16 @@ class Running:
     reserved: int  # KV-cache bytes its slot holds
 
 
-def kv_bytes_per_token(model: "LoadedModel") -> int:
-    """Bytes of the target's KV cache per token (all layers, keys and values)."""
+def kv_bytes_per_token(model: "LoadedModel", kind: str = "plain") -> int:
+    """Bytes of the target's KV cache per token (all layers, keys and values); ``kind``: the cache
+    kind (``"int8"`` for an int8 KV-cache policy)."""
+    from ..models.kv_cache import cache_bytes_per_token
+
     decoder = model.model
     cfg = getattr(decoder, "cfg", None)
     if cfg is None:
         return 0
-    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * decoder.dtype.itemsize
+    return cache_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, decoder.dtype, kind)
 
 
 class Engine:
@@ -232,9 +237,14 @@ class Engine:
         return int(min(60, max(1, math.ceil(mean * waves))))
 
     def reservation(self, spec: GenSpec) -> int:
-        """KV-cache bytes a generation's slot takes (as ``Generation.start`` sizes it)."""
+        """KV-cache bytes a generation's slot takes (as ``Generation.start`` sizes it; a KV-cache
+        policy's slot is smaller: ``KVPolicy.cache_tokens``, and int8 takes fewer bytes a token)."""
         model = self.runner.model
-        return self._per_token * slot_len(model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens))
+        policy = spec.kv_policy
+        if policy is None:
+            return self._per_token * slot_len(model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens))
+        tokens = slot_len(model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens, policy))
+        return kv_bytes_per_token(model, policy.cache_kind) * tokens
 
     def submit(self, job: Job) -> None:
         need = sum(self.reservation(s) for s in job.specs)

@@ -132,7 +132,8 @@ def _tool_schema_error(runner: ModelRunner, calling: ToolCalling, error: Invalid
 
 def _specs(req, prompts: list[list[int]], max_new: list[int], runner: ModelRunner) -> list[GenSpec]:
     n = req.choices_per_prompt
-    specs = [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop)
+    specs = [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop,
+                     kv_policy=req.kv_policy)
              for p, ids in enumerate(prompts) for j in range(n)]
     structure = req.structure
     calling = req.tool_calling if isinstance(req, ChatCompletionRequest) else None
@@ -204,6 +205,9 @@ def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> P
         echo = texts if req.echo else None
         max_new = [max_new_tokens(req.requested_max_tokens, len(ids), model.max_seq_len,
                                   COMPLETION_DEFAULT_MAX_TOKENS, "prompt") for ids in prompts]
+    if req.kv_policy is not None and runner.model.backend != "native":
+        raise ApiError(400, f"kv_policy needs the native backend; this server runs {model.name} on the "
+                            f"{runner.model.backend!r} backend", param="leapdecode.kv_policy")
     return Prepared(kind=kind, request=req, prompt_lens=[len(p) for p in prompts], echo=echo,
                     specs=_specs(req, prompts, max_new, runner), draft=draft_in_use(req.method_config, runner),
                     tools=req.tool_calling if kind == "chat" else None)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, 
 from pydantic_core import PydanticCustomError
 
 from ..core.config import MethodConfig
+from ..core.kv_policy import KVPolicy, parse_kv_policy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
 from ..proposers.registry import DEFAULT_METHOD, METHODS, method_config, method_spec
@@ -113,6 +114,7 @@ class LeapdecodeExtension(BaseModel):
     min_p: Number | None = None
     typical_p: Number | None = None
     repetition_penalty: Number | None = None
+    kv_policy: Any = None  # lossy KV-cache compression: a spec string (core/kv_policy.py), parsed
     regex: str | None = None  # structured output: the completion matches this regex
     grammar: str | None = None  # structured output: Lark (llguidance) or GBNF grammar
 
@@ -129,6 +131,17 @@ class LeapdecodeExtension(BaseModel):
     @classmethod
     def _sampling(cls, v: Any, info: ValidationInfo) -> Any:
         return _check_sampling(info.field_name, v)
+
+    @field_validator("kv_policy", mode="before")
+    @classmethod
+    def _kv_policy(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, str):
+            raise verbatim(f"leapdecode.kv_policy must be a spec string such as 'h2o:budget=256,recent=32', "
+                           f"got {_shown(v)}")
+        try:
+            return parse_kv_policy(v)
+        except InvalidParameterError as e:
+            raise verbatim(f"leapdecode.kv_policy: {e}") from None
 
 
 def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> MethodConfig:
@@ -361,6 +374,11 @@ class _Request(BaseModel):
     @property
     def method_config(self) -> MethodConfig:
         return self._method_config
+
+    @property
+    def kv_policy(self) -> KVPolicy | None:
+        """The request's KV-cache policy (lossy; None: the exact cache)."""
+        return self.leapdecode.kv_policy if self.leapdecode is not None else None
 
     @property
     def include_usage(self) -> bool:
