@@ -378,6 +378,15 @@ def test_grammar_accepts_exactly_hermes_calls():
                 one.replace("<tool_call>\n", "")):
         assert not accepts(required, bad), bad
     assert call_schema(tools[1:])["properties"]["arguments"] == tools[1].parameters
+    # a parameters schema with its own $defs: its references still resolve once it is embedded
+    units = {"$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object", "required": ["unit"],
+             "properties": {"unit": {"$ref": "#/$defs/Unit"}, "also": {"const": {"$ref": "#/x"}}}}
+    for calling in (ToolCalling((Tool("temp", None, units),), "required"),
+                    ToolCalling((Tool("temp", None, units), tools[1]), "required")):
+        good = '<tool_call>\n{"name": "temp", "arguments": {"unit": "f"}}\n</tool_call>'
+        assert accepts(calling, good) and not accepts(calling, good.replace('"f"', '"k"'))
+    assert call_schema([Tool("temp", None, units)])["properties"]["arguments"]["properties"]["also"] == \
+        {"const": {"$ref": "#/x"}}  # a value, not a reference
 
 
 def test_hermes_parser():

@@ -99,14 +99,38 @@ class ToolCalling:
 
 
 # ---------------------------------------------------------------------------- constrained calls
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its local references (``#/$defs/X``, ``#``) pointing into ``root``, where it
+    is embedded in a larger schema (a parameters schema's own ``$defs`` stay where they are)."""
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in ("const", "enum", "default", "examples"):  # values, not schemas
+            out[key] = value
+        else:
+            out[key] = _rebased(value, root)
+    return out
+
+
 def call_schema(tools: tuple[Tool, ...] | list[Tool]) -> dict:
     """The JSON schema of one Hermes call object to one of ``tools``."""
-    options = [{"type": "object",
-                "properties": {"name": {"const": t.name},
-                               "arguments": t.parameters if "type" in t.parameters else
-                               {"type": "object", **t.parameters}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    def arguments(t: Tool, root: str) -> dict:
+        params = _rebased(t.parameters, root)
+        return params if "type" in params else {"type": "object", **params}
+
+    if len(tools) == 1:
+        options = [(tools[0], "#/properties/arguments")]
+    else:
+        options = [(t, f"#/anyOf/{i}/properties/arguments") for i, t in enumerate(tools)]
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.name}, "arguments": arguments(t, root)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t, root in options]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {**schema, "x-guidance": dict(JSON_FORMAT)}
 
 
