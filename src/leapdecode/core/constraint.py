@@ -11,7 +11,9 @@ loop uses it three ways, all exact:
 * **pruning** (``prune_tree``): draft nodes the grammar forbids are removed with their subtrees
   before the verification forward, so no tree slot is spent on them.  A forbidden node that was
   *drawn* from a draft distribution (``sampled``) keeps its slot as a leaf: recursive rejection
-  sampling needs every draw, in order, to stay exact; only what hangs below it is cut;
+  sampling needs every draw, in order, to stay exact; only what hangs below it is cut.
+  Auxiliary nodes (lookahead's Jacobi branch) are never pruned.  The proposer still learns in its
+  own numbering: ``unprune`` maps the verdict, logits and hidden states back to the tree it built;
 * **forced tokens** (``forced``): where the grammar allows a single continuation (a fixed key
   name, punctuation), it proposes that chain itself, at no drafting cost; the verifier still
   decides (several tokenizations of the forced text may be allowed).
@@ -60,17 +62,22 @@ class Constraint(ABC):
         """Whether ``token`` ends the sequence (it is never pushed)."""
 
 
-def prune_tree(tree: TokenTree, constraint: Constraint) -> TokenTree:
-    """``tree`` without the nodes the grammar forbids (see the module docstring); the constraint's
-    state is unchanged on return."""
+def prune_tree(tree: TokenTree, constraint: Constraint) -> tuple[TokenTree, list[int] | None]:
+    """``tree`` without the nodes the grammar forbids (see the module docstring), and for each kept
+    node its index in ``tree`` (None when nothing was pruned: the same tree comes back); the
+    constraint's state is unchanged on return."""
     if not len(tree):
-        return tree
+        return tree, None
+    aux = tree.aux or [False] * len(tree)
     keep: list[bool] = [False] * len(tree)
     leaf_only: list[bool] = [False] * len(tree)  # a forbidden sampled draw: kept, its subtree cut
     path: list[int] = []  # nodes whose tokens are pushed, root's child first
     try:
         for i, p in enumerate(tree.parents):  # parents precede children: a depth-first-ish order
             if p >= 0 and (not keep[p] or leaf_only[p]):
+                continue
+            if aux[i]:  # never accepted, and its logits are the proposer's business
+                keep[i] = True
                 continue
             # move the grammar state to the end of the path to p
             target = tree.path_to(p) if p >= 0 else []
@@ -91,7 +98,7 @@ def prune_tree(tree: TokenTree, constraint: Constraint) -> TokenTree:
         if path:
             constraint.pop(len(path))
     if all(keep) and not any(leaf_only):
-        return tree
+        return tree, None
     new_index: dict[int, int] = {}
     out = TokenTree()
     for i in range(len(tree)):
@@ -104,7 +111,24 @@ def prune_tree(tree: TokenTree, constraint: Constraint) -> TokenTree:
             out.q[new_index[i]] = tree.q[i]
     if -1 in tree.q:
         out.q[-1] = tree.q[-1]
-    return out
+    return out, sorted(new_index)
+
+
+def unprune(tree: TokenTree, kept: list[int], accepted: list[int], logits: torch.Tensor,
+            hidden: list | None) -> tuple[list[int], torch.Tensor, list | None]:
+    """The verdict's accepted path, the logits ``[1 + len(pruned), V]`` and the hidden states
+    of a pruned tree's forward, renumbered for the unpruned ``tree`` (what its proposer built).
+    A pruned node never went through the forward: its rows repeat those of its nearest kept
+    ancestor (or the root's), a stand-in no verdict depends on."""
+    row_of = [0] * (1 + len(tree))  # original flattened row -> row of the pruned forward
+    new_of = {orig: new for new, orig in enumerate(kept)}
+    for i, p in enumerate(tree.parents):
+        row_of[i + 1] = new_of[i] + 1 if i in new_of else row_of[p + 1]
+    index = torch.tensor(row_of, device=logits.device)
+    logits = logits.index_select(0, index)
+    if hidden:
+        hidden = [h.index_select(1, index.to(h.device)) for h in hidden]
+    return [kept[a] for a in accepted], logits, hidden
 
 
 class RowMasks:

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
-from .constraint import Constraint, RowMasks, prune_tree
+from .constraint import Constraint, RowMasks, prune_tree, unprune
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy, PolicyState
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
 from .tree import TokenTree
-from .verifier import verify
+from .verifier import Verdict, verify
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -77,6 +77,8 @@ class Forward:
     prefill_key: bytes | None = None
     t0: float = 0.0
     proposed: bool = False  # the proposer drafted this step's tree (it then observes the verdict)
+    drafted: TokenTree | None = None  # the proposer's tree when the grammar pruned it (``tree``: what is verified)
+    kept: list[int] | None = None  # for each node of ``tree``, its index in ``drafted``
 
     @property
     def logits_for(self) -> slice | None:
@@ -383,9 +385,10 @@ class Generation:
             raise RuntimeError(f"proposer {proposer.name!r} left {cache.n_pending} nodes pending in the target's "
                                "cache; a proposer must roll back what it appends")
         tree = tree.truncated(max(budget, 0))
+        drafted, kept = tree, None
         if constraint is not None and len(tree):
             t1 = time.perf_counter()
-            tree = prune_tree(tree, constraint)
+            tree, kept = prune_tree(tree, constraint)
             t_grammar += time.perf_counter() - t1
         self._constraint_s += t_grammar
         hidden = [] if proposed and proposer.wants_hidden() else None
@@ -393,7 +396,8 @@ class Generation:
         flat = torch.tensor([tokens[-1]] + tree.tokens, device=self.model.device)
         self._draft_s += time.perf_counter() - t0
         return Forward(flat, None if chain else tree.flattened_parents(), tree=tree, hidden=hidden,
-                       t0=time.perf_counter(), proposed=proposed)
+                       t0=time.perf_counter(), proposed=proposed, drafted=drafted if kept is not None else None,
+                       kept=kept)
 
     def finish_forward(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
         """The second half of a step: ``logits`` (``[1, T, vocab]``) of ``work``'s forward."""
@@ -452,6 +456,9 @@ class Generation:
             self._history = torch.tensor(tokens, device=self.model.device)
         if work.proposed and finish is None:
             t2 = time.perf_counter()
+            if work.kept is not None:  # the grammar pruned the proposer's tree: its own numbering back
+                accepted, logits, hidden = unprune(work.drafted, work.kept, verdict.accepted, logits, hidden)
+                tree, verdict = work.drafted, Verdict(accepted, verdict.next_token, verdict.tokens)
             proposer.observe(tokens, tree, verdict, logits, hidden)
             self._draft_s += time.perf_counter() - t2
         detok = self._detok
