@@ -15,8 +15,10 @@ loop uses it three ways, all exact:
   Auxiliary nodes (lookahead's Jacobi branch) are never pruned.  The proposer still learns in its
   own numbering: ``unprune`` maps the verdict, logits and hidden states back to the tree it built;
 * **forced tokens** (``forced``): where the grammar allows a single continuation (a fixed key
-  name, punctuation), it proposes that chain itself, at no drafting cost; the verifier still
-  decides (several tokenizations of the forced text may be allowed).
+  name, punctuation), it proposes that chain itself, at no drafting cost: at the root instead of
+  the proposer, and below the deepest leaf of the proposer's tree (``extend_forced``: a drafted
+  `",` then the next key name); the verifier still decides (several tokenizations of the forced
+  text may be allowed).
 
 ``RowMasks`` hands the verifier the mask of each tree row lazily (the verifier only looks at rows
 along the path it walks), moving the grammar state along the tree with push/pop and restoring it
@@ -114,12 +116,47 @@ def prune_tree(tree: TokenTree, constraint: Constraint) -> tuple[TokenTree, list
     return out, sorted(new_index)
 
 
+def extend_forced(tree: TokenTree, constraint: Constraint, room: int) -> bool:
+    """Append, below the deepest allowed leaf of ``tree`` (in place), the tokens the grammar forces
+    after that leaf's path, at most ``room``; returns whether any were added."""
+    if room <= 0 or not len(tree):
+        return False
+    aux = tree.aux or [False] * len(tree)
+    has_child = set(tree.parents)
+    depths = tree.depths()
+    leaves = [i for i in range(len(tree)) if i not in has_child and not aux[i]]
+    if not leaves:
+        return False
+    leaf = max(leaves, key=lambda i: (depths[i], -i))
+    path = tree.path_to(leaf)
+    pushed = 0
+    try:
+        for node in path:
+            token = tree.tokens[node]
+            if constraint.is_eos(token) or not constraint.allows(token):
+                return False  # a forbidden sampled draw kept as a leaf: nothing follows it
+            constraint.push(token)
+            pushed += 1
+        forced = [t for t in constraint.forced(room)]
+    finally:
+        if pushed:
+            constraint.pop(pushed)
+    parent = leaf
+    for t in forced:
+        if constraint.is_eos(t):
+            break
+        parent = tree.add(t, parent, source="grammar")
+    return parent != leaf
+
+
 def unprune(tree: TokenTree, kept: list[int], accepted: list[int], logits: torch.Tensor,
             hidden: list | None) -> tuple[list[int], torch.Tensor, list | None]:
-    """The verdict's accepted path, the logits ``[1 + len(pruned), V]`` and the hidden states
-    of a pruned tree's forward, renumbered for the unpruned ``tree`` (what its proposer built).
-    A pruned node never went through the forward: its rows repeat those of its nearest kept
-    ancestor (or the root's), a stand-in no verdict depends on."""
+    """The verdict's accepted path, the logits ``[1 + len(verified), V]`` and the hidden states
+    of a pruned (or grammar-extended) tree's forward, renumbered for ``tree``, the tree its
+    proposer built.  ``kept[i]``: the index in ``tree`` of verified node ``i``; verified nodes past
+    ``len(kept)`` are the grammar's (``extend_forced``): the accepted path is cut where it enters
+    them.  A pruned node never went through the forward: its rows repeat those of its nearest
+    kept ancestor (or the root's), a stand-in no verdict depends on."""
     row_of = [0] * (1 + len(tree))  # original flattened row -> row of the pruned forward
     new_of = {orig: new for new, orig in enumerate(kept)}
     for i, p in enumerate(tree.parents):
@@ -128,7 +165,12 @@ def unprune(tree: TokenTree, kept: list[int], accepted: list[int], logits: torch
     logits = logits.index_select(0, index)
     if hidden:
         hidden = [h.index_select(1, index.to(h.device)) for h in hidden]
-    return [kept[a] for a in accepted], logits, hidden
+    path = []
+    for a in accepted:
+        if a >= len(kept):
+            break
+        path.append(kept[a])
+    return path, logits, hidden
 
 
 class RowMasks:

@@ -15,6 +15,7 @@ builds which proposer is decided a layer up (``leapdecode.api``, ``leapdecode.pr
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
-from .constraint import Constraint, RowMasks, prune_tree, unprune
+from .constraint import Constraint, RowMasks, extend_forced, prune_tree, unprune
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy, PolicyState
@@ -389,6 +390,11 @@ class Generation:
         if constraint is not None and len(tree):
             t1 = time.perf_counter()
             tree, kept = prune_tree(tree, constraint)
+            if proposed and len(tree) < budget:  # what the grammar forces after the drafted path
+                extended = tree if kept is not None else copy.deepcopy(tree)
+                if extend_forced(extended, constraint, budget - len(tree)):
+                    kept = kept if kept is not None else list(range(len(tree)))
+                    tree = extended
             t_grammar += time.perf_counter() - t1
         self._constraint_s += t_grammar
         hidden = [] if proposed and proposer.wants_hidden() else None
