@@ -6,6 +6,8 @@ import argparse
 import ipaddress
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import LeapdecodeError
 
@@ -19,7 +21,8 @@ def add_parser(subparsers) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve one model over an OpenAI-compatible API: /v1/models, /v1/completions, "
                     "/v1/chat/completions (streaming with stream: true), /health and /metrics (Prometheus). "
-                    "Requests run one at a time on a single engine thread behind a bounded queue.")
+                    "Requests are decoded together (continuous batching) on one engine thread behind a bounded "
+                    "queue. With --ray, several replicas of this server run behind Ray Serve (docs/ray.md).")
     add_model_args(p)
     p.add_argument("--draft", action="append", metavar="NAME",
                    help="draft model to load at start-up (repeatable; the first is the default of methods that "
@@ -62,6 +65,28 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", help="the model id clients use (default: the model's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-warmup", action="store_true", help="skip the one-token warm-up generation at start")
+    p.add_argument("--threads", type=int,
+                   help="torch threads (per replica with --ray; default: torch's own choice, with --ray this "
+                        "machine's cores // --max-replicas, at least 1)")
+    r = p.add_argument_group(
+        "scale-out on Ray Serve (needs the ray extra: pip install 'leapdecode[ray]'; see docs/ray.md)",
+        "With --ray, replicas of the same server run as Ray Serve replicas (each its own process, model, "
+        "KV caches and prefix cache) behind Ray Serve's HTTP proxy on --host/--port: same API, same paths. "
+        "Every other option applies to each replica.")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: a local Ray head on 127.0.0.1 (no dashboard), or the cluster "
+                        "at --ray-address; stays in the foreground until Ctrl-C, then shuts Serve down")
+    r.add_argument("--replicas", type=int,
+                   help="replicas started at once, and the fewest the autoscaler keeps (default: 1)")
+    r.add_argument("--max-replicas", type=int,
+                   help="the most replicas Ray Serve's autoscaler may run when every replica has a full batch "
+                        "in flight (default: --replicas, i.e. a fixed number)")
+    r.add_argument("--ray-address",
+                   help="an existing Ray cluster to deploy on: auto (the cluster `ray start` made on this "
+                        "machine), HOST:PORT of its head, or ray://HOST:10001 (default: start a local head)")
+    r.add_argument("--replica-cpus", type=float,
+                   help="Ray logical CPUs each replica reserves (scheduling only; fractions allowed; "
+                        "default: --threads)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -87,8 +112,65 @@ def default_drafts(model, method: str, options: dict, given: list[str] | None) -
     return []
 
 
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``leapdecode serve`` builds its app from, validated; picklable, so that each Ray
+    Serve replica builds the very same app in its own process (``ray_serve.py``)."""
+
+    model: str
+    load: dict[str, Any]  # load()'s keyword arguments: backend, dtype, device, weights, attention
+    method: str
+    options: dict[str, Any]  # the default method's options (--option)
+    drafts: list[str] | None  # --draft as given (None: the model's registered draft where the method uses one)
+    app: dict[str, Any] = field(default_factory=dict)  # create_app's other keyword arguments
+    warmup: bool = True
+    threads: int | None = None  # torch.set_num_threads before loading (None: leave torch's choice)
+
+    def build_app(self):
+        """Load the model and build the app (and warm it up): what a server or a replica runs."""
+        from ..api import generate
+        from ..models.loader import load
+        from .app import create_app
+
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        model = load(self.model, **self.load)
+        app = create_app(model, default_method=self.method, default_options=self.options,
+                         drafts=default_drafts(model, self.method, self.options, self.drafts), **self.app)
+        if self.warmup:  # allocates the caches and builds the default method; fails here, not on a request
+            generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
+        return app
+
+
+def check_ray_args(a: argparse.Namespace) -> None:
+    """The Ray options: only with --ray, and in range (defaults filled in here)."""
+    if not a.ray:
+        for flag, v in (("--replicas", a.replicas), ("--max-replicas", a.max_replicas),
+                        ("--ray-address", a.ray_address), ("--replica-cpus", a.replica_cpus)):
+            if v is not None:
+                raise LeapdecodeError(f"{flag} needs --ray")
+        return
+    a.replicas = 1 if a.replicas is None else a.replicas
+    if a.replicas < 1:
+        raise LeapdecodeError(f"--replicas must be >= 1, got {a.replicas}")
+    a.max_replicas = a.replicas if a.max_replicas is None else a.max_replicas
+    if a.max_replicas < a.replicas:
+        raise LeapdecodeError(f"--max-replicas ({a.max_replicas}) must be >= --replicas ({a.replicas})")
+    if a.ray_address is not None and not a.ray_address.strip():
+        raise LeapdecodeError("--ray-address must not be empty (use auto for the cluster on this machine)")
+    if a.threads is None:
+        a.threads = max(1, (os.cpu_count() or 1) // a.max_replicas)
+    if a.replica_cpus is None:
+        a.replica_cpus = float(a.threads)
+    if not a.replica_cpus > 0:
+        raise LeapdecodeError(f"--replica-cpus must be > 0, got {a.replica_cpus:g}")
+    if a.port == 0 and a.ray_address is not None:
+        raise LeapdecodeError("--port 0 (a free port) needs the local Ray head: give a port with --ray-address")
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
-    from ..cli import load_from_args
     from ..core.config import parse_option_assignments
     from ..proposers import method_config, method_spec
 
@@ -111,23 +193,36 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise LeapdecodeError(f"--request-timeout must be > 0, got {a.request_timeout}")
     if not 0 <= a.port <= 65535:
         raise LeapdecodeError(f"--port must be in 0..65535, got {a.port}")
+    if a.threads is not None and a.threads < 1:
+        raise LeapdecodeError(f"--threads must be >= 1, got {a.threads}")
+    check_ray_args(a)
+    if a.ray:
+        from . import ray_serve
 
-    from ..api import generate
-    from .app import create_app
+        ray_serve.require_ray()  # before anything starts
 
-    model = load_from_args(a)
-    app = create_app(model, default_method=a.method, default_options=options,
-                     drafts=default_drafts(model, a.method, options, a.draft), api_key=a.api_key,
-                     max_queue=a.max_queue, request_timeout=a.request_timeout, max_tokens_limit=a.max_tokens_limit,
-                     default_max_tokens=a.default_max_tokens, served_model_name=a.served_model_name,
-                     tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes, max_batch=a.max_batch,
-                     kv_budget_bytes=a.kv_budget_mib * 2**20, prefix_cache_bytes=a.prefix_cache_mib * 2**20,
-                     speculate_under_load=not a.no_speculation_under_load)
-    if not a.no_warmup:  # allocates the caches and builds the default method; fails here, not on a request
-        generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
+    settings = ServeSettings(
+        model=a.model, load=dict(dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights,
+                                 attention=a.attention),
+        method=a.method, options=options, drafts=a.draft, warmup=not a.no_warmup, threads=a.threads,
+        app=dict(api_key=a.api_key, max_queue=a.max_queue, request_timeout=a.request_timeout,
+                 max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
+                 served_model_name=a.served_model_name, tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes,
+                 max_batch=a.max_batch, kv_budget_bytes=a.kv_budget_mib * 2**20,
+                 prefix_cache_bytes=a.prefix_cache_mib * 2**20, speculate_under_load=not a.no_speculation_under_load))
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
+    if a.ray:
+        port = a.port or ray_serve.free_port(a.host)
+        scale = ray_serve.Scale(replicas=a.replicas, max_replicas=a.max_replicas, replica_cpus=a.replica_cpus,
+                                threads=a.threads)
+        return ray_serve.run(settings, scale, address=a.ray_address, host=a.host, port=port,
+                             max_batch=a.max_batch, max_queue=a.max_queue,
+                             model_name=a.served_model_name or a.model, log_level=a.log_level)
+
+    app = settings.build_app()
+    model = app.state.model
     drafts = ", ".join(app.state.runner.drafts) or "none"
     print(f"leapdecode: serving {app.state.config.model_name} ({model.backend}, {model.device}, "
           f"method {a.method}, drafts: {drafts}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
