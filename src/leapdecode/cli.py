@@ -164,6 +164,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     kwargs = decoding_kwargs(a)
     prompt = a.prompt if a.prompt != "-" else read_stdin_text()
+    if a.grammar_aligned is not None:
+        return grammar_aligned(a, kwargs, prompt)
     model = load_from_args(a)
     gen = start_generation(model, prompt, chat=a.chat, **kwargs)
     if a.json:
@@ -177,6 +179,34 @@ def cmd_generate(a: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         if a.stats:
             print(json.dumps(gen.result.stats), file=sys.stderr)
+    return 0
+
+
+def grammar_aligned(a: argparse.Namespace, kwargs: dict, prompt: str) -> int:
+    """``generate --grammar-aligned N``: N ASAp samples, one line each (a JSON object with --json)."""
+    structure = {k: kwargs[k] for k in ("json_schema", "regex", "grammar") if k in kwargs}
+    if a.grammar_aligned < 1:
+        raise LeapdecodeError(f"--grammar-aligned must be >= 1, got {a.grammar_aligned}")
+    if not structure:
+        raise LeapdecodeError("--grammar-aligned needs --json-schema, --json-object, --regex or --grammar")
+    if a.temperature <= 0:
+        raise LeapdecodeError("--grammar-aligned samples: give --temperature > 0")
+    plain = (a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty) == (0, 1.0, 0.0, 1.0, 1.0)
+    if not plain:
+        raise LeapdecodeError("--grammar-aligned supports --temperature only (no top-k/top-p/min-p/typical-p/"
+                              "repetition penalty)")
+    from .strategies.asap import ASApSampler
+
+    model = load_from_args(a)
+    sampler = ASApSampler(model, prompt, temperature=a.temperature, max_new_tokens=a.max_new_tokens,
+                          method=a.method, chat=a.chat, **structure)
+    for i in range(a.grammar_aligned):
+        res = sampler.sample(seed=None if a.seed is None else a.seed + i)
+        if a.json:
+            print(json.dumps({"text": res.text, "finish_reason": res.finish_reason,
+                              "grammatical_mass_estimate": sampler.efg}, ensure_ascii=False), flush=True)
+        else:
+            print(json.dumps(res.text, ensure_ascii=False), flush=True)
     return 0
 
 
@@ -298,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--json", action="store_true", help='print {"text", "tokens", "stats"} as one JSON object')
     g.add_argument("--stats", action="store_true", help="print generation statistics to stderr")
+    g.add_argument("--grammar-aligned", type=int, metavar="N",
+                   help="draw N samples with grammar-aligned sampling (ASAp, 2024: successive samples approach "
+                        "the model's distribution conditioned on the grammar, which plain constrained sampling "
+                        "does not); needs --temperature > 0 and a structured-output flag; one line per sample")
     g.add_argument("prompt", help="prompt text, or - to read stdin")
     g.set_defaults(func=cmd_generate)
 

@@ -63,6 +63,12 @@ class Constraint(ABC):
     def is_eos(self, token: int) -> bool:
         """Whether ``token`` ends the sequence (it is never pushed)."""
 
+    def bias(self) -> torch.Tensor | None:
+        """Log-weights added to the target's logits at the current state (``[vocab]`` float, before
+        the temperature; None: none).  Plain grammars have none; grammar-aligned sampling
+        (``strategies/asap.py``) reweights tokens by the estimated grammaticality of what follows."""
+        return None
+
 
 def prune_tree(tree: TokenTree, constraint: Constraint) -> tuple[TokenTree, list[int] | None]:
     """``tree`` without the nodes the grammar forbids (see the module docstring), and for each kept
@@ -190,7 +196,16 @@ class RowMasks:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def _mask(self, row: int) -> torch.Tensor:
+    def bias(self, row: int) -> torch.Tensor | None:
+        """The constraint's logit bias at ``row`` (None for plain grammars)."""
+        t0 = time.perf_counter()
+        try:
+            self._mask(row, mask=False)
+            return self.constraint.bias()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _mask(self, row: int, mask: bool = True) -> torch.Tensor | None:
         target = self.tree.path_to(row - 1) if row > 0 else []
         c, path = self.constraint, self.path
         common = 0
@@ -202,10 +217,10 @@ class RowMasks:
         for node in target[common:]:
             token = self.tree.tokens[node]
             if not c.allows(token) or c.is_eos(token):  # unreachable: the verifier never descends there
-                return torch.zeros_like(c.mask())
+                return torch.zeros_like(c.mask()) if mask else None
             c.push(token)
             path.append(node)
-        return c.mask()
+        return c.mask() if mask else None
 
     def close(self) -> None:
         if self.path:

@@ -25,7 +25,8 @@ root), it walks down from the root:
 
 ``allowed`` (optional) is the hook for constrained decoding: a bool vocabulary
 mask per row (``[rows, V]``), or a function ``row -> [V]`` mask that is asked
-only for the rows the walk visits (``core/constraint.py``'s ``RowMasks``).
+only for the rows the walk visits (``core/constraint.py``'s ``RowMasks``; its
+``bias(row)``, when not None, is added to that row's logits first).
 Tokens outside it get probability 0 for the target (the target's distribution
 restricted to the allowed tokens and renormalized, as vanilla constrained
 decoding samples), so drafts outside the constraint are never accepted.
@@ -75,12 +76,17 @@ def verify(
     if allowed is not None and not lazy:
         logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
 
+    row_bias = getattr(allowed, "bias", None) if lazy else None
+
     def row_logits(row: int) -> torch.Tensor:  # [1, V]: one row, masked when the mask is lazy
         out = logits[row : row + 1]
         if lazy:
             mask = allowed(row).to(out.device)
             if not bool(mask.any()):
                 raise ValueError(f"the constraint allows no token at tree row {row}")
+            bias = row_bias(row) if row_bias is not None else None
+            if bias is not None:  # grammar-aligned sampling's reweighting (strategies/asap.py)
+                out = out + bias.to(out.device, out.dtype)
             out = out.masked_fill(~mask, torch.finfo(out.dtype).min)
         return out
 
