@@ -26,6 +26,7 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..core.constraint import Constraint
@@ -56,19 +57,17 @@ class GrammarConstraint(Constraint):
         self.vocab_size = vocab_size
         self.eos_ids = sorted(t for t in eos_ids if 0 <= t < vocab_size)
         self.grammar_eos = grammar_eos
-        self._eos_index = torch.tensor(self.eos_ids, dtype=torch.long)
-        self._bit = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 
     def fork(self) -> "GrammarConstraint":
         """An independent copy in the same state (another generation under the same grammar)."""
         return GrammarConstraint(self.matcher.deep_copy(), self.vocab_size, set(self.eos_ids), self.grammar_eos)
 
     def mask(self) -> torch.Tensor:
-        raw = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        bits = raw[:, None].bitwise_and(self._bit).ne(0).reshape(-1)[: self.vocab_size].clone()
+        raw = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(raw, bitorder="little")[: self.vocab_size].view(np.bool_)  # a fresh array
         if self.eos_ids:
-            bits[self._eos_index] = bool(bits[self.grammar_eos]) if self.grammar_eos < self.vocab_size else False
-        return bits
+            bits[self.eos_ids] = bool(bits[self.grammar_eos]) if self.grammar_eos < self.vocab_size else False
+        return torch.from_numpy(bits)
 
     def allows(self, token: int) -> bool:
         if token in self.eos_ids:
