@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH)
-	$(BIN)/pip install -q -e ".[gguf,bench,server]"
+	$(BIN)/pip install -q -e ".[gguf,bench,server,structured]"
 	@touch $@
 
 install: $(STAMP)
@@ -22,7 +22,7 @@ install: $(STAMP)
 # the ray extra too, so that tests/test_ray_serve.py runs (measured 2026-11-23 on 2 cores: ~17 s to
 # install ray[serve] into an empty venv, ~30 s for the test; without ray it skips)
 $(VENV)/.installed-dev: $(STAMP)
-	$(BIN)/pip install -q -e ".[gguf,bench,server,ray,dev]"
+	$(BIN)/pip install -q -e ".[gguf,bench,server,structured,ray,dev]"
 	@touch $@
 
 install-dev: $(VENV)/.installed-dev
