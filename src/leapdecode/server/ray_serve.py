@@ -137,9 +137,11 @@ def deployment(settings: "ServeSettings", scale: Scale, max_batch: int, max_queu
         name=DEPLOYMENT_NAME,
         autoscaling_config=scale.autoscaling_config(max_batch),
         ray_actor_options={"num_cpus": scale.replica_cpus},
-        # a replica is given no more requests than it can hold (its batch and its queue); the
-        # rest wait in the proxy, at most --max-queue per replica that may exist, then are refused
-        max_ongoing_requests=max_batch + max_queue,
+        # a replica is given no more requests than its batch holds: the rest wait in the proxy,
+        # which hands each to the first replica with a free place (a burst sent to one replica's
+        # own queue would wait there while another replica idles); at most --max-queue waiting
+        # per replica that may exist, then they are refused
+        max_ongoing_requests=max_batch,
         max_queued_requests=max_queue * scale.max_replicas,
     )
     try:  # Ray Serve >= 2.5x: refuse those with 429 + Retry-After, as one server does, not 503
@@ -155,6 +157,19 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def serve_http_address() -> tuple[str, int] | None:
+    """The host and port Serve's proxies listen on (None where this Ray version does not say).
+
+    Serve's HTTP options are the cluster's: a Serve already running keeps its own."""
+    try:
+        from ray.serve.context import _get_global_client  # no public API gives them
+
+        cfg = _get_global_client().http_config
+        return str(cfg.host), int(cfg.port)
+    except Exception:
+        return None
 
 
 def _log(msg: str) -> None:
@@ -219,6 +234,11 @@ def _run(settings, scale: Scale, stop: threading.Event, on_signal, *, address, h
         stage = f"starting Serve's HTTP proxy on {host}:{port}"
         serve.start(http_options={"host": host, "port": port}, logging_config=serve_logging)
         check()
+        running = serve_http_address()
+        if running is not None and running != (host, port):  # Serve was already running on the cluster
+            _log(f"warning: Serve already runs on this cluster with its HTTP proxies on {running[0]}:{running[1]}; "
+                 f"--host/--port are not applied (`serve shutdown` first to change them)")
+            host, port = running
         stage = f"deploying {model_name}"
         _log(f"deploying {scale.replicas} replica(s) of {model_name} (at most {scale.max_replicas}; "
              f"{scale.threads} torch thread(s) and {scale.replica_cpus:g} Ray CPU(s) each)")
