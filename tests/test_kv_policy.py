@@ -618,3 +618,17 @@ def test_server_runs_a_kv_policy_as_the_api_does(q4):
             # tokens each step commits, so on the method (and on auto's measured tree sizes)
             want = generate(ModelRunner(q4), PROMPT, max_new_tokens=40, kv_policy=spec, method="vanilla")
             assert r.json()["choices"][0]["text"] == want.text, spec
+
+
+def test_methods_doc_lists_every_policy_and_option():
+    from pathlib import Path
+
+    from leapdecode.core.kv_policy import policies_markdown
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
+    begin, end = "<!-- kv-policies:begin -->\n", "\n<!-- kv-policies:end -->"
+    assert begin in text and end in text, "docs/methods.md lost its generated kv_policy section"
+    assert text[text.index(begin) + len(begin) : text.index(end)].strip() == policies_markdown().strip(), (
+        "docs/methods.md's kv_policy tables differ from the configs: regenerate them with "
+        "leapdecode.core.kv_policy.policies_markdown()")
+    assert "lossy" in text.lower() and "off by default" in text

@@ -29,7 +29,7 @@ The policies, from the literature:
   attention that decoding queries paid them: the paper's sliding selection of decoding-phase
   heavy hitters); the compressed prompt is never touched during decoding.
 * ``expected``: "Expected Attention: KV Cache Compression by Estimating Attention from Future
-  Queries Distribution" (Devoto et al., NVIDIA, 2025; kvpress's ``ExpectedAttentionPress``):
+  Queries Distribution" (NVIDIA, 2025; kvpress's ``ExpectedAttentionPress``):
   the recent queries before rope (their mean ``mu`` and covariance ``S`` per query head, the
   first ``sink`` positions left out) are rotated by the average rope rotation of the next
   ``future`` positions; a key's expected attention is the softmax over keys of
@@ -56,6 +56,14 @@ compressed cache (its tree is verified against the compressed context).  Tokens 
 original positions (``KVCache.pos_offset``: keys are stored after rope; see
 ``models/kv_cache.py``).  Invariants of every policy: the newest committed token is always
 kept, and all kept slots stay in their original order.
+
+Speculation under a policy: a step's tree is verified against the compressed cache and the
+policy runs after the step's commit, so the tokens one step commits all attended to the cache as
+it was before the step (and to each other).  The output under a policy therefore depends on how
+many tokens each step commits: a speculative method's output can differ from vanilla's under the
+same policy, and where tree sizes follow measured timings (``auto``, cost-aware trees) it can
+differ between runs.  Vanilla decoding under a policy is deterministic, and so is the batched
+engine's (``forward_batch`` gives each sequence its solo bits with the default kernels).
 
 A generation with a policy never reads or writes the runner's prefix cache (its keys and
 values are not the exact ones), and the HF backend does not support policies.  The state of a
@@ -242,7 +250,7 @@ class ScopeConfig(KVPolicy):
 class ExpectedAttentionConfig(KVPolicy):
     name: ClassVar[str] = "expected"
     paper: ClassVar[str] = ("Expected Attention: KV Cache Compression by Estimating Attention from Future "
-                            "Queries Distribution (Devoto et al., NVIDIA, 2025)")
+                            "Queries Distribution (NVIDIA, 2025; kvpress)")
     needs_queries: ClassVar[bool] = True
     budget: int = _opt(256, "most tokens kept", low=2)
     sink: int = _opt(4, "first tokens always kept (and left out of the query statistics)", low=0)
@@ -679,7 +687,7 @@ def policies_markdown() -> str:
     """The option table of every policy (docs/methods.md)."""
     out = []
     for name, cls in POLICIES.items():
-        out.append(f"### `{name}` ({cls.paper})\n")
+        out.append(f"#### `{name}`: {cls.paper}\n")
         rows = cls.options_table()
         if not rows:
             out.append("No options.\n")
