@@ -148,6 +148,8 @@ def test_hf_backend_is_refused(tiny):
     fake = LoadedModel(name="fake-hf", model=SimpleNamespace(backend="hf", max_seq_len=512), tokenizer=None)
     with pytest.raises(InvalidParameterError, match="kv_policy needs the native backend"):
         Generation(ModelRunner(fake), [1, 2, 3], SamplingParams(), kv_policy=H2OConfig(budget=8, recent=2))
+    with pytest.raises(InvalidParameterError, match="kv_policy needs the native backend"):  # before a draft loads
+        start_generation(ModelRunner(fake), prompt_ids=[1, 2, 3], method="draft", kv_policy="int8")
 
 
 # ============================================================================ 2. the cache

@@ -70,6 +70,9 @@ def start_generation(
     cfg = method_config(method, options)
     policy = parse_kv_policy(kv_policy)
     runner = runner_for(model)
+    if policy is not None and runner.model.backend != "native":  # before any draft model loads
+        raise InvalidParameterError(f"kv_policy needs the native backend ({runner.model.name} runs on "
+                                    f"{runner.model.backend!r})")
     if prompt_ids is not None:
         if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise InvalidParameterError("prompt_ids must be a list of token ids")
