@@ -10,8 +10,8 @@ engine thread, KV caches and prefix cache; ``/health`` and ``/metrics`` answer f
 the proxy picked (the ``x-leapdecode-replica`` response header names it).
 
 The deployment uses Ray Serve's documented way to serve an ASGI app built on the replica:
-``serve.ingress(builder)`` with a builder function, called when the replica starts (in Ray
-Serve since May 2025, ray-project/ray#52892).  Autoscaling bounds are Ray Serve's
+``serve.ingress(builder)`` with a builder function, called when the replica starts (added to Ray
+Serve in 2025 by ray-project/ray#52892; hence ``ray[serve]>=2.50``).  Autoscaling bounds are Ray Serve's
 ``autoscaling_config`` (``min_replicas = initial_replicas = --replicas``, ``max_replicas =
 --max-replicas``).  ``run`` starts a local Ray head on loopback (no dashboard, a small object
 store) unless given the address of an existing cluster, starts Serve's HTTP proxy on
