@@ -154,11 +154,13 @@ def structured_lines(g: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in g["rows"]:
-        lines.append(f"| {r['runner']} | {r['outputs']} | {r['ended']} | {r['valid']}/{r['ended']} "
+        checked = r["ended"] - r.get("unchecked", 0)
+        lines.append(f"| {r['runner']} | {r['outputs']} | {r['ended']} | {r['valid']}/{checked} "
                      f"| {r['cut_by_limit']} | {fmt_f(r['grammar_us_per_token'], 1)} "
                      f"| {_share(r['grammar_share_of_wall'])} |")
     lines += ["", "Valid: the output parses as JSON and validates against its schema (`jsonschema`); an "
-              "output cut by the token limit is incomplete and not counted. Grammar time: masks, draft "
+              "output cut by the token limit is incomplete and not counted, nor is one whose schema uses a "
+              "regex dialect Python's `re` cannot check. Grammar time: masks, draft "
               "pruning, forced drafts and state moves (leapdecode), or the logits processor (hf)."]
     return lines
 

@@ -213,6 +213,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                             "peak_gpu_mb": res.peak_gpu_mb,
                             **({"valid": output_valid(res.text, q.meta["json_schema"])
                                 if res.finish_reason == "stop" else None,
+                                "ended": res.finish_reason == "stop",
                                 "constraint_s": res.constraint_s} if "json_schema" in q.meta else {}),
                         })
                         progress.advance(task)
@@ -292,14 +293,23 @@ def compile_structures(loaded, questions: list[Question], categories: list[str] 
                   "compile_ms_p50": pct(0.5), "compile_ms_p95": pct(0.95)}
 
 
-def output_valid(text: str, schema: dict) -> bool:
-    """The output parses as JSON and validates against the schema (``jsonschema``)."""
+def output_valid(text: str, schema: dict) -> bool | None:
+    """The output parses as JSON and validates against the schema (``jsonschema``); None when
+    Python cannot check it (a pattern in an ECMA-262 regex dialect that ``re`` does not read)."""
+    import re
+
     import jsonschema
 
     try:
-        jsonschema.validate(json.loads(text), schema)
-    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        instance = json.loads(text)
+    except ValueError:
         return False
+    try:
+        jsonschema.validators.validator_for(schema)(schema).validate(instance)
+    except jsonschema.ValidationError:
+        return False
+    except (re.error, jsonschema.SchemaError):
+        return None
     return True
 
 
@@ -311,12 +321,14 @@ def structured_rows(records: list[dict], order: list[str]) -> list[dict]:
         rs = [r for r in records if r["method"] == name and "valid" in r]
         if not rs:
             continue
-        ended = [r for r in rs if r["valid"] is not None]
+        ended = [r for r in rs if r.get("ended", r["valid"] is not None)]
+        unchecked = sum(1 for r in ended if r["valid"] is None)
         grammar_s = [r["constraint_s"] for r in rs if r.get("constraint_s") is not None]
         tokens = sum(r["new_tokens"] for r in rs if r.get("constraint_s") is not None)
         wall = sum(r["wall_s"] for r in rs if r.get("constraint_s") is not None)
         out.append({"runner": name, "outputs": len(rs), "ended": len(ended),
-                    "valid": sum(1 for r in ended if r["valid"]), "cut_by_limit": len(rs) - len(ended),
+                    "valid": sum(1 for r in ended if r["valid"]), "unchecked": unchecked,
+                    "cut_by_limit": len(rs) - len(ended),
                     "grammar_us_per_token": round(1e6 * sum(grammar_s) / tokens, 1) if tokens else None,
                     "grammar_share_of_wall": round(sum(grammar_s) / wall, 4) if wall else None})
     return out

@@ -112,7 +112,9 @@ def check_json_schema(schema: Any) -> dict:
     except ImportError:
         raise MissingExtraError("JSON schemas need jsonschema: pip install 'leapdecode[structured]'") from None
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        # structure only: no format checks, since JSON Schema's patterns are ECMA-262 regexes that
+        # Python's re may not read (named groups "(?<name>...)"); the grammar engine judges those
+        jsonschema.validators.validator_for(schema).check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
