@@ -486,6 +486,17 @@ def test_a_policy_generation_leaves_the_prefix_cache_alone(tiny, fresh_runner):
     after = runner.prefix_cache.stats()
     assert res.stats["prefix_reused"] == 0
     assert (after["hits"], after["misses"], after["blocks"]) == (before["hits"], before["misses"], before["blocks"])
+    # the cache it gives back is clean for the next (plain) generation: no observer, no offset
+    runner = fresh_runner(lm)
+    gen = start_generation(runner, PROMPT, max_new_tokens=4, kv_policy="h2o:budget=64,recent=8", method="vanilla")
+    gen.run()
+    used = gen.cache
+    assert gen.result.stats["kv_evicted"] > 0  # its offset was not 0 when it gave the cache back
+    plain = start_generation(runner, "hi there", max_new_tokens=2, method="vanilla")
+    plain.start()
+    assert plain.cache is used  # the same slot, reused
+    assert plain.cache.observer is None and plain.cache.pos_offset == 0 and plain.cache.length == len(plain.prompt_ids) - 1
+    plain.close()
 
 
 def test_int8_generation_runs_and_holds_fewer_bytes(tiny, fresh_runner):
