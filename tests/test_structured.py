@@ -38,7 +38,8 @@
 7. Errors: invalid schemas, unsupported keywords, invalid regexes and grammars, several
    constraints at once, a compile that runs past its time limit: ``GrammarError`` /
    ``InvalidParameterError`` naming the problem, quickly.
-8. Bugs found (``xfail(strict=True)``, see their reasons).
+8. Bugs these tests found, now fixed: a sampled EOS draw accepted where the grammar may end,
+   GBNF grammars, languages with no string.
 9. Integration (``-m integration``): smollm2-135m extracts JSON from a chat prompt; vanilla,
    pld and auto give the same tokens and the output validates.
 """
@@ -403,11 +404,15 @@ def test_row_masks(state, data):
         if row > 0 and tree.aux[row - 1]:
             continue  # auxiliary rows: never verified (their tokens need not follow the grammar)
         expected = torch.zeros(TOY_V, dtype=torch.bool)
-        if all(t != TOY_EOS for t in path) and _extends(words, tuple(prefix) + tuple(path)):
-            ref = ToyConstraint(words)
-            for t in prefix + path:
-                ref.push(t)
-            expected = ref.mask()
+        before_eos = path[: path.index(TOY_EOS)] if TOY_EOS in path else path
+        if _extends(words, tuple(prefix) + tuple(before_eos)):
+            if TOY_EOS in path:  # below an accepted EOS draw the sequence is over: anything goes
+                expected = torch.ones(TOY_V, dtype=torch.bool)
+            else:
+                ref = ToyConstraint(words)
+                for t in prefix + path:
+                    ref.push(t)
+                expected = ref.mask()
         assert torch.equal(masks(row), expected), (row, path)
     masks.close()
     assert c.stack == prefix
@@ -1379,14 +1384,8 @@ def test_compiled_constraint_and_strings_not_both(tiny):
     assert (res.text, res.finish_reason) == ("ab", "stop")
 
 
-# ============================================================================ 8. bugs found
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG: a *sampled* draft node that is an EOS token, drawn where the grammar may end, is kept by "
-    "prune_tree (forbidden sampled draws stay as leaves: is_eos counts as forbidden) and accepted by "
-    "the verifier (the masked p allows EOS); the verifier then asks for the mask of the row below the "
-    "accepted EOS (to draw the next token), and RowMasks returns an all-False mask for a path through "
-    "an EOS -> ValueError 'the constraint allows no token at tree row N'"))
-def test_bug_sampled_eos_draft_is_accepted():
+# ============================================================================ 8. once bugs (found by these tests, fixed)
+def test_sampled_eos_draft_is_accepted_where_the_grammar_may_end():
     words = [(0,), (0, 1)]
     c = ToyConstraint(words)
     c.push(0)  # "0" is a word: EOS may come next (or 1)
@@ -1407,12 +1406,7 @@ def test_bug_sampled_eos_draft_is_accepted():
     assert v.tokens[0] == TOY_EOS
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "BUG (same as test_bug_sampled_eos_draft_is_accepted, end to end): method='draft' at temperature > 0 "
-    "under a grammar crashes with 'the constraint allows no token at tree row N' whenever the draft "
-    "samples an EOS token where the grammar may end (here a model whose EOS set includes its favourite "
-    "byte, so the draft draws it often; real models end JSON answers with an EOS the draft also predicts)"))
-def test_bug_draft_sampling_when_the_draft_samples_eos(tiny, fresh_runner):
+def test_draft_sampling_when_the_draft_samples_eos(tiny, fresh_runner):
     base = tiny(seed=0)
     ids = base.tokenizer.encode("hello")
     favourite = int(_logits_after(base, ids).argmax())
@@ -1424,31 +1418,20 @@ def test_bug_draft_sampling_when_the_draft_samples_eos(tiny, fresh_runner):
         assert re.fullmatch("[a-c]{0,2}", res.text)
 
 
-@pytest.mark.xfail(strict=True, raises=GrammarError, reason=(
-    "BUG: every GBNF grammar is refused: strategies/grammar.py calls ll.gbnf_to_lark(grammar), but "
-    "llguidance.gbnf_to_lark is a module (the function is llguidance.gbnf_to_lark.gbnf_to_lark) -> "
-    "GrammarError \"invalid GBNF grammar: 'module' object is not callable\""))
-def test_bug_gbnf_grammar(tiny):
+def test_gbnf_grammar(tiny):
     res = leapdecode.generate(tiny(seed=0), "hello", grammar='root ::= "yes" | "no"', max_new_tokens=5)
     assert res.text in ("yes", "no") and res.finish_reason == "stop"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a regex/grammar whose language is empty compiles without error; llguidance's matcher is "
-    "stopped at once (not accepting), its bitmask then allows only EOS, so generate returns '' with "
-    "finish_reason 'stop' although '' does not match; and GrammarConstraint.mask() allows EOS while "
-    "allows(EOS) (is_accepting) is False.  Expected: GrammarError (as for unsatisfiable JSON schemas)"))
 @pytest.mark.parametrize("regex", [r"a[^\x00-\x{10FFFF}]", r"[a&&b]"])
-def test_bug_empty_language(tiny, regex):
+def test_empty_language_is_refused(tiny, regex):
+    """A language with no string in it is refused when compiled: otherwise the matcher starts
+    stopped, its mask allows only EOS, and an empty output would claim to be complete."""
     runner = ModelRunner(tiny(seed=0))
-    try:
-        c = compile_constraint(runner, regex=regex)
-    except GrammarError:
-        return
-    eos = sorted(runner.model.eos_token_ids)
-    assert [bool(c.mask()[e]) for e in eos] == [c.allows(e) for e in eos]
-    res = leapdecode.generate(runner, "hello", regex=regex, max_new_tokens=5)
-    assert res.finish_reason != "stop", res.text  # nothing matches: no output may claim to be complete
+    with pytest.raises(GrammarError, match="matches nothing"):
+        compile_constraint(runner, regex=regex)
+    with pytest.raises(GrammarError):
+        leapdecode.generate(runner, "hello", regex=regex, max_new_tokens=5)
 
 
 # ============================================================================ 9. integration

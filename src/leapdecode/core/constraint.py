@@ -216,7 +216,11 @@ class RowMasks:
             del path[common:]
         for node in target[common:]:
             token = self.tree.tokens[node]
-            if not c.allows(token) or c.is_eos(token):  # unreachable: the verifier never descends there
+            if c.is_eos(token):
+                # an accepted EOS draw (sampling): the sequence ends there and the loop discards what
+                # the verifier draws below it, so any token will do
+                return torch.ones_like(c.mask()) if mask else None
+            if not c.allows(token):  # unreachable: the verifier never accepts a forbidden token
                 return torch.zeros_like(c.mask()) if mask else None
             c.push(token)
             path.append(node)

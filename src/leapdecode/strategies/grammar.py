@@ -141,8 +141,10 @@ def grammar_text(*, json_schema: Any = None, regex: str | None = None, grammar: 
     if not isinstance(grammar, str) or not grammar.strip():
         raise GrammarError(f"grammar must be a non-empty string, got {grammar!r:.80}")
     if "::=" in grammar:  # GBNF (llama.cpp): llguidance converts it to its Lark dialect
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
         try:
-            grammar = ll.gbnf_to_lark(grammar)
+            grammar = gbnf_to_lark(grammar)
         except Exception as e:  # the converter's own error types
             raise GrammarError(f"invalid GBNF grammar: {e}") from None
     return ll.LLMatcher.grammar_from_lark(grammar)
@@ -188,6 +190,9 @@ def compile_constraint(runner, *, json_schema: Any = None, regex: str | None = N
     if matcher.is_error():
         detail = " ".join(matcher.get_error().split())[:400] or "unknown error"
         raise GrammarError(f"the grammar engine refused it: {detail}")
+    matcher.compute_bitmask()  # the first mask tells whether anything can be generated at all
+    if matcher.is_stopped() and not matcher.is_accepting():
+        raise GrammarError("the grammar matches nothing (its language is empty)")
     model = runner.model
     eos = tok.eos_token if isinstance(getattr(tok, "eos_token", None), int) else model.tokenizer.eos_token_id
     return GrammarConstraint(matcher, model.model.vocab_size, set(model.eos_token_ids), int(eos))
