@@ -70,6 +70,18 @@ class Constraint(ABC):
         return None
 
 
+def rewind(constraint: Constraint, path: list[int], target: list[int]) -> int:
+    """Pop ``constraint`` (and ``path``, the tree nodes whose tokens are pushed) back to the longest
+    common prefix of ``path`` and ``target``; returns its length (``target[common:]`` is to push)."""
+    common = 0
+    while common < min(len(path), len(target)) and path[common] == target[common]:
+        common += 1
+    if len(path) > common:
+        constraint.pop(len(path) - common)
+        del path[common:]
+    return common
+
+
 def prune_tree(tree: TokenTree, constraint: Constraint) -> tuple[TokenTree, list[int] | None]:
     """``tree`` without the nodes the grammar forbids (see the module docstring), and for each kept
     node its index in ``tree`` (None when nothing was pruned: the same tree comes back); the
@@ -89,12 +101,7 @@ def prune_tree(tree: TokenTree, constraint: Constraint) -> tuple[TokenTree, list
                 continue
             # move the grammar state to the end of the path to p
             target = tree.path_to(p) if p >= 0 else []
-            common = 0
-            while common < min(len(path), len(target)) and path[common] == target[common]:
-                common += 1
-            if len(path) > common:
-                constraint.pop(len(path) - common)
-                del path[common:]
+            common = rewind(constraint, path, target)
             for node in target[common:]:
                 constraint.push(tree.tokens[node])
                 path.append(node)
@@ -208,12 +215,7 @@ class RowMasks:
     def _mask(self, row: int, mask: bool = True) -> torch.Tensor | None:
         target = self.tree.path_to(row - 1) if row > 0 else []
         c, path = self.constraint, self.path
-        common = 0
-        while common < min(len(path), len(target)) and path[common] == target[common]:
-            common += 1
-        if len(path) > common:
-            c.pop(len(path) - common)
-            del path[common:]
+        common = rewind(c, path, target)
         for node in target[common:]:
             token = self.tree.tokens[node]
             if c.is_eos(token):

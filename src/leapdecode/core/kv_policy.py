@@ -212,9 +212,14 @@ class SnapKVConfig(KVPolicy):
         return min(prompt_len, self.budget) + max_new_tokens
 
     def cache_tokens(self, prompt_len: int, max_new_tokens: int, margin: int) -> int:
-        # the whole prompt is in the cache before it is compressed
-        full = prompt_len + max_new_tokens + margin
-        return min(full, max(prompt_len, self.kept_tokens(prompt_len, max_new_tokens)) + margin)
+        return prompt_first_cache_tokens(self, prompt_len, max_new_tokens, margin)
+
+
+def prompt_first_cache_tokens(policy: KVPolicy, prompt_len: int, max_new_tokens: int, margin: int) -> int:
+    """Slots for a policy that compresses the prompt once it is whole (SnapKV, SCOPE): the whole
+    prompt is in the cache before it is compressed."""
+    full = prompt_len + max_new_tokens + margin
+    return min(full, max(prompt_len, policy.kept_tokens(prompt_len, max_new_tokens)) + margin)
 
 
 @dataclass(frozen=True)
@@ -242,8 +247,7 @@ class ScopeConfig(KVPolicy):
         return min(prompt_len, self.prefill) + min(max_new_tokens + 1, self.decode)
 
     def cache_tokens(self, prompt_len: int, max_new_tokens: int, margin: int) -> int:
-        full = prompt_len + max_new_tokens + margin
-        return min(full, max(prompt_len, self.kept_tokens(prompt_len, max_new_tokens)) + margin)
+        return prompt_first_cache_tokens(self, prompt_len, max_new_tokens, margin)
 
 
 @dataclass(frozen=True)
