@@ -85,7 +85,7 @@ class GrammarConstraint(Constraint):
     def forced(self, limit: int) -> list[int]:
         if limit <= 0:
             return []
-        return [t for t in self.matcher.compute_ff_tokens()[:limit]]
+        return list(self.matcher.compute_ff_tokens()[:limit])
 
     def is_eos(self, token: int) -> bool:
         return token in self.eos_ids
