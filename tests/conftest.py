@@ -175,3 +175,19 @@ def chi2_gof(observed, expected_probs, min_expected: float = 5.0) -> tuple[float
 def chi2():
     """``chi2(observed_counts, expected_probs, min_expected=5) -> (stat, df, p_value)``."""
     return chi2_gof
+
+
+def sampled_nodes_spy(gen) -> list[bool]:
+    """Wrap a generation's proposer so that ``result[0]`` says whether any tree it proposed had
+    sampled nodes (drawn from a draft distribution)."""
+    seen = [False]
+    if gen.proposer is not None:
+        propose = gen.proposer.propose
+
+        def spy(tokens, budget):
+            tree = propose(tokens, budget)
+            seen[0] |= any(tree.sampled)
+            return tree
+
+        gen.proposer.propose = spy
+    return seen

@@ -58,10 +58,10 @@ from hypothesis import strategies as st
 
 import leapdecode
 from leapdecode import ModelRunner, runner_for
-from leapdecode.core.generate import Generation
 from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
+from conftest import sampled_nodes_spy
 
 ALPHA = 0.01
 EXAMPLES = int(os.environ.get("LEAPDECODE_LOSSLESS_EXAMPLES", "150"))
@@ -389,21 +389,6 @@ def test_stop_strings_with_speculation(tiny, env):
 
 
 # ============================================================================ 2. sampling, fixed seed
-def _sampled_nodes_drafted(gen: Generation) -> list[bool]:
-    """Wrap the generation's proposer so that we learn whether any proposed tree had sampled nodes."""
-    seen = [False]
-    if gen.proposer is not None:
-        propose = gen.proposer.propose
-
-        def spy(tokens, budget):
-            tree = propose(tokens, budget)
-            seen[0] |= any(tree.sampled)
-            return tree
-
-        gen.proposer.propose = spy
-    return seen
-
-
 @pytest.mark.parametrize("method", list(METHODS))
 @seed(SEED)
 @settings(max_examples=max(EXAMPLES // 3, 10), **HSET)
@@ -421,7 +406,7 @@ def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
     while len(runs) < 2:
         options = {**method_inputs(method, env, case["draft_kind"]), "tree_budget": case["tree_budget"]}
         gen = leapdecode.start_generation(with_drafts(model, env), method=method, options=options, **kw)
-        sampled = _sampled_nodes_drafted(gen)
+        sampled = sampled_nodes_spy(gen)
         res = gen.run()
         check_stats(res, case["max_new_tokens"], case["tree_budget"], method, model)
         runs.append(res.tokens)

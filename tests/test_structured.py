@@ -74,6 +74,7 @@ from leapdecode.errors import GrammarError, InvalidParameterError
 from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
 from leapdecode.strategies.grammar import GrammarConstraint, compile_constraint
+from conftest import sampled_nodes_spy
 
 ALPHA = 0.01
 # a fixed seed and no example database: every run (and CI) sees the same examples
@@ -752,21 +753,6 @@ FIXED_REGEXES = [r"(ab|ba|aa)c", r"[a-z]{1,8}@[a-z]{2,5}\.(com|org)", r"\d{3}-\d
                  r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?", r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){0,2}"]
 
 
-def _sampled_nodes_spy(gen: Generation) -> list[bool]:
-    """Whether the generation's proposer drafted any sampled node."""
-    seen = [False]
-    if gen.proposer is not None:
-        propose = gen.proposer.propose
-
-        def spy(tokens, budget):
-            tree = propose(tokens, budget)
-            seen[0] |= any(tree.sampled)
-            return tree
-
-        gen.proposer.propose = spy
-    return seen
-
-
 def test_regex_outputs_match(tiny, fresh_runner):
     """Every output finishes and fully matches; a model-free method gives vanilla's tokens on the same
     seed, greedy or sampling (deterministic drafts take one draw per emitted token, as vanilla)."""
@@ -781,7 +767,7 @@ def test_regex_outputs_match(tiny, fresh_runner):
         kw = dict(regex=regex, max_new_tokens=120, temperature=temperature, seed=seed)
         want = leapdecode.generate(runners[which], prompt, method="vanilla", **kw)
         gen = leapdecode.start_generation(runners[which], prompt, method=method, **kw)
-        sampled = _sampled_nodes_spy(gen)
+        sampled = sampled_nodes_spy(gen)
         got = gen.run()
         for res in (want, got):
             assert res.finish_reason == "stop", (regex, res.text)
@@ -917,7 +903,7 @@ def test_sampling_same_seed_as_vanilla(tiny, fresh_runner, rest_datastore, metho
             runner = fresh_runner(tiny(seed=seed), verify_cost="flat")
             gen = leapdecode.start_generation(runner, prompt, method=method, max_new_tokens=MAX_NEW,
                                               options=_options(method, None, rest_datastore), **constraint, **params)
-            sampled = _sampled_nodes_spy(gen)
+            sampled = sampled_nodes_spy(gen)
             got = gen.run()
             if not sampled[0]:
                 assert got.tokens == want.tokens, (case, method, params, want.text, got.text)
