@@ -530,7 +530,10 @@ def test_policies_with_speculative_methods_keep_the_budget(tiny, fresh_runner, m
     runner = fresh_runner(lm, verify_cost="flat", drafts=drafts)
     gen = start_generation(runner, PROMPT, max_new_tokens=150, method=method, options=options, kv_policy=spec)
     tokens, _ = _run_tracking(gen, SMALL[spec])
-    assert len(tokens) == 150 and gen.result.stats["kv_evicted"] > 0
+    # under a policy a speculative method's text depends on how many tokens each step commits
+    # (kv_policy.py), and with lookahead that follows its n-gram pool: it may end by EOS earlier
+    assert len(tokens) == 150 or gen.result.finish_reason == "stop", (len(tokens), gen.result.finish_reason)
+    assert gen.result.stats["kv_evicted"] > 0  # the 360-token prompt alone exceeds every budget here
     assert gen.result.stats["target_forwards"] <= 150
     assert runner.caches_in_use == 0
 
