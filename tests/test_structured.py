@@ -357,8 +357,7 @@ def _check_extend_forced(state, room):
     for t in prefix:
         c.push(t)
     tree, _ = prune_tree(tree, c)
-    before = TokenTree(list(tree.tokens), list(tree.parents), list(tree.sampled), dict(tree.q),
-                       list(tree.sources), list(tree.aux))
+    before = tree.copy()
     added = extend_forced(tree, c, room)
     assert c.stack == prefix
     assert tree.tokens[: len(before)] == before.tokens and tree.parents[: len(before)] == before.parents

@@ -15,7 +15,6 @@ builds which proposer is decided a layer up (``leapdecode.api``, ``leapdecode.pr
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -391,7 +390,7 @@ class Generation:
             t1 = time.perf_counter()
             tree, kept = prune_tree(tree, constraint)
             if proposed and len(tree) < budget:  # what the grammar forces after the drafted path
-                extended = tree if kept is not None else copy.deepcopy(tree)
+                extended = tree if kept is not None else tree.copy()
                 if extend_forced(extended, constraint, budget - len(tree)):
                     kept = kept if kept is not None else list(range(len(tree)))
                     tree = extended

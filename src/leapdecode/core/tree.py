@@ -93,6 +93,12 @@ class TokenTree:
         """Parents in the verification forward, where index 0 is the root."""
         return [-1] + [p + 1 for p in self.parents]
 
+    def copy(self) -> "TokenTree":
+        """A tree that can grow without changing this one (the draft distributions are shared:
+        nodes are only ever added)."""
+        return TokenTree(list(self.tokens), list(self.parents), list(self.sampled), dict(self.q),
+                         list(self.sources), list(self.aux))
+
     def truncated(self, n: int) -> "TokenTree":
         """The first ``n`` nodes (parents always precede children, so this is a tree).
 
