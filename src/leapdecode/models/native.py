@@ -246,8 +246,9 @@ class Block(nn.Module):
     def one_query(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of one token's query heads (``[B, heads, 1, D]``) over ``keys``/``values``
         (``[B, kv_heads, n, D]``): the query heads that share a key head go in as that head's rows
-        of one call (no mask: they all see the same keys), which on the CPU is ~15x cheaper than
-        SDPA's ``enable_gqa`` for a single query (measured: 0.32 ms against 5 ms over 1600 keys)."""
+        of one call (no mask: they all see the same keys), which on the CPU is ~13x cheaper than
+        SDPA's ``enable_gqa`` for a single query (``scripts/attention_call_speed.py``; figures in
+        docs/benchmarks.md section 15)."""
         b, heads, _, d = q.shape
         kv = keys.shape[1]
         if heads == kv:
