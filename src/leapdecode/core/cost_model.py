@@ -104,8 +104,8 @@ PROFILE_MAX_AGE_S = 7 * 24 * 3600  # a stored profile older than this is measure
 
 
 def _profile_key(loaded) -> str | None:
-    """What a measured profile depends on: the model file, dtype, weight format, attention mode,
-    backend and the machine (processor or GPU, torch threads, torch version).  None for a model
+    """What a measured profile depends on: the model file, dtype, weight format (and the block
+    kernel's build), attention mode, backend and the machine (processor or GPU, torch threads, torch version).  None for a model
     with no file (built in-process)."""
     path = getattr(loaded, "path", None)
     if path is None:
@@ -115,6 +115,10 @@ def _profile_key(loaded) -> str | None:
     except OSError:
         return None
     fmt = f"{getattr(loaded, 'weights', '')}/{getattr(loaded.model, 'attention', '')}"
+    from ..models.qkernel import QLinear, build_key
+
+    if any(isinstance(m, QLinear) for m in getattr(loaded.model, "modules", list)()):
+        fmt += f"/qgemm-{build_key()}"  # a changed kernel is measured again
     return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, fmt, loaded.backend,
                               hardware_name(loaded.device), torch.get_num_threads(), torch.__version__)))
 

@@ -101,11 +101,17 @@ def _build(target: Path) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def build_key() -> str:
+    """What the compiled kernel depends on: its source, the flags and the CPU's flags (the name of
+    the cached library; also part of a measured cost profile's key, ``core/cost_model.py``)."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(CXXFLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CXXFLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"qgemm-{key}.so"
+    target = cache_dir() / "kernels" / f"qgemm-{build_key()}.so"
     if not target.is_file():
         _build(target)
     try:
