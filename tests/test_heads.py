@@ -527,3 +527,34 @@ def test_prompt_features_from_the_prefill(tiny, tmp_path, kind):
             assert o.error is None, o.error
     for p, x in zip(prompts, gens):
         assert x.result.tokens == vanilla(model, p, max_new_tokens=16).tokens
+
+
+def test_training_data_sources_chat_prompts_and_round_robin(tiny, tmp_path):
+    """A JSONL's ``chat`` lines are asked through the chat template; several sources share
+    --max-prompts and --text-chunks in turn."""
+    from leapdecode.core.generate import encode_prompt
+    from leapdecode.heads_train import ChatPrompt, Recipe, collect, encode_item, file_items, interleave
+
+    assert interleave([[1, 2, 3], [], ["a"]]) == [1, "a", 2, 3]
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"chat": "Say hi."}\n{"prompt": "def f():"}\n{"text": "x = 1\\n" }\n', encoding="utf-8")
+    prompts, texts = file_items(data)
+    assert prompts == [ChatPrompt("Say hi."), "def f():"] and texts == ["x = 1\n"]
+    model = tiny(seed=0)
+    chat = encode_item(model, ChatPrompt("Say hi."))
+    assert chat == encode_prompt(model, "Say hi.", chat=True) and chat != model.tokenizer.encode("Say hi.")
+    assert encode_item(model, "def f():") == model.tokenizer.encode("def f():")
+    other = tmp_path / "e.jsonl"
+    other.write_text("".join('{"prompt": "p%d"}\n' % i for i in range(5)), encoding="utf-8")
+    mine = tmp_path / "f.jsonl"
+    mine.write_text("".join('{"prompt": "q%d"}\n' % i for i in range(5)), encoding="utf-8")
+    seen: list[int] = []
+
+    def progress(name, total):
+        seen.append((name, total))
+        return lambda: None
+
+    got = collect(model, Recipe(kind="medusa", data=(str(other), str(mine)), max_prompts=4, gen_tokens=2,
+                                text_chunks=0), progress)
+    firsts = [model.tokenizer.decode(t[:2].tolist()) for t in got.tokens]
+    assert len(got.tokens) == 4 and [f[:2] for f in firsts] == ["p0", "q0", "p1", "q1"], firsts

