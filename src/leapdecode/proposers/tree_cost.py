@@ -1,0 +1,67 @@
+"""Cost-aware sizing of a drafted tree, for drafters that expand a tree level by level with a
+forward of their own per level (a draft model, an EAGLE head).
+
+Sequoia ("Sequoia: Scalable, Robust, and Hardware-aware Speculative Decoding", Chen et al., 2024)
+picks the tree that maximises expected accepted tokens per second on the hardware at hand;
+EAGLE-2 ("EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees", Li et al., 2024)
+shows that the drafter's own confidence tracks acceptance.  ``TreeSizer`` joins the two for
+greedy trees: a candidate's value is its path's calibrated acceptance probability (the drafter's
+probability of each node given its parent, mapped through ``AcceptanceCalibration`` learned from
+the verifier's verdicts), another level is drafted only while it is expected to raise the tokens
+per second of the step (the drafter's measured forward time against the target's measured
+verification cost, ``VerifyCost``), and the verified tree is the prefix of the best candidates
+that maximises that rate (``best_tree_size``).
+
+Only greedy trees are sized this way: any greedy tree gives vanilla's tokens, so timings may steer
+it; a seeded sampling run's trees must not depend on a clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..core.cost_model import AcceptanceCalibration, VerifyCost, best_tree_size
+
+
+class TreeSizer:
+    """Per drafter and target, kept in the runner's memory (``ctx.remember``) across generations:
+    the calibration and running means of the drafter's forward time and of the best child's
+    acceptance probability."""
+
+    def __init__(self) -> None:
+        self.calibration = AcceptanceCalibration()
+        self.forward_s: float | None = None
+        self.top_accept = 0.5
+
+    def log_accept(self, p: float) -> float:
+        """A node's contribution to its path's score: log P(accepted | parent accepted)."""
+        return math.log(self.calibration(p))
+
+    def note_forward(self, seconds: float, child_probs: list[float]) -> None:
+        """One drafter forward took ``seconds`` and gave children with these probabilities."""
+        self.forward_s = seconds if self.forward_s is None else 0.8 * self.forward_s + 0.2 * seconds
+        if child_probs:
+            self.top_accept = 0.9 * self.top_accept + 0.1 * self.calibration(max(child_probs))
+
+    def worth_expanding(self, scores: list[float], expand_scores: list[float], budget: int, spent: float,
+                        verify: VerifyCost) -> bool:
+        """Does one more level (each expanded node adding its best child, accepted with the running
+        mean probability of a best child) raise the expected tokens per second of the step?"""
+        if self.forward_s is None:
+            return True  # not measured yet: draft, and learn
+        probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
+        _, now = best_tree_size(probs, spent, verify)
+        more = sorted(probs + [math.exp(v) * self.top_accept for v in expand_scores], reverse=True)[:budget]
+        _, then = best_tree_size(more, spent + self.forward_s, verify)
+        return then > now
+
+    def keep(self, scores: list[float], budget: int, spent: float, verify: VerifyCost) -> int:
+        """How many of the best candidates to verify."""
+        probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
+        return best_tree_size(probs, spent, verify)[0]
+
+    def update(self, verified: list[tuple[float, bool]]) -> None:
+        """(drafter probability given the parent, accepted) of every verified node whose parent was
+        accepted (or is the root)."""
+        for p, ok in verified:
+            self.calibration.update(self.calibration.bin(p), ok)
