@@ -32,6 +32,8 @@ forwards one after the other (same results, no speed-up).
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -46,10 +48,26 @@ if TYPE_CHECKING:
 @dataclass
 class Outcome:
     """What one iteration did for one generation: its ``StepOutput`` (None: it did not run this
-    iteration, e.g. a prompt chunk that waits for the next one), or the error that ended it."""
+    iteration, e.g. a prompt chunk that waits for the next one), or the error that ended it.
+    ``drafted``: the draft nodes its decoding step verified (0: a plain step; None: no decoding
+    step ran, e.g. a prompt chunk); ``host_s``: seconds spent in its own halves of the step
+    (planning and proposing, then verifying, committing, observing, detokenizing)."""
 
     output: StepOutput | None = None
     error: BaseException | None = None
+    drafted: int | None = None
+    host_s: float = 0.0
+
+
+@dataclass
+class BatchTiming:
+    """What the batched forward of one ``step_batch`` held and how long it took (filled in when
+    a ``BatchTiming`` is passed; ``forward_s`` stays 0 when no batched forward ran or it failed)."""
+
+    forward_s: float = 0.0
+    items: int = 0  # forwards in the batch (sequences)
+    tree_rows: int = 0  # draft nodes (rows beyond each decoding step's root)
+    prefill_rows: int = 0  # prompt-chunk tokens beyond each chunk's first
 
 
 def speculation_caps(accept: Sequence[float | None], budgets: Sequence[int], fixed_rows: int,
@@ -93,7 +111,7 @@ def run_forwards(model, work: list[tuple[Generation, Forward]]) -> list[torch.Te
 
 
 def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = None,
-               max_prefill_chunks: int = 1) -> list[Outcome]:
+               max_prefill_chunks: int = 1, timing: BatchTiming | None = None) -> list[Outcome]:
     """One iteration over ``gens`` (all on one runner): each generation's next forward, run
     together; returns one ``Outcome`` per generation, in order.
 
@@ -101,28 +119,36 @@ def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = N
     ``max_prefill_chunks`` prompt chunks run (generations still prefilling beyond that wait, in
     order).  A generation that fails is reported in its ``Outcome`` and left finished; the others
     go on.  If the batched forward itself fails, each forward is retried alone, so that only the
-    generation at fault fails."""
+    generation at fault fails.  ``timing``: filled in with the batched forward's contents and
+    seconds (what ``SpeculationScheduler`` learns the forward's cost from)."""
     out = [Outcome() for _ in gens]
     work: list[tuple[int, Forward]] = []
     chunks = 0
+    clock = time.perf_counter
     for i, gen in enumerate(gens):
         if gen.prefilling:
             if chunks >= max_prefill_chunks:
                 continue
             chunks += 1
+        t0 = clock()
         try:
             nxt = gen.next_forward(None if caps is None else caps[i])
         except Exception as e:  # noqa: BLE001 - reported per generation
             out[i].error = e
             gen.abort()
             continue
+        finally:
+            out[i].host_s = clock() - t0
         if isinstance(nxt, StepOutput):
             out[i].output = nxt
         else:
             work.append((i, nxt))
+            if nxt.tree is not None:
+                out[i].drafted = len(nxt.tree)
     if not work:
         return out
     model = gens[work[0][0]].model
+    t0 = clock()
     try:
         logits = run_forwards(model, [(gens[i], f) for i, f in work])
     except Exception:  # noqa: BLE001 - find the one at fault: roll back, then one at a time
@@ -131,11 +157,266 @@ def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = N
             gens[i].cache.rollback()
             if f.hidden is not None:
                 f.hidden.clear()
+    if timing is not None and logits is not None:
+        timing.forward_s = clock() - t0
+        timing.items = len(work)
+        timing.tree_rows = sum(len(f.tree) for _, f in work if f.tree is not None)
+        timing.prefill_rows = sum(f.tokens.numel() - 1 for _, f in work if f.tree is None)
     for k, (i, f) in enumerate(work):
+        t1 = clock()
         try:
             lg = logits[k] if logits is not None else run_forwards(model, [(gens[i], f)])[0]
             out[i].output = gens[i].finish_forward(f, lg)
         except Exception as e:  # noqa: BLE001 - reported per generation
             out[i].error = e
             gens[i].abort()
+        out[i].host_s += clock() - t1
     return out
+
+
+# ---------------------------------------------------------------------------- the scheduler
+PROBE_ROWS = 4  # draft nodes a gated-off sequence is re-probed with
+PROBE_FIRST = 8  # its own plain steps before the first re-probe; the gap doubles after each
+PROBE_MAX = 64  # ... up to this
+SEEDED_PRIOR = 0.5  # a seeded sequence's per-token acceptance before it has drafted
+SEEDED_THRESHOLD = 0.5  # a seeded sequence drafts depth d while its p ** d reaches this
+
+
+class SequenceStats:
+    """What the scheduler knows of one generation: its recent acceptance (discounted hits and
+    trials of a chain model: a step that verified k nodes and accepted a adds a hits and a + 1
+    trials, or a trials when all k were accepted), its own decoding steps, and how long its
+    proposer takes."""
+
+    __slots__ = ("hits", "trials", "plain_run", "gap", "spec_host", "planned")
+
+    DISCOUNT = 0.8  # per speculative step: the last few steps dominate
+
+    def __init__(self) -> None:
+        self.hits = self.trials = 0.0
+        self.plain_run = 0  # decoding steps since it last verified a tree
+        self.gap = PROBE_FIRST  # plain steps before its next re-probe
+        self.spec_host: float | None = None  # discounted mean host seconds of its speculative steps
+        self.planned = ""  # "probe", "spec" or "" (plain): what the last plan gave it
+
+    def accept_rate(self, prior: float, weight: float = 1.5) -> float:
+        """Per-token acceptance ``p`` (of the chain model), pulled towards ``prior``."""
+        return min(max((self.hits + weight * prior) / (self.trials + weight), 0.01), 0.97)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        d = self.DISCOUNT
+        self.hits = d * self.hits + accepted
+        self.trials = d * self.trials + accepted + (1 if accepted < drafted else 0)
+
+
+def _gain(p: float, k: int) -> float:
+    """Expected accepted draft tokens of a chain of ``k`` with per-token acceptance ``p``."""
+    return p * (1.0 - p ** k) / (1.0 - p) if p < 1.0 else float(k)
+
+
+def _depth(p: float, threshold: float, budget: int) -> int:
+    """The number of depths d >= 1 with p ** d above ``threshold`` (at most ``budget``)."""
+    if budget < 1 or p <= threshold or threshold <= 0.0:
+        return budget if threshold <= 0.0 and p > 0.0 else 0
+    return min(budget, int(math.log(threshold) / math.log(p) + 1e-9))
+
+
+class SpeculationScheduler:
+    """Per-step draft tree sizes for a batch, from measured costs (TETRIS's objective,
+    "speculation that helps at batch 1 must not hurt throughput at batch 8").
+
+    Each iteration (``plan``) it chooses for every speculating generation a cap on its draft tree
+    (0: a plain step, and the proposer does not run at all) that maximises the iteration's
+    expected committed tokens per second:
+
+        (decoding sequences + sum_i gain_i(k_i)) / (forward(items, sum_i k_i) + host + sum_{k_i > 0} proposer_i)
+
+    with ``gain_i(k) = p_i + ... + p_i ** k`` (a chain model of acceptance, ``p_i`` sequence i's
+    recent per-token acceptance, pulled towards the pooled acceptance of the runner's recent
+    steps), ``forward`` the runner's online-measured batched cost (``cost_model.BatchCost``:
+    seconds per item, per draft row, per prefill row), ``host`` the measured per-sequence Python
+    work of a plain step and ``proposer_i`` the measured extra of a speculative step of sequence i
+    (proposing, tree verification, observing).  The ratio is maximised exactly (Dinkelbach's
+    iteration: at a rate ``r`` each sequence independently takes the k maximising
+    ``gain_i(k) - r * (row * k + proposer_i)``, then ``r`` is updated).  When no speculation's
+    expected gain pays for its rows and its proposer, the whole step is plain batched decoding.
+
+    A generation gated off is re-probed with ``PROBE_ROWS`` nodes after ``PROBE_FIRST`` of its own
+    plain steps, then after twice as many each time the probe does not bring it back: so it
+    returns when its text turns repetitive (code, lists, a quoted passage).
+
+    Seeded sampled generations are capped by a rule of their own history only (no clock, no
+    batch): depth d while ``p ** d >= SEEDED_THRESHOLD``, the prior ``SEEDED_PRIOR``, the same
+    probes.  Their trees, hence their random draws and texts, are then the same under load as
+    alone in the engine (the engine applies this rule at batch 1 too); every tree keeps the
+    sample exact.  Greedy output does not depend on the trees at all."""
+
+    POOL_DISCOUNT = 0.97
+    HOST_DISCOUNT = 0.9
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self._seqs: dict[int, tuple[Generation, SequenceStats]] = {}
+        self._pool_hits, self._pool_trials = 1.0, 2.0  # pooled acceptance, prior 0.5 worth two trials
+        self._plain_host: float | None = None  # per sequence, a plain decoding step's host seconds
+        self._spec_extra: float | None = None  # pooled: a speculative step's extra host seconds
+        self.counters = {"iterations": 0, "decode_steps": 0, "speculative_steps": 0, "draft_rows": 0,
+                         "probes": 0, "plain_iterations": 0}
+
+    # ------------------------------------------------------------------ state
+    def stats_for(self, gen: Generation) -> SequenceStats:
+        entry = self._seqs.get(id(gen))
+        if entry is None or entry[0] is not gen:
+            entry = self._seqs[id(gen)] = (gen, SequenceStats())
+        return entry[1]
+
+    def forget(self, gen: Generation) -> None:
+        """Drop what is kept about a generation that left the batch."""
+        entry = self._seqs.get(id(gen))
+        if entry is not None and entry[0] is gen:
+            del self._seqs[id(gen)]
+
+    @staticmethod
+    def seeded(gen: Generation) -> bool:
+        """A seeded sampled generation: its trees must not depend on the load or the clock."""
+        return not gen.params.greedy and gen.params.seed is not None
+
+    def pooled_rate(self) -> float:
+        return min(max(self._pool_hits / self._pool_trials, 0.01), 0.97)
+
+    def _extra(self, st: SequenceStats) -> float:
+        """Measured host seconds a speculative step of this sequence costs beyond a plain one."""
+        plain = self._plain_host or 0.0
+        spec = st.spec_host if st.spec_host is not None else (
+            plain + self._spec_extra if self._spec_extra is not None else None)
+        return max(spec - plain, 0.0) if spec is not None else 0.0
+
+    # ------------------------------------------------------------------- plan
+    def plan(self, gens: Sequence[Generation]) -> list[int | None]:
+        """Draft-tree caps for one ``step_batch`` over ``gens`` (None: not speculating).  Pure:
+        what a plan gave a generation is remembered, and counted by ``record`` only if its step
+        ran."""
+        caps: list[int | None] = [None] * len(gens)
+        spec = [i for i, g in enumerate(gens) if g.proposer is not None and not g.finished and g.tree_budget > 0]
+        for i in spec:
+            self.stats_for(gens[i]).planned = ""
+        if not spec:
+            return caps
+        decoding = sum(1 for g in gens if g.decoding)
+        prefilling = [g for g in gens if g.prefilling]
+        items = decoding + (1 if prefilling else 0)
+        prefill_rows = min(len(prefilling[0].prompt_ids) - 1, 256) - 1 if prefilling else 0
+        fixed_rows = 0
+        gain0 = 0.0
+        host0 = (self._plain_host or 0.0) * decoding
+        free: list[int] = []
+        for i in spec:
+            g = gens[i]
+            st = self.stats_for(g)
+            if self.seeded(g):
+                p = st.accept_rate(SEEDED_PRIOR)
+                k = _depth(p, SEEDED_THRESHOLD, g.tree_budget)
+                if k == 0 and st.plain_run >= st.gap:
+                    k, st.planned = min(g.tree_budget, PROBE_ROWS), "probe"
+                elif k:
+                    st.planned = "spec"
+                caps[i] = k
+                if k and g.decoding:
+                    fixed_rows += k
+                    gain0 += _gain(p, k)
+                    host0 += self._extra(st)
+            else:
+                free.append(i)
+        if not free:
+            return caps
+        cache = next(g.cache for g in gens if g.cache is not None) if any(g.cache is not None for g in gens) else None
+        cost = self.runner.batch_cost(cache) if cache is not None else None
+        pooled = self.pooled_rate()
+        rates = {i: self.stats_for(gens[i]).accept_rate(pooled) for i in free}
+        extra = {i: self._extra(self.stats_for(gens[i])) for i in free}
+        if cost is None:
+            chosen = {i: 0 for i in free}
+        else:
+            row = cost.row_seconds()
+            base_s = cost(max(items, 1), fixed_rows, max(prefill_rows, 0)) + host0
+            base_tokens = decoding + gain0
+            chosen = {i: 0 for i in free}
+            rate = base_tokens / base_s
+            for _ in range(8):  # Dinkelbach: converges in a few rounds
+                new = {}
+                for i in free:
+                    g, p = gens[i], rates[i]
+                    if not g.decoding:
+                        new[i] = 0
+                        continue
+                    k = _depth(p, rate * row, g.tree_budget)
+                    new[i] = k if k and _gain(p, k) - rate * (row * k + extra[i]) > 0.0 else 0
+                tokens = base_tokens + sum(_gain(rates[i], k) for i, k in new.items())
+                seconds = base_s + sum(row * k + extra[i] for i, k in new.items() if k)
+                nrate = tokens / seconds
+                done = new == chosen
+                chosen, rate = new, nrate
+                if done:
+                    break
+        for i in free:
+            g, st, k = gens[i], self.stats_for(gens[i]), chosen[i]
+            if k:
+                st.planned = "spec"
+            elif st.plain_run >= st.gap:
+                k, st.planned = min(g.tree_budget, PROBE_ROWS), "probe"
+            caps[i] = k
+        return caps
+
+    # ----------------------------------------------------------------- record
+    def record(self, gens: Sequence[Generation], outcomes: Sequence[Outcome], timing: BatchTiming | None) -> None:
+        """Learn from one ``step_batch``: the forward's cost, each sequence's acceptance and host
+        time, and the probes' schedule."""
+        self.counters["iterations"] += 1
+        if timing is not None and timing.items and timing.forward_s > 0.0:
+            cache = next((g.cache for g in gens if g.cache is not None), None)
+            if cache is not None:
+                self.runner.batch_cost(cache).observe(timing.items, timing.tree_rows, timing.prefill_rows,
+                                                      timing.forward_s)
+        any_spec = False
+        for g, o in zip(gens, outcomes):
+            if o.drafted is None or o.output is None:
+                continue
+            self.counters["decode_steps"] += 1
+            if g.proposer is None:
+                self._host(None, o.host_s)
+                continue
+            st = self.stats_for(g)
+            if o.drafted:
+                any_spec = True
+                self.counters["speculative_steps"] += 1
+                self.counters["draft_rows"] += o.drafted
+                if st.planned == "probe":
+                    self.counters["probes"] += 1
+                if not o.output.finished:  # a finished step's tokens may be cut short (EOS, length)
+                    accepted = min(max(len(o.output.tokens) - 1, 0), o.drafted)
+                    st.update(o.drafted, accepted)
+                    if not self.seeded(g):
+                        d = self.POOL_DISCOUNT
+                        self._pool_hits = d * self._pool_hits + accepted
+                        self._pool_trials = d * self._pool_trials + accepted + (1 if accepted < o.drafted else 0)
+                self._host(st, o.host_s)
+                st.plain_run = 0
+                # a probe that did not bring it back: wait twice as long for the next one
+                st.gap = min(st.gap * 2, PROBE_MAX) if st.planned == "probe" else PROBE_FIRST
+            else:
+                self._host(None, o.host_s)
+                st.plain_run += 1
+        for g in gens:
+            if g.finished:
+                self.forget(g)
+        if not any_spec:
+            self.counters["plain_iterations"] += 1
+
+    def _host(self, st: SequenceStats | None, seconds: float) -> None:
+        d = self.HOST_DISCOUNT
+        if st is None:
+            self._plain_host = seconds if self._plain_host is None else d * self._plain_host + (1 - d) * seconds
+            return
+        st.spec_host = seconds if st.spec_host is None else 0.5 * st.spec_host + 0.5 * seconds
+        extra = seconds - (self._plain_host or 0.0)
+        self._spec_extra = extra if self._spec_extra is None else d * self._spec_extra + (1 - d) * extra

@@ -33,7 +33,7 @@ from .prefix_cache import PrefixCache
 if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
     from ..models.loader import LoadedModel
-    from .cost_model import VerifyCost
+    from .cost_model import BatchCost, VerifyCost
 
 T = TypeVar("T")
 
@@ -93,6 +93,7 @@ class ModelRunner:
         self._busy: dict[int, tuple[int, str]] = {}  # id(cache) -> (id(decoder), kind)
         self._verify_cost: "VerifyCost | None" = None
         self._verify_cost_at = 0.0  # time.monotonic() when _verify_cost was obtained
+        self._batch_cost: "BatchCost | None" = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -153,6 +154,16 @@ class ModelRunner:
             self._verify_cost = verify_cost_for(self.model, cache)
             self._verify_cost_at = time.monotonic()
         return self._verify_cost
+
+    def batch_cost(self, cache: "KVCache") -> "BatchCost":
+        """The target's batched-forward cost (``cost_model.BatchCost``), measured online by the
+        batched scheduler; created on first use with the verification profile as its prior
+        (``cache``: as for ``verify_cost``)."""
+        from .cost_model import BatchCost
+
+        if self._batch_cost is None:
+            self._batch_cost = BatchCost(self.verify_cost(cache))
+        return self._batch_cost
 
     # ----------------------------------------------------------------- drafts
     def add_draft(self, name: str, draft: "LoadedModel") -> None:

@@ -39,13 +39,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 from ..api import start_generation
-from ..core.batch import speculation_caps, step_batch
+from ..core.batch import BatchTiming, SpeculationScheduler, speculation_caps, step_batch
 from ..core.config import MethodConfig
 from ..core.constraint import Constraint
 from ..core.generate import cache_tokens
 from ..core.kv_policy import KVPolicy
 from ..core.runner import ModelRunner, slot_len
 from ..core.sampling import SamplingParams
+from ..errors import InvalidParameterError
 from ..strategies.registry import StrategyConfig
 from ..strategies.search import TreeSearch, search_cache_tokens
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
@@ -202,19 +203,37 @@ class Engine:
     ``kv_budget_bytes`` of KV-cache slots (each generation's slot is reserved whole at admission:
     the prompt, ``max_tokens`` and the tree margin, so a running generation never runs out of
     cache and nothing is ever preempted; a job waits in the queue instead).  A job that could
-    never fit the budget fails with ``RequestTooLargeError`` (400) at submission."""
+    never fit the budget fails with ``RequestTooLargeError`` (400) at submission.
+
+    Draft trees under load (``speculate_under_load``): ``speculation="measured"`` (the default)
+    sizes every speculating generation's tree each iteration with ``core/batch.py``'s
+    ``SpeculationScheduler`` (from the forward's online-measured cost, each sequence's recent
+    acceptance and its proposer's measured time; a step where no draft pays is plain batched
+    decoding; seeded sampled generations by a rule of their own history, the same at batch 1);
+    ``"profile"`` is the earlier policy (``_caps``: ``speculation_caps`` from the single-sequence
+    verification profile, greedy and unseeded sampled generations only, from batch 2 on).
+    ``speculate_under_load=False``: every generation drafts its own full tree."""
+
+    SPECULATION_MODES = ("measured", "profile")
 
     def __init__(self, runner: ModelRunner, max_queue: int = 16, metrics=None, max_batch: int = 8,
-                 kv_budget_bytes: int | None = None, speculate_under_load: bool = True) -> None:
+                 kv_budget_bytes: int | None = None, speculate_under_load: bool = True,
+                 speculation: str = "measured") -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if speculation not in self.SPECULATION_MODES:
+            raise InvalidParameterError(f"speculation must be one of {', '.join(self.SPECULATION_MODES)}, "
+                                        f"got {speculation!r}")
         self.runner = runner
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else DEFAULT_KV_BUDGET
         self.speculate_under_load = speculate_under_load
+        self.speculation = speculation
+        # the load-adaptive tree sizes (None: full trees, or the profile policy)
+        self.scheduler = SpeculationScheduler(runner) if speculate_under_load and speculation == "measured" else None
         self.metrics = metrics
         self._per_token = kv_bytes_per_token(runner.model)
         self._pending: deque[Job] = deque()
@@ -417,8 +436,15 @@ class Engine:
         running = [r for r in everything if not isinstance(r.gen, TreeSearch)]
         if not running:
             return
-        caps = self._caps(running) if self.speculate_under_load and len(running) > 1 else None
-        outcomes = step_batch([r.gen for r in running], caps)
+        gens = [r.gen for r in running]
+        timing = None
+        if self.scheduler is not None:
+            caps, timing = self.scheduler.plan(gens), BatchTiming()
+        else:
+            caps = self._caps(running) if self.speculate_under_load and len(running) > 1 else None
+        outcomes = step_batch(gens, caps, timing=timing)
+        if self.scheduler is not None:
+            self.scheduler.record(gens, outcomes, timing)
         if self.metrics is not None:
             self.metrics.observe_step(len(running), sum(1 for o in outcomes if o.output is not None))
         done: list[Running] = []
@@ -490,7 +516,8 @@ class Engine:
                 self._end(job)
 
     def _caps(self, running: list[Running]) -> list[int | None] | None:
-        """Draft tokens per speculating generation this iteration (``speculation_caps``): greedy
+        """The ``"profile"`` policy (see the class): draft tokens per speculating generation this
+        iteration (``speculation_caps``): greedy
         ones and sampled ones without a seed (any tree keeps sampling distribution-exact); a
         seeded sampled generation keeps its own tree, so that its draws, hence its text, are
         the same under load as alone."""
