@@ -3,6 +3,7 @@
     leapdecode train-head -m MODEL --kind medusa|hydra|eagle|eagle3 [--data humaneval stdlib FILE ...]
         [--budget-minutes N] [--steps N] --out DIR
     leapdecode heads list [--json]
+    leapdecode heads export SRC_DIR OUT_DIR --storage int8|bf16
 """
 
 from __future__ import annotations
@@ -60,11 +61,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train_head)
 
-    h = subparsers.add_parser("heads", help="trained draft heads in the model cache: list")
+    h = subparsers.add_parser("heads", help="trained draft heads in the model cache: list, export")
     hs = h.add_subparsers(dest="heads_action", metavar="ACTION")
     ls = hs.add_parser("list", help="list the trained heads and their manifests")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_heads_list)
+    ex = hs.add_parser("export", help="copy a head directory with its weights stored as int8 or bf16",
+                       description="Write the head in SRC_DIR into OUT_DIR with its linear layers' weights as int8 "
+                                   "(per-row scales) or every weight in bf16; the manifest is kept and records the "
+                                   "storage. Every kind loads from either (docs/heads.md).")
+    ex.add_argument("src", metavar="SRC_DIR", help="a head directory (head.safetensors and manifest.json)")
+    ex.add_argument("out", metavar="OUT_DIR", help="where to write the copy (created if needed)")
+    ex.add_argument("--storage", required=True, choices=["int8", "bf16"])
+    ex.set_defaults(func=cmd_heads_export)
     h.set_defaults(func=lambda a: (h.print_help(), 2)[1])
     return t
 
@@ -123,5 +132,15 @@ def cmd_heads_list(a: argparse.Namespace) -> int:
             continue
         acc = (h.get("acceptance") or {}).get("mean_accepted")
         print(f"{h['kind']:7} {h['target'].get('name', '?'):28} steps {h.get('steps', '?'):>6}  "
-              f"accepted/forward {acc if acc is not None else '-':>7}  {h['path']}")
+              f"accepted/forward {acc if acc is not None else '-':>7}  {h.get('storage') or '-':5}  "
+              f"{'[bundled] ' if h.get('bundled') else ''}{h['path']}")
+    return 0
+
+
+def cmd_heads_export(a: argparse.Namespace) -> int:
+    from .proposers.heads.store import WEIGHTS, export_head
+
+    out = export_head(a.src, a.out, a.storage)
+    size = (out / WEIGHTS).stat().st_size
+    print(f"{out}: {a.storage} head, {WEIGHTS} {size / 1e6:.2f} MB")
     return 0

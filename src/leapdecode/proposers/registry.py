@@ -146,6 +146,12 @@ class LayerSkipConfig(MethodConfig):
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the draft head (0: whole)", low=0)
 
 
+HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the trained heads' ``head_weights`` (heads/common.py resolves it)
+HEAD_WEIGHTS_HELP = ("what the head's linear layers run on: int8 (torch's weight-only int8 kernel), bf16 (the "
+                     "head's float weights as loaded), or auto (int8 on the CPU when the target's weights are "
+                     "quantized, else bf16)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MedusaConfig(MethodConfig):
     method = "medusa"
@@ -153,6 +159,7 @@ class MedusaConfig(MethodConfig):
                                     "medusa head for the target; `leapdecode train-head`)")
     top_k: int = option(4, "candidates per head (children per node)", low=1)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
+    head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +170,7 @@ class HydraConfig(MethodConfig):
     top_k: int = option(4, "children expanded per node", low=1)
     beam: int = option(4, "nodes expanded per round", low=1)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
+    head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +186,7 @@ class EagleConfig(MethodConfig):
                                 low=0)
     head_kind: str = option("auto", "which head: eagle3, eagle, or auto (an eagle3 head when one is found, "
                                     "else an eagle head)", choices=("auto", "eagle3", "eagle"))
+    head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
 
 
 # ------------------------------------------------------------------- builders
@@ -321,14 +330,15 @@ def _build_medusa(cfg: MedusaConfig, runner: "ModelRunner") -> "Proposer":
     from .heads.medusa import MedusaProposer
 
     return MedusaProposer(runner.model, _trained_head("medusa", cfg.head, runner), tree_budget=cfg.tree_budget,
-                          top_k=cfg.top_k, draft_vocab=cfg.draft_vocab)
+                          top_k=cfg.top_k, draft_vocab=cfg.draft_vocab, head_weights=cfg.head_weights)
 
 
 def _build_hydra(cfg: HydraConfig, runner: "ModelRunner") -> "Proposer":
     from .heads.hydra import HydraProposer
 
     return HydraProposer(runner.model, _trained_head("hydra", cfg.head, runner), tree_budget=cfg.tree_budget,
-                         top_k=cfg.top_k, beam=cfg.beam, draft_vocab=cfg.draft_vocab)
+                         top_k=cfg.top_k, beam=cfg.beam, draft_vocab=cfg.draft_vocab,
+                         head_weights=cfg.head_weights)
 
 
 def _build_eagle(cfg: EagleConfig, runner: "ModelRunner") -> "Proposer":
@@ -337,7 +347,7 @@ def _build_eagle(cfg: EagleConfig, runner: "ModelRunner") -> "Proposer":
     kinds = ("eagle3", "eagle") if cfg.head_kind == "auto" else cfg.head_kind
     return EagleProposer(runner.model, _trained_head(kinds, cfg.head, runner), tree_budget=cfg.tree_budget,
                          top_k=cfg.top_k, beam=cfg.beam, max_depth=cfg.max_depth, draft_vocab=cfg.draft_vocab,
-                         prompt_window=cfg.prompt_window)
+                         prompt_window=cfg.prompt_window, head_weights=cfg.head_weights)
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,24 @@ computed from the per-layer hidden states the verification forward hands to ``ob
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ...core.proposer import DecodeContext
 from ...core.sampling import SamplingParams, target_probs
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ...models.native import rms_norm
+from ...models.quant import Int8Linear, kernel_problem
 from ..common import subset_head
+
+HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the ``head_weights`` option of medusa, hydra and eagle (registry.py)
 
 
 def require_native(target, method: str) -> None:
@@ -139,6 +144,66 @@ def candidate_tree(tokens: list[int], parents: list[int], scores: list[float], q
     if not greedy:
         tree.q = {(index[c] if c >= 0 else -1): q for c, q in qdist.items() if c < 0 or c in index}
     return tree
+
+
+def check_head_weights(value: Any) -> str:
+    if value not in HEAD_WEIGHTS:
+        raise InvalidParameterError(f"head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {value!r}")
+    return value
+
+
+def head_weights_for(setting: str, target) -> str:
+    """What ``head_weights=setting`` runs the head's linear layers on for ``target``: ``"int8"`` (torch's
+    weight-only int8 kernel, ``models.quant.Int8Linear``) or ``"bf16"`` (the head's float weights as
+    loaded: the target's dtype).  ``auto``: int8 on the CPU when the target runs a quantized format
+    (int8, int4 or GGUF blocks: ``model.quantization``) and the kernel works here, else the float head.
+    ``int8`` where the kernel cannot run raises ``InvalidParameterError``."""
+    check_head_weights(setting)
+    model = target.model
+    device = torch.device(getattr(model, "device", "cpu"))
+    if setting == "auto":
+        quantized = bool(getattr(model, "quantization", None))
+        return "int8" if device.type == "cpu" and quantized and kernel_problem("int8", device) is None else "bf16"
+    if setting == "int8":
+        problem = kernel_problem("int8", device)
+        if problem is not None:
+            raise InvalidParameterError(f"head_weights=int8: the int8 kernel cannot run on {device} here ({problem})")
+    return setting
+
+
+def int8_copy(head: nn.Module) -> nn.Module:
+    """A copy of ``head`` whose ``nn.Linear`` layers are ``Int8Linear`` (per-output-row symmetric int8,
+    quantized from the float weights); a linear whose shape the kernel cannot take stays float (and
+    shares the head's weights, read only).  The head itself is untouched; its other parameters, such
+    as norms, are copied."""
+    linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
+    # the float weights are not copied: the copy's linears are replaced right away
+    memo = {id(t): t for m in linears for t in (m.weight, m.bias) if t is not None}
+    clone = copy.deepcopy(head, memo)
+    with torch.no_grad():
+        for module in list(clone.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and Int8Linear.unsupported(
+                        child.out_features, child.in_features, child.weight.device) is None:
+                    setattr(module, name, Int8Linear.from_float(child.weight, child.bias))
+    return clone.eval()
+
+
+def running_head(ctx: DecodeContext, head: nn.Module, setting: str) -> nn.Module:
+    """The module a proposer runs for ``head`` under ``head_weights=setting``: ``head`` itself, or its
+    int8 copy (``int8_copy``), made once per runner and kept in its memory (never on the head, which
+    the runner's other users share)."""
+    if head_weights_for(setting, ctx.target) != "int8":
+        return head
+    # the entry holds the head, so while it lives no other object can take the head's id
+    kept, converted = ctx.remember(("head_int8", id(head)), lambda: (head, int8_copy(head)))
+    assert kept is head
+    return converted
+
+
+def int8_linears(module: nn.Module) -> int:
+    """How many of ``module``'s linear layers run on the int8 kernel (a stat: did int8 drafting run)."""
+    return sum(isinstance(m, Int8Linear) for m in module.modules())
 
 
 NEG_INF = -math.inf

@@ -61,8 +61,8 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import DRAFT_VOCAB, check_int
-from .common import (HeadVocab, candidate_tree, draw_children, head_stats, node_dist, require_native,
-                     target_features)
+from .common import (HeadVocab, candidate_tree, check_head_weights, draw_children, head_stats, int8_linears,
+                     node_dist, require_native, running_head, target_features)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,7 +138,16 @@ class EagleHead(nn.Module):
     # what the proposer asks of a head (EAGLE: the last layer's feature in, the predicted feature out)
     def input_features(self, model, hidden: list[torch.Tensor], rows) -> torch.Tensor:
         """The input feature of the positions ``rows`` of a forward's per-layer ``hidden`` states."""
+        return self.features_of(self.input_states(model, hidden, rows))
+
+    def input_states(self, model, hidden: list[torch.Tensor], rows) -> torch.Tensor:
+        """What ``input_features`` reads of ``hidden`` at ``rows`` (kept for the prompt until ``begin``
+        knows which copy of the head runs): here the target's features themselves."""
         return target_features(model, hidden[-1][0, rows])
+
+    def features_of(self, states: torch.Tensor) -> torch.Tensor:
+        """``input_states`` -> the input features."""
+        return states
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         """What the output projection reads from the head's output ``out``."""
@@ -191,12 +200,14 @@ class Eagle3Head(EagleHead):
         parts = states.unflatten(-1, (len(self.config["layers"]), -1))
         return self.fuse(_unit_rms(parts, self.eps).flatten(-2))
 
-    def input_features(self, model, hidden: list[torch.Tensor], rows) -> torch.Tensor:
+    def input_states(self, model, hidden: list[torch.Tensor], rows) -> torch.Tensor:
         if len(hidden) <= max(self.config["layers"]):
             raise InvalidParameterError(f"eagle3 head reads hidden states {self.config['layers']}; the forward "
                                         f"gave {len(hidden)}")
-        states = torch.cat([hidden[i][0, rows] for i in self.config["layers"]], -1)
-        return self.fuse_states(states.to(self.fuse.weight.dtype))
+        return torch.cat([hidden[i][0, rows] for i in self.config["layers"]], -1)
+
+    def features_of(self, states: torch.Tensor) -> torch.Tensor:
+        return self.fuse_states(states.to(self.out_norm.dtype))  # (out_norm: fuse may be an int8 layer)
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         return _rms(out, self.out_norm, self.eps)
@@ -206,7 +217,8 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, target, head: EagleHead, tree_budget: int | None = None, top_k: int = 4, beam: int = 4,
-                 max_depth: int = 6, draft_vocab: int = DRAFT_VOCAB, prompt_window: int = 128) -> None:
+                 max_depth: int = 6, draft_vocab: int = DRAFT_VOCAB, prompt_window: int = 128,
+                 head_weights: str = "auto") -> None:
         require_native(target, "eagle")
         if not isinstance(head, EagleHead):
             raise InvalidParameterError(f"eagle needs an EagleHead, got {type(head).__name__}")
@@ -216,8 +228,10 @@ class EagleProposer(Proposer):
             check_int("max_depth", max_depth)
         self.draft_vocab = check_int("draft_vocab", draft_vocab, low=0)
         self.prompt_window = check_int("prompt_window", prompt_window, low=0)
+        self.head_weights = check_head_weights(head_weights)
         self.target = target
         self.head = head
+        self.net: EagleHead = head  # what runs: the head, or its int8 copy (``begin``)
         self._prompt_feats: dict[int, torch.Tensor] = {}
         self.default_budget = tree_budget or 24
         self._steps = self._drafted = self._accepted = self._head_forwards = 0
@@ -228,8 +242,8 @@ class EagleProposer(Proposer):
         return self.prompt_window
 
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
-        with torch.inference_mode():
-            f = self.head.input_features(self.target.model, hidden, slice(None))
+        with torch.inference_mode():  # the states only: ``begin`` turns them into features with the running head
+            f = self.head.input_states(self.target.model, hidden, slice(None))
         for i in range(f.shape[0]):
             self._prompt_feats[start + i] = f[i]
 
@@ -238,10 +252,16 @@ class EagleProposer(Proposer):
         self.model = ctx.target.model
         self.dtype = next(self.head.parameters()).dtype
         self.out = HeadVocab(ctx, self.draft_vocab, tokens)
+        self.net = running_head(ctx, self.head, self.head_weights)
         # position -> the target's feature there: the prompt's last ``prompt_window`` from the prefill
         # (those the prefix cache restored are missing: the draft then starts later)
         last = len(tokens) - 2
-        self.feats = {p: f for p, f in self._prompt_feats.items() if last - self.prompt_window < p <= last}
+        window = sorted(p for p in self._prompt_feats if last - self.prompt_window < p <= last)
+        self.feats = {}
+        if window:
+            with torch.inference_mode():
+                f = self.net.features_of(torch.stack([self._prompt_feats[p] for p in window]))
+            self.feats = {p: f[i] for i, p in enumerate(window)}
         self._prompt_feats = {}
         # positions below n_fed are fed to the draft's cache (or skipped): from the first prompt
         # position whose previous feature is known
@@ -279,7 +299,7 @@ class EagleProposer(Proposer):
         pos = [t for t in range(self.n_fed, n) if (t - 1) in self.feats]
         self.n_fed = n
         feats = torch.stack([self.feats[t - 1] for t in pos]).to(self.dtype)
-        out, k, v = self.head(feats, self._embed([tokens[t] for t in pos]),
+        out, k, v = self.net(feats, self._embed([tokens[t] for t in pos]),
                               torch.tensor(pos, device=self.model.device), self.k, self.v)
         self._head_forwards += 1
         self.k, self.v = torch.cat([self.k, k], 1), torch.cat([self.v, v], 1)
@@ -301,7 +321,7 @@ class EagleProposer(Proposer):
         qdist: dict[int, torch.Tensor] = {}
 
         def add_children(parent: int, feat: torch.Tensor) -> list[int]:
-            lp = node_dist(self.out.logits(self.head.readout(feat)), params)
+            lp = node_dist(self.out.logits(self.net.readout(feat)), params)
             if not greedy:
                 qdist[parent] = self.out.full(lp.exp())
             base = cand_score[parent] if parent >= 0 else 0.0
@@ -345,7 +365,7 @@ class EagleProposer(Proposer):
                 mask[j, [committed + s for s in r]] = True
             past_k = torch.cat([self.k] + pend_k, 1) if pend_k else self.k
             past_v = torch.cat([self.v] + pend_v, 1) if pend_v else self.v
-            out, nk, nv = self.head(torch.stack([parent_feat[c] for c in expand]),
+            out, nk, nv = self.net(torch.stack([parent_feat[c] for c in expand]),
                                     self._embed([cand_tok[c] for c in expand]),
                                     torch.tensor([root_pos + 1 + cand_depth[c] for c in expand],
                                                  device=self.model.device),
@@ -368,7 +388,7 @@ class EagleProposer(Proposer):
         rows = [0] + [a + 1 for a in verdict.accepted]
         first = len(tokens) - len(verdict.tokens) - 1  # the old root's position
         with torch.inference_mode():
-            f = self.head.input_features(self.model, hidden, rows)
+            f = self.net.input_features(self.model, hidden, rows)
         for i in range(len(rows)):
             self.feats[first + i] = f[i]
 
@@ -378,5 +398,6 @@ class EagleProposer(Proposer):
     def stats(self) -> dict[str, Any]:
         out = head_stats("eagle", self._steps, self._drafted, self._accepted, self._time)
         out["eagle_head_forwards"] = self._head_forwards
+        out["head_int8_linears"] = int8_linears(self.net)
         return out
 

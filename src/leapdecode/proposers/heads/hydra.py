@@ -38,8 +38,8 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import DRAFT_VOCAB, check_int
-from .common import (HeadVocab, candidate_tree, draw_children, head_stats, node_dist, require_native,
-                     target_features)
+from .common import (HeadVocab, candidate_tree, check_head_weights, draw_children, head_stats, int8_linears,
+                     node_dist, require_native, running_head, target_features)
 from .medusa import ResBlock  # Hydra's later blocks are Medusa's residual block
 
 
@@ -101,7 +101,7 @@ class HydraProposer(Proposer):
     name = "hydra"
 
     def __init__(self, target, heads: HydraHeads, tree_budget: int | None = None, top_k: int = 4, beam: int = 4,
-                 draft_vocab: int = DRAFT_VOCAB) -> None:
+                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto") -> None:
         require_native(target, "hydra")
         if not isinstance(heads, HydraHeads):
             raise InvalidParameterError(f"hydra needs HydraHeads, got {type(heads).__name__}")
@@ -109,8 +109,10 @@ class HydraProposer(Proposer):
             check_int("tree_budget", tree_budget)
         self.top_k, self.beam = check_int("top_k", top_k), check_int("beam", beam)
         self.draft_vocab = check_int("draft_vocab", draft_vocab, low=0)
+        self.head_weights = check_head_weights(head_weights)
         self.target = target
         self.heads = heads
+        self.net: nn.Module = heads  # what runs: the heads, or their int8 copy (``begin``)
         self.default_budget = tree_budget or 24
         self._steps = self._drafted = self._accepted = self._head_calls = 0
         self._time = 0.0
@@ -128,6 +130,7 @@ class HydraProposer(Proposer):
         self.model = ctx.target.model
         self.dtype = next(self.heads.parameters()).dtype
         self.out = HeadVocab(ctx, self.draft_vocab, tokens)
+        self.net = running_head(ctx, self.heads, self.head_weights)
         self.feature: torch.Tensor | None = None  # of the last decided token before the root
         self.feature_pos = -1
         pos, feature = getattr(self, "_prompt_feature", (-1, None))
@@ -166,7 +169,7 @@ class HydraProposer(Proposer):
             """Children of ``nodes`` (all at one depth ``d``: head ``d + 1``; -1: the root, head 0)."""
             paths = [path[c] if c >= 0 else [root] for c in nodes]
             i = len(paths[0]) - 1
-            states = self.heads(i, feature.expand(len(nodes), -1), self._embed(paths))
+            states = self.net(i, feature.expand(len(nodes), -1), self._embed(paths))
             self._head_calls += 1
             logp = node_dist(self.out.logits(states), params)
             for j, c in enumerate(nodes):
@@ -214,4 +217,5 @@ class HydraProposer(Proposer):
     def stats(self) -> dict[str, Any]:
         out = head_stats("hydra", self._steps, self._drafted, self._accepted, self._time)
         out["hydra_head_calls"] = self._head_calls
+        out["head_int8_linears"] = int8_linears(self.net)
         return out

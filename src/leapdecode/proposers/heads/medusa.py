@@ -37,7 +37,8 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import DRAFT_VOCAB, check_int
-from .common import HeadVocab, best_first, draw_children, head_stats, node_dist, require_native, target_features
+from .common import (HeadVocab, best_first, check_head_weights, draw_children, head_stats, int8_linears, node_dist,
+                     require_native, running_head, target_features)
 
 
 class ResBlock(nn.Module):
@@ -81,7 +82,7 @@ class MedusaProposer(Proposer):
     name = "medusa"
 
     def __init__(self, target, heads: MedusaHeads, tree_budget: int | None = None, top_k: int = 4,
-                 draft_vocab: int = DRAFT_VOCAB) -> None:
+                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto") -> None:
         require_native(target, "medusa")
         if not isinstance(heads, MedusaHeads):
             raise InvalidParameterError(f"medusa needs MedusaHeads, got {type(heads).__name__}")
@@ -89,8 +90,11 @@ class MedusaProposer(Proposer):
             check_int("tree_budget", tree_budget)
         self.top_k = check_int("top_k", top_k)
         self.draft_vocab = check_int("draft_vocab", draft_vocab, low=0)
+        self.head_weights = check_head_weights(head_weights)
         self.target = target
         self.heads = heads
+        self.dtype = next(heads.parameters()).dtype
+        self.net: nn.Module = heads  # what runs: the heads, or their int8 copy (``begin``)
         self.default_budget = tree_budget or 24
         self._steps = self._drafted = self._accepted = 0
         self._time = 0.0
@@ -107,6 +111,7 @@ class MedusaProposer(Proposer):
         super().begin(ctx, tokens)
         self.model = ctx.target.model
         self.out = HeadVocab(ctx, self.draft_vocab, tokens)
+        self.net = running_head(ctx, self.heads, self.head_weights)
         self.feature: torch.Tensor | None = None  # of the last decided token before the root
         self.feature_pos = -1
         pos, feature = getattr(self, "_prompt_feature", (-1, None))
@@ -124,7 +129,7 @@ class MedusaProposer(Proposer):
             return tree  # no feature for the last decided token (the first step, or a step not observed)
         params = self.ctx.params
         with torch.inference_mode():
-            states = self.heads(self.feature.to(next(self.heads.parameters()).dtype))
+            states = self.net(self.feature.to(self.dtype))
             logp = node_dist(self.out.logits(states), params)  # [heads, n]
         n_heads = logp.shape[0]
         greedy = params.greedy
@@ -182,4 +187,6 @@ class MedusaProposer(Proposer):
             self.feature_pos = len(tokens) - 2
 
     def stats(self) -> dict[str, Any]:
-        return head_stats("medusa", self._steps, self._drafted, self._accepted, self._time)
+        out = head_stats("medusa", self._steps, self._drafted, self._accepted, self._time)
+        out["head_int8_linears"] = int8_linears(self.net)
+        return out

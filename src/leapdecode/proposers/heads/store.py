@@ -10,6 +10,16 @@ none, never half a file.  A head is installed into the store as a whole director
 cache root, then renamed).  Loading checks the manifest against the target: its kind and the
 target's weight fingerprint (``common.fingerprint``) must match, or a typed error says which head
 was found for which model.
+
+Storage (``save_head(..., storage=)``, the manifest's ``"storage"``): by default every tensor in the
+head's own dtype; ``"bf16"``: every floating-point tensor in bf16; ``"int8"``: the 2-D weight of every
+``nn.Linear`` of the head as int8 codes ``q`` with a per-output-row scale ``<key>.int8_scale`` (bf16;
+symmetric absmax / 127, ``w = q * scale``), the rest as by default.  Loading dequantizes into the
+head's normal parameters, so every kind loads from every storage.
+
+Heads bundled with the package (``bundled_root()``: ``leapdecode/bundled_heads/``, a directory of
+head directories) are looked up after the user's store: a head in the store wins over a bundled
+one whenever the store has one of the kinds asked for.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...errors import HeadFileError, HeadMismatchError, HeadNotFoundError, InvalidParameterError
 from ...models import store
@@ -34,6 +45,8 @@ MANIFEST = "manifest.json"
 WEIGHTS = "head.safetensors"
 KINDS: dict[str, type] = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleHead, "eagle3": Eagle3Head}
 KIND_METHOD = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle3": "eagle"}  # the method that decodes it
+STORAGES = ("int8", "bf16")  # besides the default: every tensor in the head's own dtype
+INT8_SCALE = ".int8_scale"  # suffix of an int8 weight's per-row scale
 
 
 def check_kind(kind: Any) -> str:
@@ -58,6 +71,11 @@ def heads_root() -> Path:
     return store.cache_dir() / "heads"
 
 
+def bundled_root() -> Path:
+    """The heads shipped with the package (a directory of head directories), searched after the store."""
+    return Path(__file__).resolve().parents[2] / "bundled_heads"
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(name)).name)[:60] or "model"
 
@@ -74,17 +92,111 @@ def atomic_write(path: Path, data: bytes) -> None:
     store.atomic_write(path, data, durable=True)
 
 
-def save_head(directory: str | Path, module: torch.nn.Module, manifest: dict) -> Path:
-    """Write ``module``'s weights and ``manifest`` (completed with the format, kind and config) into
-    ``directory``, each atomically, the manifest last.  Returns the directory."""
+def check_storage(storage: Any) -> str | None:
+    if storage is not None and storage not in STORAGES:
+        raise InvalidParameterError(f"unknown head storage {storage!r}; choose from {', '.join(STORAGES)}")
+    return storage
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8: ``(q int8 [N, K], scale bf16 [N])`` with ``scale = max|w_row| / 127``
+    rounded to bf16 and ``q = round(w / scale)`` against the rounded scale (``models.quant.Int8Linear``'s
+    quantization, so an int8-stored head loaded in fp32 and run on that kernel keeps its codes)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def linear_weights(module: nn.Module) -> list[str]:
+    """The state-dict keys of the 2-D weights of ``module``'s ``nn.Linear`` layers."""
+    return [f"{name}.weight" if name else "weight" for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def encode_state(module: nn.Module, storage: str | None = None) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as stored under ``storage`` (see the module's docstring), on the CPU."""
+    check_storage(storage)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    if storage == "bf16":
+        return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    if storage == "int8":
+        for key in linear_weights(module):
+            state[key], state[key + INT8_SCALE] = quantize_rows(state[key])
+    return state
+
+
+def decode_state(state: dict[str, torch.Tensor], storage: Any, where: Path) -> dict[str, torch.Tensor]:
+    """A stored state dict back in floating point (int8 weights dequantized: ``q * scale``, in fp32)."""
+    if storage is not None and storage not in STORAGES:
+        raise HeadFileError(f"{where}: unknown storage {storage!r} in the manifest (this leapdecode reads "
+                            f"{', '.join(STORAGES)} or none)")
+    state = dict(state)
+    scales = {k[: -len(INT8_SCALE)]: state.pop(k) for k in list(state) if k.endswith(INT8_SCALE)}
+    if scales and storage != "int8":
+        raise HeadFileError(f"{where} holds int8 weights but its manifest says storage {storage!r}")
+    for key, scale in scales.items():
+        q = state.get(key)
+        if q is None or q.dtype != torch.int8 or q.dim() != 2 or tuple(scale.shape) != (q.shape[0],):
+            raise HeadFileError(f"{where}: {key + INT8_SCALE} does not match an int8 [rows, columns] weight {key}")
+        state[key] = q.float() * scale.float()[:, None]
+    stray = [k for k, v in state.items() if v.dtype == torch.int8]
+    if stray:
+        raise HeadFileError(f"{where}: int8 tensor(s) without a scale: {', '.join(stray[:3])}")
+    return state
+
+
+def save_head(directory: str | Path, module: torch.nn.Module, manifest: dict, storage: str | None = None) -> Path:
+    """Write ``module``'s weights (as ``storage``: None, the module's dtype; ``"bf16"``; ``"int8"``) and
+    ``manifest`` (completed with the format, kind, config and storage) into ``directory``, each
+    atomically, the manifest last.  Returns the directory."""
     from safetensors.torch import save
 
     directory = Path(directory)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    state = encode_state(module, storage)
     atomic_write(directory / WEIGHTS, save(state))
     full = {"format": FORMAT, "kind": module.kind, "config": module.config, **manifest}
+    full.pop("storage", None)
+    if storage is not None:
+        full["storage"] = storage
     atomic_write(directory / MANIFEST, (json.dumps(full, indent=2, sort_keys=True) + "\n").encode())
     return directory
+
+
+def read_head(directory: str | Path, manifest: dict | None = None) -> tuple[torch.nn.Module, dict]:
+    """The head in ``directory`` as stored (float, on the CPU; int8 weights dequantized) with its
+    manifest, whatever model it was trained for.  ``HeadFileError`` for a missing or corrupt head."""
+    from safetensors.torch import load
+
+    directory = Path(directory)
+    if manifest is None:
+        if not directory.is_dir():
+            raise HeadFileError(f"{directory} is not a directory of a trained head")
+        manifest = read_manifest(directory)
+    try:
+        state = decode_state(load((directory / WEIGHTS).read_bytes()), manifest.get("storage"), directory / WEIGHTS)
+        module = KINDS[manifest["kind"]].from_config(manifest["config"])
+        module.load_state_dict(state, strict=True)
+    except HeadFileError:
+        raise
+    except FileNotFoundError:
+        raise HeadFileError(f"{directory} has a manifest but no {WEIGHTS}; train the head again") from None
+    except Exception as e:  # a truncated or foreign safetensors file, or weights of another shape
+        raise HeadFileError(f"{directory / WEIGHTS} is corrupt or does not match its manifest "
+                            f"({type(e).__name__}: {str(e)[:200]}); train the head again") from None
+    return module, manifest
+
+
+def export_head(source: str | Path, out: str | Path, storage: str) -> Path:
+    """Copy the head in ``source`` into ``out`` stored as ``storage`` (``"int8"`` or ``"bf16"``), its
+    manifest kept (storage updated, ``exported_from`` added); atomic like ``save_head``."""
+    if storage not in STORAGES:
+        raise InvalidParameterError(f"unknown head storage {storage!r}; choose from {', '.join(STORAGES)}")
+    module, manifest = read_head(source)
+    rest = {k: v for k, v in manifest.items() if k not in ("format", "kind", "config", "storage")}
+    rest["exported_from"] = {"path": str(Path(source).resolve()), "storage": manifest.get("storage")}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return save_head(out, module, rest, storage=storage)
 
 
 def install(directory: str | Path, target) -> Path:
@@ -134,16 +246,29 @@ def check_manifest(manifest: dict, kind: str | tuple[str, ...] | None, target, d
             "--out DIR")
 
 
-def stored_kind(kind: str | tuple[str, ...], target) -> str | None:
-    """The first of the kinds ``kind`` whose head for ``target`` the store holds (None: none)."""
+def find_head(kind: str | tuple[str, ...], target) -> tuple[str, Path] | None:
+    """(kind, directory) of ``target``'s head of the first of the kinds ``kind`` in the store, else
+    the first of them among the bundled heads (None: neither has one)."""
     kinds = _kinds(kind)
-    if not heads_root().is_dir():
-        return None
     fp = fingerprint(target)
-    for k in kinds:
-        if (store_dir(k, target, fp) / MANIFEST).exists():
-            return k
+    if heads_root().is_dir():
+        for k in kinds:
+            if (store_dir(k, target, fp) / MANIFEST).exists():
+                return k, store_dir(k, target, fp)
+    root = bundled_root()
+    if root.is_dir():
+        found = _scan(root, kinds, fp)
+        for k in kinds:
+            if k in found:
+                return k, found[k]
     return None
+
+
+def stored_kind(kind: str | tuple[str, ...], target) -> str | None:
+    """The first of the kinds ``kind`` whose head for ``target`` the store (else the bundled heads)
+    holds (None: none)."""
+    found = find_head(kind, target)
+    return found[0] if found else None
 
 
 def load_head(kind: str | tuple[str, ...], target, path: str | Path | None = None) -> tuple[torch.nn.Module, dict]:
@@ -152,16 +277,15 @@ def load_head(kind: str | tuple[str, ...], target, path: str | Path | None = Non
     for ``target`` is used; default: the store), on the target's device and dtype, with its
     manifest.  ``HeadNotFoundError`` when the store has none, ``HeadMismatchError`` when it was
     trained for another model or is of another kind, ``HeadFileError`` for a corrupt directory."""
-    from safetensors.torch import load
-
     kinds = _kinds(kind)
     if path is None:
-        found = stored_kind(kinds, target)
+        found = find_head(kinds, target)
         if found is None:
             raise HeadNotFoundError(
-                f"no trained {_names(kinds)} head for {target.name} in {heads_root()}; train one with: leapdecode "
-                f"train-head -m {target.name} --kind {kinds[0]} --out DIR (or pass options head=DIR)")
-        directory = store_dir(found, target)
+                f"no trained {_names(kinds)} head for {target.name} in {heads_root()} (nor among the bundled heads); "
+                f"train one with: leapdecode train-head -m {target.name} --kind {kinds[0]} --out DIR (or pass "
+                "options head=DIR)")
+        directory = found[1]
     else:
         directory = Path(path).expanduser()
         if not directory.is_dir():
@@ -171,15 +295,7 @@ def load_head(kind: str | tuple[str, ...], target, path: str | Path | None = Non
             directory = _find_in(directory, kinds, target)
     manifest = read_manifest(directory)
     check_manifest(manifest, kinds, target, directory)
-    try:
-        state = load((directory / WEIGHTS).read_bytes())
-        module = KINDS[manifest["kind"]].from_config(manifest["config"])
-        module.load_state_dict(state, strict=True)
-    except FileNotFoundError:
-        raise HeadFileError(f"{directory} has a manifest but no {WEIGHTS}; train the head again") from None
-    except Exception as e:  # a truncated or foreign safetensors file, or weights of another shape
-        raise HeadFileError(f"{directory / WEIGHTS} is corrupt or does not match its manifest "
-                            f"({type(e).__name__}: {str(e)[:200]}); train the head again") from None
+    module, _ = read_head(directory, manifest)
     if module.config["hidden"] != target.model.cfg.hidden_size:
         raise HeadMismatchError(f"{directory}: a head of width {module.config['hidden']} for a model of width "
                                 f"{target.model.cfg.hidden_size}")
@@ -191,15 +307,7 @@ def load_head(kind: str | tuple[str, ...], target, path: str | Path | None = Non
 def _find_in(parent: Path, kinds: tuple[str, ...], target) -> Path:
     """The head of the first of ``kinds`` for ``target`` among the subdirectories of ``parent`` (a
     directory of heads, such as the store's root or a folder of ``--out`` directories)."""
-    fp = fingerprint(target)
-    found: dict[str, Path] = {}
-    for d in sorted(p for p in parent.iterdir() if (p / MANIFEST).is_file()):
-        try:
-            m = read_manifest(d)
-        except HeadFileError:
-            continue
-        if m["kind"] in kinds and m["target"]["fingerprint"] == fp:
-            found.setdefault(m["kind"], d)
+    found = _scan(parent, kinds, fingerprint(target))
     for k in kinds:
         if k in found:
             return found[k]
@@ -208,15 +316,32 @@ def _find_in(parent: Path, kinds: tuple[str, ...], target) -> Path:
                             "--out DIR")
 
 
-def list_heads() -> list[dict]:
-    """Every head in the store: its manifest plus ``path`` (``error`` instead for a corrupt one)."""
-    root = heads_root()
-    out = []
-    if not root.is_dir():
-        return out
-    for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+def _scan(parent: Path, kinds: tuple[str, ...], fp: str) -> dict[str, Path]:
+    """kind -> the first subdirectory of ``parent`` (by name) holding a readable head of that kind for
+    the weights ``fp``; corrupt manifests are skipped."""
+    found: dict[str, Path] = {}
+    for d in sorted(p for p in parent.iterdir() if (p / MANIFEST).is_file()):
         try:
-            out.append({**read_manifest(d), "path": str(d)})
-        except HeadFileError as e:
-            out.append({"path": str(d), "error": str(e)})
+            m = read_manifest(d)
+        except HeadFileError:
+            continue
+        if m["kind"] in kinds and m["target"]["fingerprint"] == fp:
+            found.setdefault(m["kind"], d)
+    return found
+
+
+def list_heads() -> list[dict]:
+    """Every head in the store, then every bundled one: its manifest plus ``path`` and ``bundled``
+    (``error`` instead of the manifest for a corrupt one)."""
+    out = []
+    for root, bundled in ((heads_root(), False), (bundled_root(), True)):
+        if not root.is_dir():
+            continue
+        for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if bundled and not (d / MANIFEST).exists():
+                continue  # not a head
+            try:
+                out.append({**read_manifest(d), "path": str(d), "bundled": bundled})
+            except HeadFileError as e:
+                out.append({"path": str(d), "bundled": bundled, "error": str(e)})
     return out
