@@ -349,6 +349,16 @@ def test_head_weights_is_a_typed_option(tiny, tmp_path):
         head_weights_for("int4", model)
 
 
+def test_no_int8_kernel_here(tiny, monkeypatch):
+    """Where torch's int8 kernel cannot run, ``int8`` is a typed error and ``auto`` keeps the float head."""
+    import leapdecode.proposers.heads.common as heads_common
+
+    monkeypatch.setattr(heads_common, "kernel_problem", lambda weights, device: "no int8 kernel (planted)")
+    with pytest.raises(InvalidParameterError, match="planted"):
+        head_weights_for("int8", tiny(seed=0))
+    assert head_weights_for("auto", _quantized_tiny()) == "bf16"
+
+
 def test_cli_option_head_weights(tmp_path, capsys):
     """``--option head_weights=int8`` reaches the proposer, and ``--weights int8`` makes auto pick int8."""
     from leapdecode.models.loader import load

@@ -250,12 +250,14 @@ def find_head(kind: str | tuple[str, ...], target) -> tuple[str, Path] | None:
     """(kind, directory) of ``target``'s head of the first of the kinds ``kind`` in the store, else
     the first of them among the bundled heads (None: neither has one)."""
     kinds = _kinds(kind)
+    cache, root = heads_root(), bundled_root()
+    if not cache.is_dir() and not root.is_dir():
+        return None
     fp = fingerprint(target)
-    if heads_root().is_dir():
+    if cache.is_dir():
         for k in kinds:
             if (store_dir(k, target, fp) / MANIFEST).exists():
                 return k, store_dir(k, target, fp)
-    root = bundled_root()
     if root.is_dir():
         found = _scan(root, kinds, fp)
         for k in kinds:
