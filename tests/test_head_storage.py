@@ -375,6 +375,45 @@ def test_cli_option_head_weights(tmp_path, capsys):
     assert "head_weights" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("window", [0, 5, 128, 300])
+def test_eagle_prompt_window_keeps_only_what_begin_reads(tiny, tmp_path, window):
+    """EAGLE keeps the prompt's hidden states only for the last ``prompt_window`` positions seen (the
+    features are made in ``begin``, by whichever copy of the head runs); what ``begin`` holds is the
+    window, equal to the features computed from the prefill's whole chunks."""
+    model = tiny(seed=0)
+    d = write("eagle3", model, tmp_path / "h")
+    ids = model.tokenizer.encode("def f(x):\n    return x\n" * 30)  # more than two 256-token chunks
+    g = leapdecode.start_generation(ModelRunner(model), prompt_ids=ids, method="eagle", max_new_tokens=4,
+                                    options={"head": str(d), "prompt_window": window, "head_weights": "bf16"})
+    prop = g.proposer
+    calls, held, kept = [], [], {}
+    observe_prompt, begin = prop.observe_prompt, prop.begin
+
+    def spy_observe(start, hidden):
+        calls.append((start, [h.clone() for h in hidden]))
+        observe_prompt(start, hidden)
+        held.append(len(prop._prompt_feats))
+
+    def spy_begin(ctx, tokens):
+        begin(ctx, tokens)
+        kept.update(prop.feats)
+
+    prop.observe_prompt, prop.begin = spy_observe, spy_begin
+    assert g.run().tokens == vanilla(model, ids, max_new_tokens=4).tokens
+    last = len(ids) - 2  # the last prefilled position
+    assert sorted(kept) == list(range(max(0, last - window + 1), last + 1))
+    assert (calls or window == 0) and max(held, default=0) <= window  # (window 0: no prompt features asked)
+    matched = set()
+    for start, hidden in calls:
+        with torch.inference_mode():
+            full = prop.head.input_features(model.model, hidden, slice(None))
+        for i in range(full.shape[0]):
+            if start + i in kept:
+                assert torch.allclose(kept[start + i], full[i], atol=1e-5), start + i
+                matched.add(start + i)
+    assert matched == set(kept)
+
+
 # ============================================================================ 3. bundled heads
 def test_bundled_head_found_after_the_store(tiny, tmp_path, _cache):
     bundled = _cache

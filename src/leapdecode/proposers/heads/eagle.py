@@ -242,10 +242,15 @@ class EagleProposer(Proposer):
         return self.prompt_window
 
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
+        # only the last ``prompt_window`` positions seen so far can be in ``begin``'s window
+        first = start + hidden[-1].shape[1] - self.prompt_window
+        self._prompt_feats = {p: f for p, f in self._prompt_feats.items() if p >= first}
+        if first >= start + hidden[-1].shape[1]:
+            return
         with torch.inference_mode():  # the states only: ``begin`` turns them into features with the running head
-            f = self.head.input_states(self.target.model, hidden, slice(None))
+            f = self.head.input_states(self.target.model, hidden, slice(max(first - start, 0), None))
         for i in range(f.shape[0]):
-            self._prompt_feats[start + i] = f[i]
+            self._prompt_feats[max(first, start) + i] = f[i]
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
