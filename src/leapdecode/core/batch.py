@@ -178,6 +178,7 @@ def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = N
 PROBE_ROWS = 4  # draft nodes a gated-off sequence is re-probed with
 PROBE_FIRST = 8  # its own plain steps before the first re-probe; the gap doubles after each
 PROBE_MAX = 64  # ... up to this
+MIN_ROW_ACCEPT = 0.1  # a draft row expected to be accepted less often than this is never verified
 SEEDED_PRIOR = 0.5  # a seeded sequence's per-token acceptance before it has drafted
 SEEDED_THRESHOLD = 0.5  # a seeded sequence drafts depth d while its p ** d reaches this
 
@@ -188,18 +189,18 @@ class SequenceStats:
     trials, or a trials when all k were accepted), its own decoding steps, and how long its
     proposer takes."""
 
-    __slots__ = ("hits", "trials", "plain_run", "gap", "spec_host", "planned")
+    __slots__ = ("hits", "trials", "plain_run", "gap", "extra", "planned")
 
-    DISCOUNT = 0.8  # per speculative step: the last few steps dominate
+    DISCOUNT = 0.85  # per speculative step: the last few steps dominate
 
     def __init__(self) -> None:
         self.hits = self.trials = 0.0
         self.plain_run = 0  # decoding steps since it last verified a tree
         self.gap = PROBE_FIRST  # plain steps before its next re-probe
-        self.spec_host: float | None = None  # discounted mean host seconds of its speculative steps
+        self.extra: float | None = None  # discounted mean extra host seconds of its speculative steps
         self.planned = ""  # "probe", "spec" or "" (plain): what the last plan gave it
 
-    def accept_rate(self, prior: float, weight: float = 1.5) -> float:
+    def accept_rate(self, prior: float, weight: float = 0.5) -> float:
         """Per-token acceptance ``p`` (of the chain model), pulled towards ``prior``."""
         return min(max((self.hits + weight * prior) / (self.trials + weight), 0.01), 0.97)
 
@@ -238,7 +239,9 @@ class SpeculationScheduler:
     work of a plain step and ``proposer_i`` the measured extra of a speculative step of sequence i
     (proposing, tree verification, observing).  The ratio is maximised exactly (Dinkelbach's
     iteration: at a rate ``r`` each sequence independently takes the k maximising
-    ``gain_i(k) - r * (row * k + proposer_i)``, then ``r`` is updated).  When no speculation's
+    ``gain_i(k) - r * (row * k + proposer_i)``, then ``r`` is updated), with one guard against
+    noise in the measured costs: a row whose acceptance probability ``p_i ** d`` is below
+    ``MIN_ROW_ACCEPT`` is never verified, however cheap rows look.  When no speculation's
     expected gain pays for its rows and its proposer, the whole step is plain batched decoding.
 
     A generation gated off is re-probed with ``PROBE_ROWS`` nodes after ``PROBE_FIRST`` of its own
@@ -257,7 +260,10 @@ class SpeculationScheduler:
     def __init__(self, runner) -> None:
         self.runner = runner
         self._seqs: dict[int, tuple[Generation, SequenceStats]] = {}
-        self._pool_hits, self._pool_trials = 1.0, 2.0  # pooled acceptance, prior 0.5 worth two trials
+        # pooled per-step acceptance a / (a + a miss) of the recent speculative steps (a step-weighted
+        # mean, so a few long accepted chains do not make every sequence look good): the prior of a
+        # sequence that has not drafted yet
+        self._pool_sum, self._pool_n = 1.0, 2.0
         self._plain_host: float | None = None  # per sequence, a plain decoding step's host seconds
         self._spec_extra: float | None = None  # pooled: a speculative step's extra host seconds
         self.counters = {"iterations": 0, "decode_steps": 0, "speculative_steps": 0, "draft_rows": 0,
@@ -282,14 +288,13 @@ class SpeculationScheduler:
         return not gen.params.greedy and gen.params.seed is not None
 
     def pooled_rate(self) -> float:
-        return min(max(self._pool_hits / self._pool_trials, 0.01), 0.97)
+        return min(max(self._pool_sum / self._pool_n, 0.01), 0.97)
 
     def _extra(self, st: SequenceStats) -> float:
-        """Measured host seconds a speculative step of this sequence costs beyond a plain one."""
-        plain = self._plain_host or 0.0
-        spec = st.spec_host if st.spec_host is not None else (
-            plain + self._spec_extra if self._spec_extra is not None else None)
-        return max(spec - plain, 0.0) if spec is not None else 0.0
+        """Measured host seconds a speculative step of this sequence costs beyond a plain step per
+        token it emitted (proposing, verifying the tree, observing; its own, else the pooled)."""
+        extra = st.extra if st.extra is not None else self._spec_extra
+        return max(extra, 0.0) if extra is not None else 0.0
 
     # ------------------------------------------------------------------- plan
     def plan(self, gens: Sequence[Generation]) -> list[int | None]:
@@ -349,7 +354,7 @@ class SpeculationScheduler:
                     if not g.decoding:
                         new[i] = 0
                         continue
-                    k = _depth(p, rate * row, g.tree_budget)
+                    k = _depth(p, max(rate * row, MIN_ROW_ACCEPT), g.tree_budget)
                     new[i] = k if k and _gain(p, k) - rate * (row * k + extra[i]) > 0.0 else 0
                 tokens = base_tokens + sum(_gain(rates[i], k) for i, k in new.items())
                 seconds = base_s + sum(row * k + extra[i] for i, k in new.items() if k)
@@ -397,9 +402,10 @@ class SpeculationScheduler:
                     st.update(o.drafted, accepted)
                     if not self.seeded(g):
                         d = self.POOL_DISCOUNT
-                        self._pool_hits = d * self._pool_hits + accepted
-                        self._pool_trials = d * self._pool_trials + accepted + (1 if accepted < o.drafted else 0)
-                self._host(st, o.host_s)
+                        self._pool_sum = d * self._pool_sum + accepted / (accepted + (accepted < o.drafted))
+                        self._pool_n = d * self._pool_n + 1.0
+                # each emitted token is credited a plain step's host work (detokenizing, stop strings)
+                self._host(st, o.host_s - (self._plain_host or 0.0) * max(len(o.output.tokens), 1))
                 st.plain_run = 0
                 # a probe that did not bring it back: wait twice as long for the next one
                 st.gap = min(st.gap * 2, PROBE_MAX) if st.planned == "probe" else PROBE_FIRST
@@ -413,10 +419,10 @@ class SpeculationScheduler:
             self.counters["plain_iterations"] += 1
 
     def _host(self, st: SequenceStats | None, seconds: float) -> None:
+        """A plain step's host seconds (``st`` None), or the extra seconds of ``st``'s speculative step."""
         d = self.HOST_DISCOUNT
         if st is None:
             self._plain_host = seconds if self._plain_host is None else d * self._plain_host + (1 - d) * seconds
             return
-        st.spec_host = seconds if st.spec_host is None else 0.5 * st.spec_host + 0.5 * seconds
-        extra = seconds - (self._plain_host or 0.0)
-        self._spec_extra = extra if self._spec_extra is None else d * self._spec_extra + (1 - d) * extra
+        st.extra = seconds if st.extra is None else 0.5 * st.extra + 0.5 * seconds
+        self._spec_extra = seconds if self._spec_extra is None else d * self._spec_extra + (1 - d) * seconds

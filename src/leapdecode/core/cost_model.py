@@ -277,7 +277,7 @@ class BatchCost:
 
     FEATURES = 4  # 1, items, tree_rows, prefill_rows
 
-    def __init__(self, profile: "VerifyCost", discount: float = 0.97, prior_weight: float = 4.0) -> None:
+    def __init__(self, profile: "VerifyCost", discount: float = 0.97, prior_weight: float = 0.25) -> None:
         if not 0.0 < discount <= 1.0:
             raise ValueError(f"discount must be in (0, 1], got {discount}")
         one = profile(1)
