@@ -12,7 +12,10 @@ total generated tokens/s and the mean batch size per cell, and each method's rat
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +43,9 @@ def main() -> None:
             rows[(m, c)] = s
             print(f"{m:8s} clients {c:2d}: {s['tokens_per_s']} tok/s, mean batch {s['mean_batch_size']}, "
                   f"completed {s['completed']}, p50 latency {s['latency_p50_s']} s", file=sys.stderr, flush=True)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
+    print(f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, commit {rev}, {os.cpu_count()} CPUs")
     print(f"model {args.model}, max_tokens drawn from [{args.max_tokens // 4}, {args.max_tokens}], "
           f"{args.warmup:g} s warm-up + {args.duration:g} s measured per cell, server --max-batch 16")
     print("| clients | " + " | ".join(f"{m} tok/s (mean batch)" for m in methods)

@@ -19,10 +19,13 @@ Speculative Sampling", Qian et al., 2024, and EMS-SD, 2024, batch ragged trees t
 How much to speculate under load follows TETRIS ("TETRIS: Optimal Draft Token Selection for
 Batch Speculative Decoding", Wu et al., 2025): the verification budget of an iteration goes to
 the sequences whose drafts are most likely to be accepted, and only while an extra row pays for
-its measured cost (``speculation_caps``).  At batch 1 that is the method's own tree; as the batch
-fills, the same rows cost more and trees shrink to nothing when they no longer pay.  Only greedy
-sequences are capped: greedy output does not depend on the tree, while a seeded sampling
-sequence must draw the same tree as alone to reproduce its output.
+its cost.  ``SpeculationScheduler`` (what the server's engine uses) decides it per iteration from
+measured costs: the batched forward's cost per sequence and per draft row, measured online
+(``cost_model.BatchCost``), each sequence's recent acceptance and its proposer's measured time;
+a sequence whose drafts do not pay gets a plain step (its proposer does not run), a step where
+nothing pays is plain batched decoding, and a gated sequence is re-probed now and then.  The
+earlier rule, ``speculation_caps`` (from the single-sequence verification profile alone), stays
+as the engine's ``speculation="profile"`` policy.
 
 Exactness across sequences: ``NativeCausalLM.forward_batch`` gives each token the bits of its
 own sequence's forward (with the default batch-invariant kernels), so a request's greedy output

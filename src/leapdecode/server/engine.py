@@ -4,8 +4,8 @@ batching), behind a bounded queue.
 torch is not safe to drive from two threads at once, so every generation is built and stepped
 on the single worker thread, on the server's own ``ModelRunner`` (built at start-up with its
 drafts; it never loads another one).  Each iteration steps every running generation in one
-batched target forward (``core/batch.py``: chunked prefill, ragged token trees, TETRIS-style
-speculation caps); requests join between iterations when there is room in the batch and in
+batched target forward (``core/batch.py``: chunked prefill, ragged token trees, per-step tree
+sizes from measured costs: ``SpeculationScheduler``); requests join between iterations when there is room in the batch and in
 the KV-cache budget, and leave as soon as they finish.  Requests arrive on the asyncio event
 loop as ``Job`` objects (a job is one request: its ``n`` generations run side by side); the
 worker reports back through an ``asyncio.Queue`` of typed events fed with
