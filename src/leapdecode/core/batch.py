@@ -337,7 +337,7 @@ class SpeculationScheduler:
                 free.append(i)
         if not free:
             return caps
-        cache = next(g.cache for g in gens if g.cache is not None) if any(g.cache is not None for g in gens) else None
+        cache = next((g.cache for g in gens if g.cache is not None and not g.finished), None)
         cost = self.runner.batch_cost(cache) if cache is not None else None
         pooled = self.pooled_rate()
         rates = {i: self.stats_for(gens[i]).accept_rate(pooled) for i in free}
@@ -380,8 +380,10 @@ class SpeculationScheduler:
         """Learn from one ``step_batch``: the forward's cost, each sequence's acceptance and host
         time, and the probes' schedule."""
         self.counters["iterations"] += 1
-        if timing is not None and timing.items and timing.forward_s > 0.0:
-            cache = next((g.cache for g in gens if g.cache is not None), None)
+        # (a batch where nothing can speculate does not start the cost model: no verify-cost probe)
+        if timing is not None and timing.items and timing.forward_s > 0.0 and any(g.proposer is not None
+                                                                                 for g in gens):
+            cache = next((g.cache for g in gens if g.cache is not None and not g.finished), None)
             if cache is not None:
                 self.runner.batch_cost(cache).observe(timing.items, timing.tree_rows, timing.prefill_rows,
                                                       timing.forward_s)
