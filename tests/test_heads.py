@@ -558,3 +558,43 @@ def test_training_data_sources_chat_prompts_and_round_robin(tiny, tmp_path):
                                 text_chunks=0), progress)
     firsts = [model.tokenizer.decode(t[:2].tolist()) for t in got.tokens]
     assert len(got.tokens) == 4 and [f[:2] for f in firsts] == ["p0", "q0", "p1", "q1"], firsts
+
+
+# ============================================================================ cost-aware EAGLE trees
+def test_tree_sizer_follows_costs_and_calibration():
+    from leapdecode.core.cost_model import VerifyCost
+    from leapdecode.proposers.tree_cost import TreeSizer
+
+    flat = VerifyCost([1, 32], [1.0, 1.0])  # verifying 32 tokens costs one token's time
+    steep = VerifyCost([1, 2, 32], [1.0, 2.0, 32.0])  # every verified token costs a whole forward
+    sizer = TreeSizer()
+    scores = [-0.1, -0.2, -0.3]  # confident candidates (log acceptance)
+    assert sizer.keep(scores, 8, 0.0, flat) == 3 and sizer.keep(scores, 2, 0.0, flat) == 2
+    assert sizer.keep(scores, 8, 0.0, steep) == 0  # (1 + p) / 2 < 1 for every p < 1
+    assert sizer.worth_expanding(scores, [-0.1], 8, 0.0, flat)  # not measured yet: expands and learns
+    sizer.note_forward(0.01, [0.9])
+    assert sizer.worth_expanding(scores, [-0.1], 8, 0.0, flat)
+    sizer.note_forward(50.0, [0.9])  # a draft forward now costs more than anything it can add
+    sizer.note_forward(50.0, [0.9])
+    assert not sizer.worth_expanding(scores, [-0.1], 8, 0.0, flat)
+    # calibration: a head that claims 0.95 but is never accepted ends up scored low
+    before = sizer.log_accept(0.95)
+    sizer.update([(0.95, False)] * 50)
+    assert sizer.log_accept(0.95) < before - 2.0
+
+
+def test_cost_aware_eagle_drafts_less_for_a_useless_head_same_tokens(tiny, tmp_path):
+    model = tiny(seed=0)
+    head_dir = write_head("eagle", model, tmp_path / "eagle", seed=0)
+    ids = model.tokenizer.encode(PROMPTS[1])
+    ref = vanilla(model, ids, max_new_tokens=60)
+    runs = {}
+    for aware in (False, True):
+        runner = ModelRunner(model)
+        for _ in range(2):  # the second generation starts from what the first one learned
+            out = leapdecode.generate(runner, prompt_ids=ids, method="eagle", max_new_tokens=60,
+                                      options={"head": str(head_dir), "cost_aware": aware})
+            assert out.tokens == ref.tokens
+        runs[aware] = out.stats
+    drafted = {a: s["draft_nodes"] / max(s["eagle_steps"], 1) for a, s in runs.items()}
+    assert drafted[True] < 0.5 * drafted[False], drafted

@@ -187,6 +187,8 @@ class EagleConfig(MethodConfig):
     head_kind: str = option("auto", "which head: eagle3, eagle, or auto (an eagle3 head when one is found, "
                                     "else an eagle head)", choices=("auto", "eagle3", "eagle"))
     head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
+    cost_aware: bool = option(True, "greedy: draft another level and keep nodes only while the expected tokens "
+                                    "per second rise (calibrated head confidence, measured head and verify cost)")
 
 
 # ------------------------------------------------------------------- builders
@@ -347,7 +349,7 @@ def _build_eagle(cfg: EagleConfig, runner: "ModelRunner") -> "Proposer":
     kinds = ("eagle3", "eagle") if cfg.head_kind == "auto" else cfg.head_kind
     return EagleProposer(runner.model, _trained_head(kinds, cfg.head, runner), tree_budget=cfg.tree_budget,
                          top_k=cfg.top_k, beam=cfg.beam, max_depth=cfg.max_depth, draft_vocab=cfg.draft_vocab,
-                         prompt_window=cfg.prompt_window, head_weights=cfg.head_weights)
+                         prompt_window=cfg.prompt_window, head_weights=cfg.head_weights, cost_aware=cfg.cost_aware)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ the same for both kinds; old ``eagle`` heads stay loadable and unchanged.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -61,7 +62,8 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import DRAFT_VOCAB, check_int
-from .common import (HeadVocab, candidate_tree, check_head_weights, draw_children, head_stats, int8_linears,
+from ..tree_cost import TreeSizer
+from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, draw_children, head_stats, int8_linears,
                      node_dist, require_native, running_head, target_features)
 
 
@@ -218,7 +220,7 @@ class EagleProposer(Proposer):
 
     def __init__(self, target, head: EagleHead, tree_budget: int | None = None, top_k: int = 4, beam: int = 4,
                  max_depth: int = 6, draft_vocab: int = DRAFT_VOCAB, prompt_window: int = 128,
-                 head_weights: str = "auto") -> None:
+                 head_weights: str = "auto", cost_aware: bool = True) -> None:
         require_native(target, "eagle")
         if not isinstance(head, EagleHead):
             raise InvalidParameterError(f"eagle needs an EagleHead, got {type(head).__name__}")
@@ -229,6 +231,7 @@ class EagleProposer(Proposer):
         self.draft_vocab = check_int("draft_vocab", draft_vocab, low=0)
         self.prompt_window = check_int("prompt_window", prompt_window, low=0)
         self.head_weights = check_head_weights(head_weights)
+        self.cost_aware = bool(cost_aware)
         self.target = target
         self.head = head
         self.net: EagleHead = head  # what runs: the head, or its int8 copy (``begin``)
@@ -240,6 +243,9 @@ class EagleProposer(Proposer):
     # ---------------------------------------------------------------- setup
     def prompt_features(self) -> int:
         return self.prompt_window
+
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
 
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
         # only the last ``prompt_window`` positions seen so far can be in ``begin``'s window
@@ -258,6 +264,11 @@ class EagleProposer(Proposer):
         self.dtype = next(self.head.parameters()).dtype
         self.out = HeadVocab(ctx, self.draft_vocab, tokens)
         self.net = running_head(ctx, self.head, self.head_weights)
+        # greedy trees sized by expected tokens per second (proposers/tree_cost.py): the calibration
+        # and the head's forward time are learned across generations, per head and target
+        self._verify_cost = ctx.verify_cost if self.cost_aware and ctx.params.greedy else None
+        self.sizer = ctx.remember(("eagle", "tree_sizer", id(self.head)), TreeSizer)
+        self._node_p: list[tuple[int, float]] = []  # the greedy tree's nodes: (token, head probability)
         # position -> the target's feature there: the prompt's last ``prompt_window`` from the prefill
         # (those the prefix cache restored are missing: the draft then starts later)
         last = len(tokens) - 2
@@ -292,7 +303,7 @@ class EagleProposer(Proposer):
             return tree  # no exact input for the root yet (the first step, or a step not observed)
         with torch.inference_mode():
             root_feat = self._feed_decided(tokens)
-            tree = self._grow(tokens, root_feat, budget)
+            tree = self._grow(tokens, root_feat, budget, t0)
         self._drafted += len(tree)
         self._time += time.perf_counter() - t0
         return tree
@@ -313,15 +324,17 @@ class EagleProposer(Proposer):
                 self.feats.pop(t - 1, None)
         return out[-1]
 
-    def _grow(self, tokens: list[int], root_feat: torch.Tensor, budget: int) -> TokenTree:
+    def _grow(self, tokens: list[int], root_feat: torch.Tensor, budget: int, t0: float) -> TokenTree:
         params, gen = self.ctx.params, self.ctx.generator
         greedy = params.greedy
+        sizer = self.sizer if self._verify_cost is not None else None
         root_pos = len(tokens) - 1
         k = min(self.top_k, budget)
         cand_tok: list[int] = []
         cand_par: list[int] = []
         cand_score: list[float] = []
         cand_depth: list[int] = []
+        cand_p: list[float] = []  # the head's probability of a candidate given its parent
         parent_feat: list[torch.Tensor] = []  # the head's output at each candidate's parent
         qdist: dict[int, torch.Tensor] = {}
 
@@ -336,7 +349,9 @@ class EagleProposer(Proposer):
             for t, v in zip(self.out.ids(idx), vals):
                 cand_tok.append(t)
                 cand_par.append(parent)
-                cand_score.append(base + v)
+                cand_p.append(math.exp(v))
+                # a path's score: its log-probability, calibrated to acceptance when sized by cost
+                cand_score.append(base + (sizer.log_accept(math.exp(v)) if sizer is not None else v))
                 cand_depth.append(depth)
                 parent_feat.append(feat)
                 added.append(len(cand_tok) - 1)
@@ -355,6 +370,10 @@ class EagleProposer(Proposer):
                 break  # sampled children are never pruned: stop before the budget is exceeded
             if greedy and len(cand_tok) >= budget and cand_score[expand[0]] <= sorted(cand_score)[-budget]:
                 break  # nothing deeper can enter the best ``budget``
+            if sizer is not None and not sizer.worth_expanding(cand_score, [cand_score[c] for c in expand], budget,
+                                                               time.perf_counter() - t0, self._verify_cost):
+                break
+            t1 = time.perf_counter()
             base = len(anc)
             rows = []
             for j, c in enumerate(expand):
@@ -379,15 +398,29 @@ class EagleProposer(Proposer):
             pend_k.append(nk)
             pend_v.append(nv)
             frontier = [c for c in frontier if c not in slot_of]
+            added = []
             for j, c in enumerate(expand):
-                frontier += add_children(c, out[j])
+                added += add_children(c, out[j])
+            frontier += added
+            if sizer is not None:
+                sizer.note_forward(time.perf_counter() - t1, [cand_p[c] for c in added])
             depth += 1
+        if sizer is not None:
+            budget = sizer.keep(cand_score, budget, time.perf_counter() - t0, self._verify_cost)
+        kept = best_first(cand_score, cand_par, budget) if greedy else []
+        self._node_p = [(cand_tok[c], cand_p[c]) for c in kept]
         return candidate_tree(cand_tok, cand_par, cand_score, qdist, budget, greedy, "eagle")
 
     # -------------------------------------------------------------- observe
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._steps += 1
         self._accepted += len(verdict.accepted)
+        if self._verify_cost is not None and self._node_p:
+            # calibrate: every verified node whose parent was accepted (or is the root) had its chance
+            accepted = set(verdict.accepted)
+            self.sizer.update([(self._node_p[i][1], i in accepted) for i in range(min(len(tree), len(self._node_p)))
+                               if self._node_p[i][0] == tree.tokens[i]  # (a grammar may have pruned the tree)
+                               and (tree.parents[i] < 0 or tree.parents[i] in accepted)])
         if not hidden:
             return
         rows = [0] + [a + 1 for a in verdict.accepted]
