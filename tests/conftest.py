@@ -71,6 +71,18 @@ def _forget_what_shared_models_learned():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_bundled_heads(tmp_path_factory, monkeypatch):
+    """The heads shipped in the package (``leapdecode/bundled_heads/``) are invisible to tests, as the
+    user's model cache is (each test sets its own ``LEAPDECODE_CACHE``): a test sees the heads it
+    writes.  tests/test_head_storage.py checks the package's own bundled heads separately."""
+    from leapdecode.proposers.heads import store
+
+    empty = tmp_path_factory.getbasetemp() / "no-bundled-heads"
+    empty.mkdir(exist_ok=True)
+    monkeypatch.setattr(store, "bundled_root", lambda: empty)
+
+
 async def collect_job_events(engine, specs) -> list:
     """Submit one ``Job`` of ``specs`` to a server ``Engine`` and gather its typed events up to
     ``Ended`` (60 s per event at most)."""
