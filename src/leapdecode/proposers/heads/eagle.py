@@ -338,8 +338,8 @@ class EagleProposer(Proposer):
         parent_feat: list[torch.Tensor] = []  # the head's output at each candidate's parent
         qdist: dict[int, torch.Tensor] = {}
 
-        def add_children(parent: int, feat: torch.Tensor) -> list[int]:
-            lp = node_dist(self.out.logits(self.net.readout(feat)), params)
+        def add_children(parent: int, feat: torch.Tensor, logits: torch.Tensor) -> list[int]:
+            lp = node_dist(logits, params)
             if not greedy:
                 qdist[parent] = self.out.full(lp.exp())
             base = cand_score[parent] if parent >= 0 else 0.0
@@ -357,7 +357,7 @@ class EagleProposer(Proposer):
                 added.append(len(cand_tok) - 1)
             return added
 
-        frontier = add_children(-1, root_feat)
+        frontier = add_children(-1, root_feat, self.out.logits(self.net.readout(root_feat)))
         pend_k: list[torch.Tensor] = []
         pend_v: list[torch.Tensor] = []
         slot_of: dict[int, int] = {}  # expanded candidate -> its pending slot
@@ -398,9 +398,10 @@ class EagleProposer(Proposer):
             pend_k.append(nk)
             pend_v.append(nv)
             frontier = [c for c in frontier if c not in slot_of]
+            logits = self.out.logits(self.net.readout(out))  # every expanded node's children: one matmul
             added = []
             for j, c in enumerate(expand):
-                added += add_children(c, out[j])
+                added += add_children(c, out[j], logits[j])
             frontier += added
             if sizer is not None:
                 sizer.note_forward(time.perf_counter() - t1, [cand_p[c] for c in added])
