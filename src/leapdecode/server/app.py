@@ -102,8 +102,8 @@ def create_app(
     only ones requests may use; the first is the default draft of methods that take one;
     ``max_batch``: generations decoded together (continuous batching, ``engine.py``);
     ``kv_budget_bytes``: KV-cache bytes they may reserve (default ``engine.DEFAULT_KV_BUDGET``);
-    ``speculate_under_load``: shrink greedy draft trees as the batch fills (TETRIS-style, by
-    measured cost); ``prefix_cache_bytes``: the exact prefix cache's size (0: off);
+    ``speculate_under_load``: size every sequence's draft tree per step from measured costs and
+    its acceptance (``engine.py``; False: every generation drafts its own full tree); ``prefix_cache_bytes``: the exact prefix cache's size (0: off);
     ``max_queue``: requests that may wait for a place in the batch (more get 429); ``request_timeout``:
     seconds from arrival until the request's generation is cancelled (504);
     ``max_tokens_limit``: the largest ``max_tokens`` accepted (default: the model's context);
