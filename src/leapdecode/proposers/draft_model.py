@@ -69,7 +69,7 @@ import time
 
 import torch
 
-from ..core.cost_model import AcceptanceCalibration, best_tree_size
+from .tree_cost import TreeSizer
 from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
@@ -136,8 +136,8 @@ class DraftModelProposer(Proposer):
         self.head = subset_head(ctx, self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
         # how this draft's probabilities translate into this target's acceptances, and what a draft
         # forward costs: learned across generations, kept in the runner's memory (per draft model)
-        self.calibration, self.ema = ctx.remember(("draft", "calibration", id(self.draft.model)),
-                                                  lambda: (AcceptanceCalibration(), {}, self.draft.model))[:2]
+        self.sizer = ctx.remember(("draft", "tree_sizer", id(self.draft.model)),
+                                  lambda: (TreeSizer(), self.draft.model))[0]
         self._pending_of: dict[int, int] = {}
         self._cost_model = self.adaptive and ctx.params.greedy
         self._verify_cost = ctx.verify_cost
@@ -212,7 +212,7 @@ class DraftModelProposer(Proposer):
         cand_score: list[float] = []
         cand_p: list[float] = []
         qdist: dict[int, torch.Tensor] = {}
-        calib = self.calibration if self._cost_model else None
+        sizer = self.sizer if self._cost_model else None
 
         def add_children(parent: int, lp: torch.Tensor) -> list[int]:
             if not greedy:
@@ -224,7 +224,7 @@ class DraftModelProposer(Proposer):
                 cand_tok.append(t)
                 cand_par.append(parent)
                 cand_p.append(p)
-                cand_score.append(base + (math.log(calib(p)) if calib else v))
+                cand_score.append(base + (sizer.log_accept(p) if sizer is not None else v))
                 added.append(len(cand_tok) - 1)
             return added
 
@@ -243,7 +243,8 @@ class DraftModelProposer(Proposer):
                 break  # near the end of the draft's context
             if not greedy and len(cand_tok) + len(expand) * k > budget:
                 break  # sampled children are never pruned, so stop before exceeding the budget
-            if self._cost_model and not self._worth_expanding(cand_score, expand, budget, time.perf_counter() - t0):
+            if sizer is not None and not sizer.worth_expanding(cand_score, [cand_score[c] for c in expand], budget,
+                                                               time.perf_counter() - t0, self._verify_cost):
                 break
             parents = [self._pending_of[cand_par[c]] if cand_par[c] >= 0 else -1 for c in expand]
             base = self.cache.n_pending
@@ -256,13 +257,13 @@ class DraftModelProposer(Proposer):
             frontier = []
             for j, c in enumerate(expand):
                 frontier += add_children(c, self._dist(out[j]))
-            self._note_forward_cost(time.perf_counter() - t1, [cand_p[c] for c in frontier])
+            # the draft forward's time (always), and its best child's acceptance (when sized by cost)
+            self.sizer.note_forward(time.perf_counter() - t1, [cand_p[c] for c in frontier] if sizer is not None else [])
             depth += 1
         # choose nodes
         n = len(cand_tok)
-        if greedy and self._cost_model:
-            probs = sorted((math.exp(v) for v in cand_score), reverse=True)[:budget]
-            keep_n, _ = best_tree_size(probs, time.perf_counter() - t0, self._verify_cost)
+        if greedy and sizer is not None:
+            keep_n = sizer.keep(cand_score, budget, time.perf_counter() - t0, self._verify_cost)
         else:
             keep_n = budget
         if greedy and n > keep_n:
@@ -321,33 +322,6 @@ class DraftModelProposer(Proposer):
             self._staged_tokens += 1
         return [c for c in range(len(cand_tok)) if c not in expanded], levels
 
-    # ------------------------------------------------------------ cost model
-    def _note_forward_cost(self, seconds: float, child_probs: list[float]) -> None:
-        """Running estimates of a draft forward's time and of the best child's acceptance
-        probability (what expanding one more frontier node is expected to add)."""
-        ema = self.ema
-        prev = ema.get("_draft_forward_s")
-        ema["_draft_forward_s"] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
-        if child_probs and self._cost_model:
-            top = self.calibration(max(child_probs))
-            prev = ema.get("_draft_top_accept")
-            ema["_draft_top_accept"] = top if prev is None else 0.9 * prev + 0.1 * top
-
-    def _worth_expanding(self, cand_score: list[float], expand: list[int], budget: int, spent: float) -> bool:
-        """Greedy: does one more draft level raise the expected tokens per second of this step?
-        Each expanded node is assumed to add its best child, accepted with the running mean
-        probability of a best child."""
-        fwd = self.ema.get("_draft_forward_s")
-        if fwd is None:
-            return True  # not measured yet: draft, and learn
-        rho = self.ema.get("_draft_top_accept", 0.5)
-        probs = sorted((math.exp(v) for v in cand_score), reverse=True)[:budget]
-        _, now = best_tree_size(probs, spent, self._verify_cost)
-        more = probs + [math.exp(cand_score[c]) * rho for c in expand]
-        more = sorted(more, reverse=True)[:budget]
-        _, then = best_tree_size(more, spent + fwd, self._verify_cost)
-        return then > now
-
     # -------------------------------------------------------------- observe
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         # keep the accepted draft nodes that the draft already forwarded
@@ -370,7 +344,7 @@ class DraftModelProposer(Proposer):
                     continue
                 parent = tree.parents[node]
                 if parent < 0 or parent in accepted:
-                    self.calibration.update(self.calibration.bin(self._cand_p[cand]), node in accepted)
+                    self.sizer.update([(self._cand_p[cand], node in accepted)])
         elif self.adaptive and self._last_depth > 0:
             accepted = len(verdict.accepted)
             if accepted >= self._last_depth:

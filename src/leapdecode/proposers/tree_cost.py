@@ -1,5 +1,5 @@
 """Cost-aware sizing of a drafted tree, for drafters that expand a tree level by level with a
-forward of their own per level (a draft model, an EAGLE head).
+forward of their own per level (``draft_model.py``'s draft model, an EAGLE head).
 
 Sequoia ("Sequoia: Scalable, Robust, and Hardware-aware Speculative Decoding", Chen et al., 2024)
 picks the tree that maximises expected accepted tokens per second on the hardware at hand;
@@ -31,7 +31,7 @@ class TreeSizer:
     def __init__(self) -> None:
         self.calibration = AcceptanceCalibration()
         self.forward_s: float | None = None
-        self.top_accept = 0.5
+        self.top_accept: float | None = None  # (0.5 is assumed until a forward is seen)
 
     def log_accept(self, p: float) -> float:
         """A node's contribution to its path's score: log P(accepted | parent accepted)."""
@@ -41,7 +41,8 @@ class TreeSizer:
         """One drafter forward took ``seconds`` and gave children with these probabilities."""
         self.forward_s = seconds if self.forward_s is None else 0.8 * self.forward_s + 0.2 * seconds
         if child_probs:
-            self.top_accept = 0.9 * self.top_accept + 0.1 * self.calibration(max(child_probs))
+            top = self.calibration(max(child_probs))
+            self.top_accept = top if self.top_accept is None else 0.9 * self.top_accept + 0.1 * top
 
     def worth_expanding(self, scores: list[float], expand_scores: list[float], budget: int, spent: float,
                         verify: VerifyCost) -> bool:
@@ -51,7 +52,8 @@ class TreeSizer:
             return True  # not measured yet: draft, and learn
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
         _, now = best_tree_size(probs, spent, verify)
-        more = sorted(probs + [math.exp(v) * self.top_accept for v in expand_scores], reverse=True)[:budget]
+        rho = 0.5 if self.top_accept is None else self.top_accept
+        more = sorted(probs + [math.exp(v) * rho for v in expand_scores], reverse=True)[:budget]
         _, then = best_tree_size(more, spent + self.forward_s, verify)
         return then > now
 
