@@ -154,3 +154,27 @@ def test_sampling_through_the_head_arm(no_eos, eagle_run, chi2, variant):
         assert pval > ALPHA, (stat, df, pval, drafted, accepted)
     else:
         assert pval < ALPHA, (stat, df, pval)
+
+
+def test_an_arm_is_timed_from_its_propose_to_its_observe(tiny):
+    """The bandit's reward is tokens over the step's own time: time spent after ``observe`` (a batched
+    engine's plain steps, grammar-forced tokens, a slow consumer) is not charged to the arm that drafted."""
+    import time
+
+    model = tiny(seed=0)
+    ids = model.tokenizer.encode("the cat sat on the mat the cat")
+    g = start(model, ids, max_new_tokens=4)
+    auto = g.proposer
+    observe = auto.observe
+    pause = 1.0
+
+    def slow_after_observe(*a, **k):
+        observe(*a, **k)
+        time.sleep(pause)
+
+    auto.observe = slow_after_observe
+    g.run()
+    means = [m for m, _ in auto.bandit.snapshot().values()]
+    assert means
+    # charged with the pause, no step could reach 1 + tree budget tokens per pause
+    assert min(means) > (1 + auto.default_budget) / pause, auto.bandit.snapshot()

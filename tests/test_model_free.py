@@ -349,6 +349,67 @@ def test_repetitive_text_is_drafted(tiny_models, fresh_runner):
         assert r.stats["target_forwards"] < base.stats["target_forwards"]
 
 
+def test_pld_cost_aware_chain_follows_the_verify_cost(tiny_models, fresh_runner):
+    """Greedy pld keeps the longest match's chain only, cut by the verify cost: nothing when another
+    row costs 100 tokens, long chains when rows are free, the same tokens either way; the per-n
+    acceptance is learned per runner; sampling keeps the fixed tree whatever the cost."""
+    from leapdecode.core.cost_model import VerifyCost
+
+    model = tiny_models[0]
+    prompt = "hello hello hello hello world, hello world. the cat sat on the mat; the cat sat on the mat."
+    base = leapdecode.generate(model, prompt, max_new_tokens=48, method="vanilla")
+    dear = fresh_runner(model, verify_cost=VerifyCost([1, 2], [1.0, 100.0]))
+    free = fresh_runner(model, verify_cost=VerifyCost([1, 64], [1.0, 1.0]))
+
+    def pld(runner, **kw):
+        gen = leapdecode.start_generation(runner, prompt, method="pld", max_new_tokens=48, **kw)
+        return gen.run(), gen.proposer
+
+    costly, _ = pld(dear)
+    assert costly.tokens == base.tokens
+    assert costly.stats["pld_hit_rate"] > 0 and costly.stats["draft_nodes"] == 0
+    cheap, first = pld(free)
+    assert cheap.tokens == base.tokens
+    assert cheap.stats["mean_accepted"] > 1.5 and cheap.stats["target_forwards"] < base.stats["target_forwards"]
+    # a chain: every drafted tree is one path (no node beside the main chain)
+    assert cheap.stats["draft_nodes"] <= cheap.stats["target_forwards"] * first.draft_len
+    again, second = pld(free)
+    assert again.tokens == base.tokens and second.acceptance is first.acceptance
+    assert sum(map(sum, first.acceptance.seen)) > 2.0 * (first.max_ngram + 1) * first.draft_len
+    # the fixed tree when cost_aware is off, or when sampling (no clock may steer)
+    fixed, _ = pld(dear, options={"cost_aware": False})
+    assert fixed.tokens == base.tokens and fixed.stats["draft_nodes"] > 0
+    sampled, _ = pld(dear, temperature=0.8, seed=3)
+    assert sampled.stats["draft_nodes"] > 0
+    assert sampled.tokens == leapdecode.generate(model, prompt, method="vanilla", max_new_tokens=48,
+                                                 temperature=0.8, seed=3).tokens
+
+
+def test_pld_cost_aware_drafts_chains_only(tiny_models, fresh_runner):
+    """Under a cost model that pays for any row, every greedy tree is a single chain of the longest
+    match (the uncosted tree of the same text has branches)."""
+    from leapdecode.core.cost_model import VerifyCost
+
+    model = tiny_models[0]
+    prompt = "a b c a b d a b e a b c a b d a b"
+    trees = []
+    gen = leapdecode.start_generation(fresh_runner(model, verify_cost=VerifyCost([1, 64], [1.0, 1.0])), prompt,
+                                      method="pld", max_new_tokens=24)
+    orig = gen.proposer.propose
+
+    def spy(tokens, budget):
+        t = orig(tokens, budget)
+        trees.append(list(t.parents))
+        return t
+
+    gen.proposer.propose = spy
+    gen.run()
+    drafted = [p for p in trees if p]
+    assert drafted, "the repetitive prompt should give matches"
+    for parents in drafted:
+        assert parents == list(range(-1, len(parents) - 1)), parents
+
+
 # ----------------------------------------------------------------------------- parameters
 @pytest.mark.parametrize("method,opts", [
     ("pld", {"max_ngram": 0}),

@@ -26,9 +26,10 @@ retrieval prompt cost more than a short answer saved.
 
 Which arm runs is a contextual bandit, after "BanditSpec: Adaptive Speculative Decoding
 via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of tokens it
-emitted divided by its wall time (draft + verify, measured from one ``propose`` to the
-next), the context is how long the suffix automaton's current match is (a long match
-predicts that copying pays off, whatever the draft model says), and the policy is UCB1
+emitted divided by its wall time (draft + verify: from its ``propose`` to the end of its
+``observe``, so steps that ran without a proposal in between -- a batched engine's plain
+steps, tokens a grammar forced -- are not charged to the arm), the context is how long the
+suffix automaton's current match is (a long match predicts that copying pays off, whatever the draft model says), and the policy is UCB1
 on exponentially discounted means, so that it follows a text that changes character
 (prose to code to a repeated list).  The statistics live in the runner's memory, so later
 generations on the same target start from what earlier ones learned.
@@ -125,6 +126,7 @@ class AutoProposer(Proposer):
         self._deterministic = False
         self._pending: tuple[int, str, int] | None = None
         self._t_step = 0.0
+        self._t_end: float | None = None  # when the pending step's observe() finished
         self._draft_live = False
         self._uses: dict[str, int] = {}
 
@@ -185,7 +187,8 @@ class AutoProposer(Proposer):
                     cost = self._cost_ratio * (self._draft_forwards() - self._forwards_before)
                 self._run_bandit.update(ctx, arm, emitted / (1.0 + cost))
             else:
-                elapsed = time.perf_counter() - self._t_step
+                end = self._t_end if self._t_end is not None else time.perf_counter()
+                elapsed = end - self._t_step
                 if elapsed > 0:
                     self._run_bandit.update(ctx, arm, emitted / elapsed)
             self._pending = None
@@ -202,6 +205,7 @@ class AutoProposer(Proposer):
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._close_step()
         self._t_step = time.perf_counter()
+        self._t_end = None
         self._forwards_before = self._draft_forwards()
         self._head_before = self._head_calls()
         self.sam.sync(tokens)
@@ -235,6 +239,7 @@ class AutoProposer(Proposer):
             self.draft.observe(tokens, tree, verdict, logits)
         if self.head is not None:
             self.head.observe(tokens, tree, verdict, logits, hidden)
+        self._t_end = time.perf_counter()
 
     def end(self) -> None:
         self._close_step()

@@ -38,12 +38,26 @@ ranked by (longest matching n, number of supporting occurrences, most recent
 occurrence): the longest match's most frequent continuation first, other
 branches as the budget allows.  The cost per step is bounded by
 ``max_ngram * max_matches * draft_len``, independent of the text length.
+
+Cost-aware chains (greedy, ``cost_aware=True``, the default).  Where verifying
+another tree row costs a good part of a token (a CPU without AMX: the default
+int4 format's verification profile), a 24-node tree of weak matches costs more
+than it brings.  As ``sam`` does, the drafter then keeps the longest match's
+continuation only, cut to the length that maximises expected tokens per second
+of the verification forward (Sequoia's hardware-aware tree size;
+``core/cost_model.py``): P(the token at depth d is accepted | the ones before
+were) is learned from the verdicts per matched n-gram length
+(``ChainAcceptance``, remembered by the runner across generations), the
+verification cost per tree size is the runner's measured profile.  Sampling
+never follows the clock: it keeps the fixed budget (the verifier is exact
+either way).  ``cost_aware=False`` keeps the tree above.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ..core.cost_model import ChainAcceptance, best_tree_size
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
@@ -100,6 +114,7 @@ class PromptLookupProposer(Proposer):
         min_ngram: int = 1,
         draft_len: int = 10,
         max_matches: int = 4,
+        cost_aware: bool = True,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -110,14 +125,29 @@ class PromptLookupProposer(Proposer):
         self.draft_len = check_int("draft_len", draft_len)
         self.max_matches = check_int("max_matches", max_matches)
         self.default_budget = tree_budget or 24
+        self.cost_aware = cost_aware
+        self.acceptance = ChainAcceptance(self.max_ngram + 1, self.draft_len)  # bucket: the matched n
+        self._verify_cost = None
+        self._use_costs = False  # set per generation by begin()
+        self._chain: tuple[int, int] | None = None  # (matched n, length) of the last cost-aware chain
         self.index = NGramIndex(self.max_ngram)
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
+
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         self.index = NGramIndex(self.max_ngram)
         self.index.extend(tokens)
+        # (sampling: no clock may steer)
+        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
+        self._verify_cost = ctx.verify_cost
+        self._chain = None
+        if self._use_costs:  # what this model accepts is learned across its generations
+            self.acceptance = ctx.remember(("pld", "chain_acceptance", self.max_ngram, self.draft_len),
+                                           lambda: self.acceptance)
 
     def sync(self, tokens: list[int]) -> None:
         """Index the tokens decided since the last call (the text only grows within a generation)."""
@@ -156,9 +186,30 @@ class PromptLookupProposer(Proposer):
             return TokenTree()
         self._hits += 1
         self._match_total += cands[0][1]
+        self._chain = None
+        if self._use_costs:  # the longest match's continuation, cut where it stops paying
+            toks, n, p = cands[0]
+            probs = self.acceptance.cumulative(n, min(len(toks), budget))
+            keep = best_tree_size(probs, 0.0, self._verify_cost)[0]
+            if keep < 1:
+                return TokenTree()
+            self._chain = (n, keep)
+            cands = [(toks[:keep], n, p)]
+            budget = keep
         tree = merge_candidates(cands, budget, self.name)
         self._nodes += len(tree)
         return tree
+
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
+        if self._chain is not None:  # learn how deep chains of this match length get accepted
+            n, length = self._chain
+            on_chain = 0
+            for d, node in enumerate(verdict.accepted):
+                if node != d:  # a chain's nodes are 0, 1, 2, ...
+                    break
+                on_chain += 1
+            self.acceptance.update(n, min(length, len(tree)), on_chain)
+            self._chain = None
 
     def stats(self) -> dict[str, Any]:
         return {

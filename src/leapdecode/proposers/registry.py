@@ -78,6 +78,8 @@ class PldConfig(MethodConfig):
     min_ngram: int = option(1, "shortest n-gram looked up", low=1)
     draft_len: int = option(10, "tokens copied per match", low=1)
     max_matches: int = option(4, "matches kept per n-gram length", low=1)
+    cost_aware: bool = option(True, "greedy: the longest match's chain only, cut by per-depth acceptance and "
+                                    "measured verify cost")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -271,7 +273,8 @@ def _build_pld(cfg: PldConfig, runner: "ModelRunner") -> "Proposer":
     from .pld import PromptLookupProposer
 
     return PromptLookupProposer(tree_budget=cfg.tree_budget, max_ngram=cfg.max_ngram, min_ngram=cfg.min_ngram,
-                                draft_len=cfg.draft_len, max_matches=cfg.max_matches)
+                                draft_len=cfg.draft_len, max_matches=cfg.max_matches,
+                                cost_aware=cfg.cost_aware)
 
 
 def _build_sam(cfg: SamConfig, runner: "ModelRunner") -> "Proposer":
