@@ -57,6 +57,28 @@ def tiny():
     return _tiny
 
 
+@pytest.fixture(scope="session")
+def trained_head_dir(tiny, tmp_path_factory):
+    """``trained_head_dir(kind)``: the ``--out`` directory of a head of ``kind`` (medusa, hydra, eagle,
+    eagle3) trained for a few seconds on ``tiny(seed=0)`` without EOS tokens (not installed; trained once
+    per session, shared by test_heads.py and test_head_storage.py)."""
+    import dataclasses
+
+    from test_heads import _train
+
+    target = dataclasses.replace(tiny(seed=0), eos_token_ids=set())
+    dirs: dict = {}
+
+    def get(kind):
+        if kind not in dirs:
+            out = tmp_path_factory.mktemp(f"trained-{kind}") / "head"
+            _train(kind, target, out, steps={"eagle": 120, "eagle3": 60}.get(kind, 40), install_head=False)
+            dirs[kind] = out
+        return dirs[kind]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _forget_what_shared_models_learned():
     """The cached tiny models are shared by the whole session, and so are their runners

@@ -36,7 +36,7 @@ from leapdecode.proposers.heads.hydra import HydraHeads
 from leapdecode.proposers.heads.medusa import MedusaHeads
 from leapdecode.proposers.heads.store import (INT8_SCALE, MANIFEST, WEIGHTS, export_head, find_head, install,
                                               list_heads, load_head, read_head, save_head, stored_kind)
-from test_heads import PROMPTS, _train, vanilla
+from test_heads import PROMPTS, vanilla
 
 KINDS = ("medusa", "hydra", "eagle", "eagle3")
 METHOD = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle3": "eagle"}
@@ -233,19 +233,10 @@ def no_eos(tiny):
     return dataclasses.replace(tiny(seed=0), eos_token_ids=set())
 
 
-@pytest.fixture(scope="module")
-def trained(no_eos, tmp_path_factory):
-    """``trained(kind)``: the directory of a head of ``kind`` trained for a few seconds (cached)."""
-    dirs: dict = {}
-
-    def get(kind):
-        if kind not in dirs:
-            out = tmp_path_factory.mktemp(f"trained-{kind}") / "head"
-            _train(kind, no_eos, out, steps={"eagle": 120, "eagle3": 60}.get(kind, 40), install_head=False)
-            dirs[kind] = out
-        return dirs[kind]
-
-    return get
+@pytest.fixture
+def trained(trained_head_dir):
+    """``trained(kind)``: the directory of a head of ``kind`` trained for a few seconds (conftest)."""
+    return trained_head_dir
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -236,15 +236,14 @@ def no_eos(tiny):
 
 
 @pytest.fixture(scope="module")
-def trained(no_eos, tmp_path_factory):
-    """``trained(kind)``: a head of ``kind`` trained for a few seconds on the tiny target (cached)."""
+def trained(no_eos, trained_head_dir):
+    """``trained(kind)``: a head of ``kind`` trained for a few seconds on the tiny target (conftest's
+    ``trained_head_dir``), loaded for ``no_eos``."""
     heads: dict = {}
 
     def get(kind):
         if kind not in heads:
-            out = tmp_path_factory.mktemp(f"trained-{kind}")
-            _train(kind, no_eos, out / "head", steps=120 if kind == "eagle" else 40, install_head=False)
-            heads[kind] = load_head(kind, no_eos, out / "head")[0]
+            heads[kind] = load_head(kind, no_eos, trained_head_dir(kind))[0]
         return heads[kind]
 
     return get
