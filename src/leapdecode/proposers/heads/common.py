@@ -130,12 +130,14 @@ def best_first(scores: list[float], parents: list[int], budget: int) -> list[int
 
 
 def candidate_tree(tokens: list[int], parents: list[int], scores: list[float], qdist: dict, budget: int,
-                   greedy: bool, source: str) -> TokenTree:
+                   greedy: bool, source: str, order: list[int] | None = None) -> TokenTree:
     """The drafted candidates (``parents[c] < 0``: a child of the root) as a ``TokenTree``: greedy,
     the ``budget`` best by score (``best_first``) as deterministic nodes; sampling, every candidate
     as a sampled node, with each kept node's draft distribution (``qdist``, keyed by candidate,
-    -1 the root) renumbered onto the tree (``tree.q``)."""
-    order = best_first(scores, parents, budget) if greedy else list(range(len(tokens)))
+    -1 the root) renumbered onto the tree (``tree.q``).  ``order``: the greedy choice when the caller
+    already made it (``best_first(scores, parents, budget)``)."""
+    if order is None:
+        order = best_first(scores, parents, budget) if greedy else list(range(len(tokens)))
     tree = TokenTree()
     index: dict[int, int] = {}
     for c in order:

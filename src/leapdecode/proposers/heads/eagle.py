@@ -408,9 +408,9 @@ class EagleProposer(Proposer):
             depth += 1
         if sizer is not None:
             budget = sizer.keep(cand_score, budget, time.perf_counter() - t0, self._verify_cost)
-        kept = best_first(cand_score, cand_par, budget) if greedy else []
-        self._node_p = [(cand_tok[c], cand_p[c]) for c in kept]
-        return candidate_tree(cand_tok, cand_par, cand_score, qdist, budget, greedy, "eagle")
+        kept = best_first(cand_score, cand_par, budget) if greedy else None
+        self._node_p = [(cand_tok[c], cand_p[c]) for c in kept or []]
+        return candidate_tree(cand_tok, cand_par, cand_score, qdist, budget, greedy, "eagle", order=kept)
 
     # -------------------------------------------------------------- observe
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
