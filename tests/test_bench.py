@@ -256,6 +256,12 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     keys = {"method", "model", "system", "question_id", "category", "turn", "new_tokens", "wall_s",
             "tokens_per_s", "target_forwards", "mean_accepted", "identical", "first_divergence"}
     assert all(keys <= set(r) for r in records)
+    # where the time went and what was verified, from each generation's stats
+    for r in records:
+        assert {"tree_rows", "prefill_s", "draft_s", "verify_s"} <= set(r), r
+        assert r["tree_rows"] >= 0 and r["verify_s"] > 0
+    assert all(r["tree_rows"] == 0 for r in records if r["method"] == "vanilla")
+    assert sum(r["tree_rows"] for r in records if r["method"] == "draft") > 0
     turn2 = [r for r in records if r["turn"] == 2]
     assert len(turn2) == 2 and turn2[0]["prompt_tokens"] > records[0]["prompt_tokens"]
     assert {r["system"] for r in records} == {"leapdecode"}

@@ -21,6 +21,8 @@ from .runners import LeapdecodeRunner, Runner, expand_peers, make_peers
 from .workloads import Question, load_workload, select
 
 WARMUP_TOKENS = 8
+# a leapdecode generation's stats kept per record in results.jsonl (where the time went, what was drafted)
+RECORDED_STATS = ("tree_rows", "prefill_s", "draft_s", "verify_s", "auto_arms")
 
 
 @dataclass
@@ -197,6 +199,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                             ref_tokens, ref_text = res.tokens, res.text
                         div = stats.first_divergence(res.tokens, ref_tokens) if greedy and ref_tokens is not None else None
                         n = res.new_tokens
+                        gs = res.extra.get("stats") or {}  # a leapdecode generation's own stats
                         records.append({
                             "method": r.name, "model": loaded.name, "system": r.system,
                             "question_id": q.question_id, "category": q.category, "group": q.group,
@@ -211,6 +214,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                             "finish_reason": res.finish_reason,
                             "peak_rss_mb": res.peak_rss_mb,
                             "peak_gpu_mb": res.peak_gpu_mb,
+                            **{k: gs[k] for k in RECORDED_STATS if k in gs},
                             **({"valid": output_valid(res.text, q.meta["json_schema"])
                                 if res.finish_reason == "stop" else None,
                                 "ended": res.finish_reason == "stop",

@@ -334,6 +334,7 @@ class Generation:
             self._hist: Counter[int] = Counter()
             self._draft_s = self._verify_s = self._constraint_s = 0.0
             self._forwards = self._drafted_steps = self._drafted_accepted = 0
+            self._tree_rows = 0  # draft nodes put through the target (after grammar pruning)
             self._detok = IncrementalDetokenizer(model.tokenizer)
             self._stops = StopChecker(self.stop)
             self._shown = 0
@@ -464,6 +465,7 @@ class Generation:
         if len(tree):
             self._drafted_steps += 1
             self._drafted_accepted += len(verdict.accepted)
+            self._tree_rows += len(tree)
         finish = None
         kept: list[int] = []
         for t in verdict.tokens:
@@ -546,6 +548,7 @@ class Generation:
             "target_forwards": forwards,
             "mean_accepted": round(n / forwards, 4) if forwards else 0.0,
             "accept_hist": {str(k): self._hist[k] for k in sorted(self._hist)},
+            "tree_rows": self._tree_rows,
             "wall_s": round(wall, 4),
             "prefill_s": round(self._prefill_s, 4),
             "prefix_reused": self._reused,
