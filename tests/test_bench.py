@@ -269,6 +269,36 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     assert "| vanilla |" in report and "| draft |" in report and "MT-bench" in report
 
 
+def test_bench_method_rows_with_options(tmp_path, capsys):
+    """``METHOD:KEY=VALUE`` rows: two settings of one method in one run, each its own row with its
+    options applied; a bad option or method in a row is a clean error."""
+    from leapdecode.bench.runners import LeapdecodeRunner, split_method_row
+    from leapdecode.bench.suite import validate_methods
+    from leapdecode.errors import InvalidParameterError
+
+    assert split_method_row("pld:cost_aware=false:draft_len=3") == ("pld", {"cost_aware": False, "draft_len": 3})
+    assert validate_methods(["pld", "pld:cost_aware=false", "pld"]) == ["vanilla", "pld", "pld:cost_aware=false"]
+    for bad, named in (("pld:draft_len=0", "draft_len"), ("pld:bogus=1", "bogus"), ("nope:x=1", "nope"),
+                       ("pld:draft_len", "KEY=VALUE")):
+        with pytest.raises(InvalidParameterError, match=named):
+            validate_methods([bad])
+    from leapdecode import load
+
+    r = LeapdecodeRunner(load("tiny-random"), "pld:cost_aware=false:max_matches=2")
+    assert (r.name, r.method, r.config.cost_aware, r.config.max_matches) == (
+        "pld:cost_aware=false:max_matches=2", "pld", False, 2)
+    wl = write_jsonl(tmp_path / "q.jsonl", SHORT[:1])
+    out = tmp_path / "out"
+    assert main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "pld,pld:cost_aware=false",
+                 "--workload", str(wl), "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--no-plots",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in summary["rows"]] == ["vanilla", "pld", "pld:cost_aware=false"]
+    assert main(["bench", "-m", "tiny-random", "--methods", "pld:max_ngram=0", "--workload", str(wl),
+                 "--out", str(tmp_path / "o2")]) == 2
+    assert "max_ngram" in capsys.readouterr().err
+
+
 def test_bench_bad_workload_is_a_clean_error(tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", ['{"question_id": 1, "category": "qa"}'])
     assert main(["bench", "-m", "tiny-random", "--workload", str(bad), "--out", str(tmp_path / "o")]) == 2

@@ -372,6 +372,31 @@ def test_draft_context_window(tiny, env, fresh_runner, window):
         assert got.stats["mean_accepted"] > 1.2, got.stats
 
 
+def test_auto_prefills_its_draft_only_when_the_hybrid_arm_drafts(tiny, env, fresh_runner):
+    """auto's draft model reads the prompt at its first draft (``defer_prefill``), not at the start: a
+    generation that never picks the hybrid arm runs no draft forward at all, and one that does gives
+    vanilla's tokens from a draft prefilled late."""
+    model = tiny(seed=0)
+    runner = fresh_runner(model, verify_cost="flat", drafts={draft_name("copy"): env.drafts["copy"]})
+    prompt = "the cat sat on the mat and the dog"
+    want = vanilla(model, prompt, max_new_tokens=32)
+    opts = {"draft": draft_name("copy"), "use_head": False}
+
+    gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=32, options=opts)
+    auto = gen.proposer
+    assert auto.draft is not None and auto.draft.defer_prefill and "hybrid" in auto.arms
+    auto._arms_for = lambda match_len: ["sam", "none"]  # never the draft model's arm
+    res = gen.run()
+    assert res.tokens == want.tokens
+    assert res.stats["draft_forwards"] == 0 and "hybrid" not in res.stats["auto_arms"], res.stats
+
+    gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=32, options=opts)
+    gen.proposer._arms_for = lambda match_len: ["hybrid"]  # always the draft model's arm
+    res = gen.run()
+    assert res.tokens == want.tokens
+    assert res.stats["draft_forwards"] > 0 and res.stats["mean_accepted"] > 1.5, res.stats
+
+
 def test_rest_datastore_by_path(tiny, env):
     assert "rest" in METHODS
     model = tiny(seed=0)

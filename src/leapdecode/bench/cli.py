@@ -31,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--methods", default="vanilla",
                    help="comma-separated leapdecode methods (vanilla is always included as the reference); "
-                        "`all` = every method")
+                        "`all` = every method; a row METHOD:KEY=VALUE[:KEY=VALUE...] runs a method with options "
+                        "(e.g. `pld,pld:cost_aware=false` compares two settings in one run)")
     p.add_argument("--draft", help="draft model for draft-based methods and hf-assisted "
                                    "(default: the model's registered pair)")
     p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step")

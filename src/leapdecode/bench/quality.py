@@ -252,6 +252,7 @@ def expand_rows(specs: list[RowSpec], methods: list[str], temperature: float) ->
     from ..api import check_strategy_combination
     from ..core.sampling import SamplingParams
     from ..proposers.registry import method_config
+    from .runners import split_method_row
 
     rows, skipped = [], []
     probe = Problem("humaneval", "check", "def f():\n", False, "def check(candidate):\n    pass\n", "f")
@@ -262,7 +263,7 @@ def expand_rows(specs: list[RowSpec], methods: list[str], temperature: float) ->
         for m in ([spec.method] if spec.method else methods):
             if scfg is not None:
                 try:
-                    check_strategy_combination(scfg, method_config(m), SamplingParams(temperature=temp), None,
+                    check_strategy_combination(scfg, method_config(*split_method_row(m)), SamplingParams(temperature=temp), None,
                                                None, False)
                 except InvalidParameterError as e:
                     if spec.method:
@@ -396,8 +397,12 @@ def row_method_config(row: Row, draft: str | None = None):
     """The row's method config (``--draft`` for a method with a draft option)."""
     from ..proposers.registry import method_config, method_spec
 
-    fields = method_spec(row.method).config.option_names()
-    return method_config(row.method, {"draft": draft} if draft is not None and "draft" in fields else None)
+    from .runners import split_method_row
+
+    method, opts = split_method_row(row.method)  # ``METHOD`` or ``METHOD:KEY=VALUE...``
+    if draft is not None and "draft" in method_spec(method).config.option_names():
+        opts.setdefault("draft", draft)
+    return method_config(method, opts)
 
 
 def prepare_runner(loaded, row: Row, drafts: dict, draft: str | None = None):

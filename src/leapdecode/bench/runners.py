@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.cost_model import synchronize
-from ..errors import LeapdecodeError
+from ..errors import InvalidParameterError, LeapdecodeError
 
 PEER_FAMILIES = {
     "hf": ["hf", "hf-assisted", "hf-pld"],
@@ -165,6 +165,24 @@ class Runner:
         pass
 
 
+def split_method_row(text: str) -> tuple[str, dict]:
+    """A bench row ``METHOD`` or ``METHOD:KEY=VALUE:KEY=VALUE`` (e.g. ``pld:cost_aware=false``, a
+    method with options, so that two settings of one method compare in one run) -> (method, typed
+    options); ``InvalidParameterError`` names an unknown method or a bad option."""
+    from ..core.config import parse_option_assignments
+    from ..proposers import METHODS, method_config
+
+    base, *pairs = [p.strip() for p in text.split(":")]
+    if base not in METHODS:
+        raise InvalidParameterError(f"unknown method {base!r}; choose from {', '.join(METHODS)}")
+    try:
+        opts = parse_option_assignments(METHODS[base].config, pairs)
+        method_config(base, opts)
+    except InvalidParameterError as e:
+        raise InvalidParameterError(f"--methods row {text!r}: {e}") from None
+    return base, opts
+
+
 class LeapdecodeRunner(Runner):
     """One of leapdecode's methods on the loaded target."""
 
@@ -178,7 +196,11 @@ class LeapdecodeRunner(Runner):
         from ..proposers import method_config, method_spec
 
         super().__init__(loaded.device)
-        self.loaded, self.name, self.method = loaded, method, method
+        self.loaded, self.name = loaded, method  # the row's label: ``METHOD`` or ``METHOD:KEY=VALUE...``
+        if ":" in method:
+            method, row_opts = split_method_row(method)
+            options = {**row_opts, **(options or {})}
+        self.method = method
         opts = dict(options or {})
         fields = method_spec(method).config.option_names()
         if draft is not None and "draft" in fields:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidParameterError, LeapdecodeError
 from . import report, stats
-from .runners import LeapdecodeRunner, Runner, expand_peers, make_peers
+from .runners import LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
 from .workloads import Question, load_workload, select
 
 WARMUP_TOKENS = 8
@@ -51,15 +51,13 @@ class BenchConfig:
 
 
 def validate_methods(methods: list[str]) -> list[str]:
-    from ..proposers import METHODS
-
+    """The bench rows: ``vanilla`` first, then each method (or ``METHOD:KEY=VALUE...`` row) once."""
     out = ["vanilla"]
     for m in methods:
         m = m.strip()
         if not m or m in out:
             continue
-        if m not in METHODS:
-            raise InvalidParameterError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        split_method_row(m)
         out.append(m)
     return out
 

@@ -22,7 +22,9 @@ As in SAM Decoding, a match of at least ``sam_only_match`` tokens (default 12) u
 automaton's draft alone.  The draft model reads only the first tokens and the last
 ``AUTO_DRAFT_WINDOW`` tokens (``common.py``) of a long prompt (``draft_model.py``'s ``context_window``): the
 automaton copies from the whole text, and on a CPU the draft's prefill of a 1,400-token
-retrieval prompt cost more than a short answer saved.
+retrieval prompt cost more than a short answer saved.  It reads them at the first step its arm
+drafts (``defer_prefill``), so a generation in which the bandit never picks that arm pays nothing
+for the draft model, and the arm that uses it is charged for the prefill.
 
 Which arm runs is a contextual bandit, after "BanditSpec: Adaptive Speculative Decoding
 via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of tokens it

@@ -92,6 +92,7 @@ class DraftModelProposer(Proposer):
         draft_vocab: int = DRAFT_VOCAB,
         staged: bool = True,
         context_window: int | None = CONTEXT_WINDOW,
+        defer_prefill: bool = False,
     ) -> None:
         for name, v in (("top_k", top_k), ("beam", beam), ("max_depth", max_depth)):
             if not isinstance(v, int) or v < 1:
@@ -104,6 +105,11 @@ class DraftModelProposer(Proposer):
             raise InvalidParameterError(
                 f"context_window must be an integer >= 1 or None (the whole prompt), got {context_window}")
         self.context_window = context_window
+        # prefill the draft's prompt at the first propose() instead of in begin(): for a caller that
+        # may not draft with it at all in a generation (auto's hybrid arm), so a generation that never
+        # uses the draft never pays its prefill, and the arm that does is charged for it
+        self.defer_prefill = defer_prefill
+        self._prompt: list[int] | None = None  # the prompt still to prefill (deferred)
         self.draft = draft
         self.default_budget = tree_budget or 24
         self.top_k, self.beam, self.max_depth = top_k, beam, max_depth
@@ -143,11 +149,19 @@ class DraftModelProposer(Proposer):
         self._verify_cost = ctx.verify_cost
         # prefill all but the root now (or the sink and the window of a long prompt), so the first
         # propose only feeds the root; n_cached counts tokens of ``tokens`` seen, skipped or not
+        self._prompt = list(tokens)
+        if not self.defer_prefill:
+            self._prefill()
+
+    def _prefill(self) -> None:
+        """Feed the prompt but its last token (the root) to the draft: all of it, or the attention sink
+        and the last ``context_window`` tokens of a long prompt."""
+        tokens, self._prompt = self._prompt, None
         prompt = tokens[:-1]
         window = self.context_window
         if window is not None and len(prompt) > ATTENTION_SINK + window:
             prompt = prompt[:ATTENTION_SINK] + prompt[-window:]
-        if prompt and len(prompt) < cache.max_len:  # (a prompt the draft cannot hold: propose() drafts nothing)
+        if prompt and len(prompt) < self.cache.max_len:  # (a prompt the draft cannot hold: propose() drafts nothing)
             self._feed(prompt, want_logits=False)
             self.n_cached = len(tokens) - 1
 
@@ -197,6 +211,8 @@ class DraftModelProposer(Proposer):
         t0 = time.perf_counter()
         if self.cache.n_pending:
             self.cache.rollback()
+        if self._prompt is not None:  # deferred from begin()
+            self._prefill()
         new = tokens[self.n_cached :]
         if self.cache.room() < len(new):  # the draft's context is full: no draft, the target goes on alone
             self._tree_to_cand, self._last_depth = {}, 0

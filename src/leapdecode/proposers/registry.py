@@ -232,7 +232,8 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
             except InvalidParameterError:  # the registered pair is not loaded on this runner
                 dm = None
         if dm is not None and _same_vocab(dm, runner.model):
-            draft_proposer = DraftModelProposer(dm, tree_budget=cfg.tree_budget, context_window=AUTO_DRAFT_WINDOW)
+            draft_proposer = DraftModelProposer(dm, tree_budget=cfg.tree_budget, context_window=AUTO_DRAFT_WINDOW,
+                                                defer_prefill=True)  # a generation may never use the arm
     return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
                         sam_only_match=cfg.sam_only_match, explore=cfg.explore, discount=cfg.discount,
                         head_proposer=_auto_head(cfg, runner) if cfg.use_head else None)
