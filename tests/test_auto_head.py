@@ -104,6 +104,24 @@ def test_head_arm_next_to_a_draft_model_arm(tiny, eagle_run):
     assert uses.get("head", 0) > 0 and uses.get("hybrid", 0) > 0, uses
 
 
+def test_the_registered_draft_arm_gives_way_to_a_trained_head(tiny, eagle_run):
+    """The registered draft pair gives auto a draft-model arm only while the target has no trained
+    head; with one (and no named draft) the arms are the automaton, the head and none; exact."""
+    model = dataclasses.replace(tiny(seed=0), draft_name="pair")
+    runner = ModelRunner(model)
+    runner.add_draft("pair", tiny(seed=0, noise=0.02))
+    ids = model.tokenizer.encode(PROMPTS[0])
+    assert leapdecode.start_generation(runner, prompt_ids=ids, method="auto").proposer.arms == ["sam", "hybrid", "none"]
+    install(eagle_run, model)
+    runner = ModelRunner(model)  # (a runner looks the store up once)
+    runner.add_draft("pair", tiny(seed=0, noise=0.02))
+    g = leapdecode.start_generation(runner, prompt_ids=ids, method="auto", max_new_tokens=20)
+    assert g.proposer.arms == ["sam", "head", "none"] and g.proposer.draft is None
+    assert g.run().tokens == vanilla(model, ids, max_new_tokens=20).tokens
+    named = leapdecode.start_generation(runner, prompt_ids=ids, method="auto", options={"draft": "pair"})
+    assert named.proposer.arms == ["sam", "hybrid", "head", "none"]
+
+
 def test_a_damaged_store_entry_is_skipped(tiny, eagle_run):
     model = tiny(seed=0)
     d = install(eagle_run, model)

@@ -4,7 +4,9 @@ drafter earns the tree budget.
 Arms (each one proposes a whole tree for one step):
 
 * ``sam`` - the suffix automaton over prompt + generated text (model-free, microseconds);
-* ``hybrid`` - when a same-tokenizer draft model is available: the draft model's dynamic
+* ``hybrid`` - when a same-tokenizer draft model is available (the target's registered draft
+  only while the target has no trained head: see ``registry._build_auto``; a named draft always):
+  the draft model's dynamic
   tree (EAGLE-2 style) with the suffix automaton's continuation grafted onto it under the
   same node budget, as in the hybrid of "SAM Decoding: Speculative Decoding via Suffix
   Automaton" (Hu et al., 2024) and the retrieval + draft merge of "RASD:

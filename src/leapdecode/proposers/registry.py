@@ -62,7 +62,8 @@ class DraftConfig(MethodConfig):
 class AutoConfig(MethodConfig):
     method = "auto"
     draft: str | None = option(None, "draft model for the hybrid arm (default: the registered pair, if any)")
-    use_draft: bool = option(True, "use a draft model arm when one is available")
+    use_draft: bool = option(True, "use a draft model arm when one is available (the registered pair only "
+                                   "when the target has no trained head; a named draft always)")
     sam_len: int = option(16, "longest suffix-automaton chain", low=1)
     sam_only_match: int = option(12, "a match this long uses the automaton's draft alone", low=1)
     explore: float = option(0.15, "UCB exploration weight", low=0)
@@ -222,8 +223,13 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
     from .auto import AutoProposer
     from .draft_model import DraftModelProposer
 
+    head = _auto_head(cfg, runner) if cfg.use_head else None
     draft_proposer = None
-    if cfg.use_draft and (cfg.draft is not None or runner.model.draft_name):
+    # With a trained head the registered draft model is left out (a named one is kept): on a CPU its
+    # arm's draft steps cost far more than the head's, and the bandit's tries of it cost more than it
+    # won (docs/benchmarks.md section 22: auto 0.94x with it against sam's 1.09x on Spec-Bench dev,
+    # 1.02x with it against 1.20x without on JSON extraction).
+    if cfg.use_draft and (cfg.draft is not None or (runner.model.draft_name and head is None)):
         if cfg.draft is not None:
             dm = runner.draft(cfg.draft)
         else:
@@ -236,7 +242,7 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
                                                 defer_prefill=True)  # a generation may never use the arm
     return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
                         sam_only_match=cfg.sam_only_match, explore=cfg.explore, discount=cfg.discount,
-                        head_proposer=_auto_head(cfg, runner) if cfg.use_head else None)
+                        head_proposer=head)
 
 
 AUTO_HEAD_KINDS = ("eagle3", "eagle", "hydra", "medusa")  # auto's preference among the stored heads
