@@ -147,8 +147,8 @@ class DraftModelProposer(Proposer):
         self._pending_of: dict[int, int] = {}
         self._cost_model = self.adaptive and ctx.params.greedy
         self._verify_cost = ctx.verify_cost
-        # prefill all but the root now (or the sink and the window of a long prompt), so the first
-        # propose only feeds the root; n_cached counts tokens of ``tokens`` seen, skipped or not
+        # prefill all but the root now (deferred: at the first propose), or the sink and the window of a
+        # long prompt, so that propose only feeds the root; n_cached counts tokens seen, skipped or not
         self._prompt = list(tokens)
         if not self.defer_prefill:
             self._prefill()
