@@ -232,6 +232,21 @@ class ChainAcceptance:
             self.seen[bucket][d] += 1.0
             self.hits[bucket][d] += float(d < accepted)
 
+    def worth(self, bucket: int, length: int, verify: "VerifyCost", fixed_s: float = 0.0) -> int:
+        """How many of a ``length``-token chain's tokens are worth verifying (greedy): the prefix
+        that maximises expected tokens per second (``best_tree_size``)."""
+        return best_tree_size(self.cumulative(bucket, length), fixed_s, verify)[0]
+
+    def observe_chain(self, bucket: int, verified: int, accepted_nodes: list[int]) -> None:
+        """A chain drafted as tree nodes 0, 1, 2, ... had ``verified`` of them checked; the verdict
+        accepted ``accepted_nodes`` (its path): learn from the leading run of chain nodes on it."""
+        on_chain = 0
+        for d, node in enumerate(accepted_nodes):
+            if node != d:
+                break
+            on_chain += 1
+        self.update(bucket, verified, on_chain)
+
 
 class AcceptanceCalibration:
     """P(a draft node is accepted | its parent was), as a function of the drafter's probability

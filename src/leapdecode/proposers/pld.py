@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..core.cost_model import ChainAcceptance, best_tree_size
+from ..core.cost_model import ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
@@ -189,8 +189,7 @@ class PromptLookupProposer(Proposer):
         self._chain = None
         if self._use_costs:  # the longest match's continuation, cut where it stops paying
             toks, n, p = cands[0]
-            probs = self.acceptance.cumulative(n, min(len(toks), budget))
-            keep = best_tree_size(probs, 0.0, self._verify_cost)[0]
+            keep = self.acceptance.worth(n, min(len(toks), budget), self._verify_cost)
             if keep < 1:
                 return TokenTree()
             self._chain = (n, keep)
@@ -203,12 +202,7 @@ class PromptLookupProposer(Proposer):
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._chain is not None:  # learn how deep chains of this match length get accepted
             n, length = self._chain
-            on_chain = 0
-            for d, node in enumerate(verdict.accepted):
-                if node != d:  # a chain's nodes are 0, 1, 2, ...
-                    break
-                on_chain += 1
-            self.acceptance.update(n, min(length, len(tree)), on_chain)
+            self.acceptance.observe_chain(n, min(length, len(tree)), verdict.accepted)
             self._chain = None
 
     def stats(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..core.cost_model import ChainAcceptance, best_tree_size
+from ..core.cost_model import ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
@@ -288,18 +288,12 @@ class SuffixAutomatonProposer(Proposer):
         ``length`` itself when costs are not used."""
         if not self._use_costs:
             return length
-        probs = self.acceptance.cumulative(match_bucket(match_len), length)
-        return best_tree_size(probs, fixed_s, self._verify_cost)[0]
+        return self.acceptance.worth(match_bucket(match_len), length, self._verify_cost, fixed_s)
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._chain is not None:  # learn how deep this match length's chains get accepted
-            bucket, length = self._chain
-            on_chain = 0
-            for d, node in enumerate(verdict.accepted):
-                if node != d:  # the main chain is nodes 0, 1, 2, ... (merge_candidates puts it first)
-                    break
-                on_chain += 1
-            self.acceptance.update(bucket, min(length, len(tree)), on_chain)
+            bucket, length = self._chain  # (merge_candidates puts the main chain first: nodes 0, 1, ...)
+            self.acceptance.observe_chain(bucket, min(length, len(tree)), verdict.accepted)
             self._chain = None
 
     def stats(self) -> dict[str, Any]:
