@@ -263,8 +263,8 @@ def expand_rows(specs: list[RowSpec], methods: list[str], temperature: float) ->
         for m in ([spec.method] if spec.method else methods):
             if scfg is not None:
                 try:
-                    check_strategy_combination(scfg, method_config(*split_method_row(m)), SamplingParams(temperature=temp), None,
-                                               None, False)
+                    check_strategy_combination(scfg, method_config(*split_method_row(m)),
+                                               SamplingParams(temperature=temp), None, None, False)
                 except InvalidParameterError as e:
                     if spec.method:
                         raise
@@ -396,7 +396,6 @@ def _encode(loaded, problem: Problem) -> list[int]:
 def row_method_config(row: Row, draft: str | None = None):
     """The row's method config (``--draft`` for a method with a draft option)."""
     from ..proposers.registry import method_config, method_spec
-
     from .runners import split_method_row
 
     method, opts = split_method_row(row.method)  # ``METHOD`` or ``METHOD:KEY=VALUE...``

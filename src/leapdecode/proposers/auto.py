@@ -33,9 +33,9 @@ via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of
 emitted divided by its wall time (draft + verify: from its ``propose`` to the end of its
 ``observe``, so steps that ran without a proposal in between -- a batched engine's plain
 steps, tokens a grammar forced -- are not charged to the arm), the context is how long the
-suffix automaton's current match is (a long match predicts that copying pays off, whatever the draft model says), and the policy is UCB1
-on exponentially discounted means, so that it follows a text that changes character
-(prose to code to a repeated list).  The statistics live in the runner's memory, so later
+suffix automaton's current match is (a long match predicts that copying pays off, whatever
+the draft model says), and the policy is UCB1 on exponentially discounted means, so that it
+follows a text that changes character (prose to code to a repeated list).  The statistics live in the runner's memory, so later
 generations on the same target start from what earlier ones learned.
 
 Every arm proposes an ordinary token tree, so auto is exactly as lossless as the
