@@ -174,21 +174,31 @@ def test_sampling_through_the_head_arm(no_eos, eagle_run, chi2, variant):
         assert pval < ALPHA, (stat, df, pval)
 
 
-def test_an_arm_is_timed_from_its_propose_to_its_observe(tiny):
+def test_an_arm_is_timed_from_its_propose_to_its_observe(tiny, monkeypatch):
     """The bandit's reward is tokens over the step's own time: time spent after ``observe`` (a batched
-    engine's plain steps, grammar-forced tokens, a slow consumer) is not charged to the arm that drafted."""
-    import time
+    engine's plain steps, grammar-forced tokens, a slow consumer) is not charged to the arm that drafted.
+    auto's clock is a fake one (1 ms per reading, 1000 s per pause), so no real timing is involved."""
+    import types
 
+    from leapdecode.proposers import auto as auto_module
+
+    clock = {"t": 0.0}
+
+    def perf_counter():
+        clock["t"] += 1e-3
+        return clock["t"]
+
+    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
     model = tiny(seed=0)
     ids = model.tokenizer.encode("the cat sat on the mat the cat")
     g = start(model, ids, max_new_tokens=4)
     auto = g.proposer
     observe = auto.observe
-    pause = 1.0
+    pause = 1000.0
 
     def slow_after_observe(*a, **k):
         observe(*a, **k)
-        time.sleep(pause)
+        clock["t"] += pause
 
     auto.observe = slow_after_observe
     g.run()
