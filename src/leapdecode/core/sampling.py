@@ -131,6 +131,36 @@ def target_probs(
     return filter_logits(logits, p).softmax(-1)
 
 
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, num_samples: int = 1) -> torch.Tensor:
+    """Indices drawn from the distribution ``probs`` (1-D, or one distribution per row of a 2-D
+    tensor; non-negative weights with a positive total), ``num_samples`` per distribution with
+    replacement: ``[num_samples]``, or ``[rows, num_samples]``.
+
+    Inverse transform sampling: the first index whose cumulative weight (fp64) exceeds ``u`` times
+    the total, ``u`` uniform in [0, 1) from ``generator``.  That is the distribution
+    ``torch.multinomial`` draws from (up to the rounding of the cumulative sum), and an index of
+    zero weight is never drawn; on a CPU it is ~20x faster for a 50k-token vocabulary (about
+    0.05 ms against 1 ms per draw, which was 13% of a batched smollm2-135m step with sampled
+    requests: docs/benchmarks.md section 23)."""
+    single = probs.dim() == 1
+    p = probs.reshape(1, -1) if single else probs
+    if p.dim() != 2 or p.shape[-1] == 0:
+        raise ValueError(f"sample needs a 1-D or 2-D tensor of weights, got shape {tuple(probs.shape)}")
+    p = p.double()
+    cdf = p.cumsum(-1)
+    total = cdf[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()) or bool((p < 0).any()):
+        raise ValueError("sample needs non-negative, finite weights with a positive total")
+    u = torch.rand(p.shape[0], num_samples, generator=generator, dtype=torch.float64, device=p.device)
+    idx = torch.searchsorted(cdf, u * total, right=True).clamp_(max=p.shape[-1] - 1)
+    # u * total can round up to the total: step back to the last index of positive weight
+    zero = p.gather(-1, idx) <= 0
+    if bool(zero.any()):
+        last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).argmax(-1, keepdim=True)
+        idx = torch.where(zero, last.expand_as(idx), idx)
+    return idx[0] if single else idx
+
+
 def greedy_tokens(
     logits: torch.Tensor, p: SamplingParams, history: torch.Tensor | None = None,
     extra: list[list[int]] | None = None,

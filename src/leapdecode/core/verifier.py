@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import SamplingParams, greedy_tokens, target_probs
+from .sampling import SamplingParams, greedy_tokens, sample, target_probs
 from .tree import TokenTree
 
 
@@ -139,7 +139,7 @@ def verify(
                     break
                 q = q / q_total
         if descended < 0:
-            token = int(torch.multinomial(p, 1, generator=generator).item())
+            token = int(sample(p, generator)[0])
             descended = next((c for c in kids if not tree.sampled[c] and tree.tokens[c] == token), -1)
             if descended < 0:
                 return Verdict(path, token, [tree.tokens[c] for c in path] + [token])

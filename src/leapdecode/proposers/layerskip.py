@@ -73,7 +73,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..core.sampling import apply_repetition_penalty, target_probs
+from ..core.sampling import apply_repetition_penalty, sample, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
@@ -294,7 +294,7 @@ class LayerSkipProposer(Proposer):
                     tok = int(t)
                 else:
                     q = target_probs(logits[None], params)[0]
-                    tok = int(torch.multinomial(q, 1, generator=self.ctx.generator))
+                    tok = int(sample(q, self.ctx.generator)[0])
                     conf = q[tok]
                     qs.append(q)
                 out.append(tok)

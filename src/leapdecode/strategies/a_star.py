@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator
 import torch
 
 from ..core.config import option
+from ..core.sampling import sample
 from ..errors import InvalidParameterError, ScorerError
 from .scorers import Sample, Scorer, check_scorer_spec, make_scorer
 from .search import MAX_TREE_NODES, ROOT, Hypothesis, StrategyConfig, TreeKV, TreeSearch
@@ -125,9 +126,9 @@ class Rollouts:
         probs = torch.softmax(logits / self.search.temperature, dim=-1)
         lp1 = torch.log_softmax(logits, dim=-1)
         if n is not None:
-            toks = torch.multinomial(probs[0], n, replacement=True, generator=self.search.generator)
+            toks = sample(probs[0], self.search.generator, n)
             return toks.tolist(), lp1[0, toks].tolist()
-        toks = torch.multinomial(probs, 1, generator=self.search.generator)[:, 0]
+        toks = sample(probs, self.search.generator)[:, 0]
         return toks.tolist(), lp1[torch.arange(len(toks)), toks].tolist()
 
     def _check(self, tip: Tip, until: str, limit: int | None) -> None:
