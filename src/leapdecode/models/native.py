@@ -24,7 +24,7 @@ from torch import nn
 
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
-from .qkernel import attend_rows, attention_supported, rms_norm_bf16, rope_store
+from .qkernel import attend_rows, attention_supported, rms_norm_bf16, rope_attend_segments, rope_store
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -153,19 +153,25 @@ class Block(nn.Module):
         return x + self.mlp(x, self.w_gate_up, self.w_down)
 
     def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
+                     sin: torch.Tensor, fused: "FusedSegments | None" = None) -> torch.Tensor:
         """One layer over the tokens of several sequences side by side (``x``: ``[1, N, hidden]``,
         the segments' tokens in order): the linear layers see all N rows at once, attention runs per
         segment on its own cache, exactly as ``forward`` would for that segment alone.  Linear
         layers are called row-wise (``rowwise_linear``): with the batch-invariant kernels each
-        token's output then has the same bits as in its own sequence's forward."""
+        token's output then has the same bits as in its own sequence's forward.  ``fused``: every
+        segment takes the kernels' route (``FusedSegments``): rope, cache stores and attention of
+        all segments in one kernel call, with the bits of each segment's own ``attend``."""
         h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        # projections and rope for all rows at once (elementwise per row: the same bits as per
-        # sequence), then cache writes and attention per sequence
-        q, k, v = self.rotary_qkv(rowwise_linear(self.wqkv, h), cos, sin)
-        attn = torch.cat([self.attention(q[:, :, s.start : s.stop], k[:, :, s.start : s.stop],
-                                         v[:, :, s.start : s.stop], s.cache, layer, s.mask, s.rows)
-                          for s in segments], dim=1)
+        qkv = rowwise_linear(self.wqkv, h)
+        if fused is not None:
+            attn = fused.attend(qkv, cos, sin, layer, self.cfg)
+        else:
+            # projections and rope for all rows at once (elementwise per row: the same bits as per
+            # sequence), then cache writes and attention per sequence
+            q, k, v = self.rotary_qkv(qkv, cos, sin)
+            attn = torch.cat([self.attention(q[:, :, s.start : s.stop], k[:, :, s.start : s.stop],
+                                             v[:, :, s.start : s.stop], s.cache, layer, s.mask, s.rows)
+                              for s in segments], dim=1)
         x = x + rowwise_linear(self.wo, attn)
         return x + self.mlp(x, lambda t: rowwise_linear(self.w_gate_up, t), lambda t: rowwise_linear(self.w_down, t))
 
@@ -275,6 +281,48 @@ class QueryRows:
         lengths = torch.tensor([0] + [s.numel() for s in slots], dtype=torch.long)
         flat = torch.cat(slots).to(device="cpu", dtype=torch.long) if kernel else slots[0].new_zeros(0)
         return cls(slots, flat, lengths.cumsum(0), kernel)
+
+
+class FusedSegments:
+    """What ``rope_attend_segments`` needs to run every segment of a batched forward in one call
+    per layer: the segments' row ranges, their caches' addresses and strides (the layer's added
+    per call), the first new slot of each, and all rows' attended slots with global offsets.
+    Built once per ``forward_batch``; ``of`` returns None unless every segment takes the kernels'
+    route of ``Block.attend`` (invariant attention with the kernel, a plain ``KVCache`` without an
+    observer, tensors ``attention_supported`` takes)."""
+
+    def __init__(self, seg_start: torch.Tensor, base: torch.Tensor, step: torch.Tensor, flat: torch.Tensor,
+                 offsets: torch.Tensor) -> None:
+        self.seg_start, self.base, self.step, self.flat, self.offsets = seg_start, base, step, flat, offsets
+
+    @classmethod
+    def of(cls, segments: list["Segment"], n_heads: int, dtype: torch.dtype) -> "FusedSegments | None":
+        rows_of = []
+        base, step = [], []
+        for seg in segments:
+            cache, rows = seg.cache, seg.rows
+            if rows is None or not rows.kernel or type(cache) is not KVCache or cache.observer is not None:
+                return None
+            k, v = cache.k, cache.v
+            if k.dim() != 5 or k.shape[1] != 1 or k.dtype != dtype or v.dtype != dtype or k.stride(-1) != 1 \
+                    or v.stride(-1) != 1 or not attention_supported(k, cache.layer_kv(0, cache.total)[0], n_heads):
+                return None
+            t = seg.stop - seg.start
+            esize = k.element_size()
+            base.append([k.data_ptr(), k.stride(2), k.stride(3), v.data_ptr(), v.stride(2), v.stride(3),
+                         cache.total - t])
+            step.append([k.stride(0) * esize, 0, 0, v.stride(0) * esize, 0, 0, 0])
+            rows_of.append(rows)
+        lengths = [r.offsets[1:] - r.offsets[:-1] for r in rows_of]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths).cumsum(0)])
+        seg_start = torch.tensor([segments[0].start] + [s.stop for s in segments], dtype=torch.long)
+        return cls(seg_start - seg_start[0], torch.tensor(base, dtype=torch.long), torch.tensor(step, dtype=torch.long),
+                   torch.cat([r.flat for r in rows_of]), offsets)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cfg: "ModelConfig") -> torch.Tensor:
+        kv = self.base + layer * self.step
+        return rope_attend_segments(qkv, cos, sin, self.seg_start, kv, self.flat, self.offsets, cfg.n_heads,
+                                    cfg.n_kv_heads)
 
 
 @dataclass
@@ -493,8 +541,9 @@ class NativeCausalLM(nn.Module):
         cos, sin = torch.cat(coss), torch.cat(sins)
         wanted = [items[i].hidden_states is not None for i in small]
         states = [x] if any(wanted) else None
+        fused = FusedSegments.of(segments, self.cfg.n_heads, self.dtype) if x.device.type == "cpu" else None
         for layer in range(self.cfg.n_layers):
-            x = self.layers[layer].forward_rows(x, segments, layer, cos, sin)
+            x = self.layers[layer].forward_rows(x, segments, layer, cos, sin, fused)
             if states is not None:
                 states.append(x)
         picked, counts = [], []

@@ -142,6 +142,9 @@ def _library() -> ctypes.CDLL:
     lib.ld_rmsnorm_bf16.restype = i32
     lib.ld_rope_store.argtypes = [vp, i64, i64, vp, vp, i32, i32, i32, i32, vp, vp, i64, i64, vp, i64, i64, i64]
     lib.ld_rope_store.restype = i32
+    lib.ld_rope_attend_segments.argtypes = [vp, i64, i64, vp, vp, i32, vp, vp, vp, vp, i32, i32, i32, i32,
+                                            ctypes.c_float, vp, vp, i32]
+    lib.ld_rope_attend_segments.restype = i32
     return lib
 
 
@@ -529,3 +532,33 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
     if rc:
         raise RuntimeError(f"ld_rope_store failed ({rc})")
     return q.view(1, t, n_heads, d).transpose(1, 2)
+
+
+def rope_attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_start: torch.Tensor,
+                         kv: torch.Tensor, flat: torch.Tensor, offsets: torch.Tensor, n_heads: int,
+                         n_kv_heads: int) -> torch.Tensor:
+    """Several sequences' new tokens of one layer in one call (``kernels/attention.cpp``
+    ``ld_rope_attend_segments``): rows ``seg_start[s]:seg_start[s + 1]`` of ``qkv``
+    (``[1, N, (Hq + 2 Hkv) * D]``, unit column stride) and ``cos``/``sin`` (``[N, D]``) are sequence
+    s's, rotated and stored into its cache as ``rope_store`` does (``kv``: int64 ``[S, 7]``, per
+    sequence the layer's key address, key head and slot strides, value address and strides, first
+    new slot), then attended as ``attend_rows`` does (``flat``/``offsets``: every row's slots,
+    offsets over all N rows).  Returns ``[1, N, Hq * D]``: each row the bits of its own sequence's
+    ``rope_store`` + ``attend_rows``."""
+    _, n, width = qkv.shape
+    d = cos.shape[-1]
+    if (qkv.stride(-1) != 1 or cos.shape != (n, d) or sin.shape != (n, d) or not cos.is_contiguous()
+            or not sin.is_contiguous() or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype
+            or width != (n_heads + 2 * n_kv_heads) * d or kv.dtype != torch.int64 or not kv.is_contiguous()
+            or seg_start.dtype != torch.int64 or flat.dtype != torch.int64 or offsets.dtype != torch.int64
+            or offsets.numel() != n + 1 or kv.shape != (seg_start.numel() - 1, 7)):
+        raise ValueError("rope_attend_segments: unexpected shapes or layouts")
+    q = torch.empty(n, n_heads, d, dtype=qkv.dtype)
+    out = torch.empty(1, n, n_heads * d, dtype=qkv.dtype)
+    rc = _library().ld_rope_attend_segments(qkv.data_ptr(), n, qkv.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                            kv.shape[0], seg_start.data_ptr(), kv.data_ptr(), flat.data_ptr(),
+                                            offsets.data_ptr(), n_heads, n_kv_heads, d, ATTENTION_DTYPES[qkv.dtype],
+                                            1.0 / math.sqrt(d), q.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"ld_rope_attend_segments failed ({rc})")
+    return out

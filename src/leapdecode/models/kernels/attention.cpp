@@ -311,3 +311,52 @@ extern "C" int ld_rope_store(const void* qkv, int64_t T, int64_t ld, const void*
     }
     return 0;
 }
+
+// Several sequences' new tokens in one call per layer (a batched forward, NativeCausalLM.forward_batch):
+// rows seg_start[s] .. seg_start[s+1]-1 of qkv / cos / sin belong to sequence s, whose layer cache
+// is described by kv[7 s .. 7 s + 6] = {key address, key head stride, key slot stride, value
+// address, value head stride, value slot stride, first new slot} (strides in elements).  Each
+// sequence's rows go through exactly ld_rope_store (queries to q_tmp [N][Hq][D]), then every row
+// through ld_attend_rows's per-row work over its own cache (idx/offsets: all rows' slot lists, the
+// offsets global over the N rows): each token gets the bits it gets in its own sequence's call.
+extern "C" int ld_rope_attend_segments(const void* qkv, int64_t N, int64_t ld, const void* cos, const void* sin,
+                                       int nseg, const int64_t* seg_start, const int64_t* kv, const int64_t* idx,
+                                       const int64_t* offsets, int Hq, int Hkv, int D, int dtype, float scale,
+                                       void* q_tmp, void* out, int nthreads) {
+    if (D <= 0 || D > MAX_D || D % LANES || D % 2) return -1;
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G) return -2;
+    if (dtype != 0 && dtype != 1) return -3;
+    if (nseg < 1 || seg_start[0] != 0 || seg_start[nseg] != N) return -5;
+    for (int64_t t = 0; t < N; ++t)
+        if (offsets[t + 1] <= offsets[t]) return -4;
+    const size_t esize = dtype == 0 ? sizeof(float) : sizeof(uint16_t);
+    std::vector<int> seg_of((size_t)N);
+    for (int s = 0; s < nseg; ++s) {
+        const int64_t r0 = seg_start[s], r1 = seg_start[s + 1];
+        if (r1 < r0) return -5;
+        for (int64_t t = r0; t < r1; ++t) seg_of[(size_t)t] = s;
+        const int64_t* e = kv + 7 * s;
+        const int rc = ld_rope_store((const char*)qkv + (size_t)(r0 * ld) * esize, r1 - r0, ld,
+                                     (const char*)cos + (size_t)(r0 * D) * esize, (const char*)sin + (size_t)(r0 * D) * esize,
+                                     Hq, Hkv, D, dtype, (char*)q_tmp + (size_t)(r0 * Hq * D) * esize,
+                                     (void*)e[0], e[1], e[2], (void*)e[3], e[4], e[5], e[6]);
+        if (rc) return rc;
+    }
+    const int G = Hq / Hkv;
+    const int64_t tasks = N * Hkv, q_row = (int64_t)Hq * D, q_head = D;
+#pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
+    {
+        std::vector<float> s;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t t = task / Hkv;
+            const int h = (int)(task % Hkv);
+            const int64_t* e = kv + 7 * seg_of[(size_t)t];
+            float qf[MAX_G][MAX_D];
+            for (int g = 0; g < G; ++g) load_row(q_tmp, t * q_row + (int64_t)(h * G + g) * q_head, D, dtype, qf[g]);
+            attend_group(qf, G, (const void*)e[0], h * e[1], e[2], (const void*)e[3], h * e[4], e[5], idx + offsets[t],
+                         offsets[t + 1] - offsets[t], D, dtype, scale, s, out, (t * Hq + (int64_t)h * G) * D);
+        }
+    }
+    return 0;
+}
