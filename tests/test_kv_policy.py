@@ -550,16 +550,18 @@ def q4():
     return load("tiny-random", weights="int4")
 
 
-def test_policies_in_step_batch_give_their_solo_output(q4):
+def test_policies_in_step_batch_give_their_solo_output(q4, fresh_runner):
+    """(Flat verification costs for both runners: pld's cost-aware chains would otherwise follow
+    each runner's own timing, and a lossy policy's output follows the trees it saw.)"""
     from leapdecode.core.batch import step_batch
 
     specs = [(None, "vanilla"), ("h2o:budget=64,recent=8", "vanilla"), ("streaming:sink=4,window=60", "pld"),
              ("int8", "vanilla"), ("expected:budget=64,step=4", "pld"), ("scope:prefill=48,decode=32,recent=8,window=8",
                                                                        "vanilla")]
     prompts = [PROMPT[i * 7 :] for i in range(len(specs))]
-    solo = [generate(ModelRunner(q4), p, max_new_tokens=60, kv_policy=s, method=m).tokens
+    solo = [generate(fresh_runner(q4, verify_cost="flat"), p, max_new_tokens=60, kv_policy=s, method=m).tokens
             for p, (s, m) in zip(prompts, specs)]
-    runner = ModelRunner(q4)
+    runner = fresh_runner(q4, verify_cost="flat")
     gens = [start_generation(runner, p, max_new_tokens=60, kv_policy=s, method=m) for p, (s, m) in zip(prompts, specs)]
     for _ in range(600):
         if all(g.finished for g in gens):
