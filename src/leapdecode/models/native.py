@@ -515,7 +515,9 @@ class NativeCausalLM(nn.Module):
 
         Items of at most ``INVARIANT_MAX_TOKENS`` tokens (decoding steps, token trees, short prefill
         chunks) go through the linear layers together, their rows side by side
-        (``Block.forward_rows``); attention stays per sequence.  With the batch-invariant kernels
+        (``Block.forward_rows``); attention stays per sequence, each over its own cache (with the
+        invariant attention kernel: all sequences' rope, cache stores and attention in one kernel
+        call per layer, ``FusedSegments``).  With the batch-invariant kernels
         and attention (the default quantized formats) every token then gets the same bits as in
         its own forward: a request's output does not depend on what else is in the batch.  With
         other kernels (bf16/fp32 oneDNN linears) it may differ in the last bits, as a tree's rows
