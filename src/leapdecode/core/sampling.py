@@ -139,8 +139,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, num_sa
     Inverse transform sampling: the first index whose cumulative weight (fp64) exceeds ``u`` times
     the total, ``u`` uniform in [0, 1) from ``generator``.  That is the distribution
     ``torch.multinomial`` draws from (up to the rounding of the cumulative sum), and an index of
-    zero weight is never drawn; on a CPU it is ~20x faster for a 50k-token vocabulary (about
-    0.05 ms against 1 ms per draw, which was 13% of a batched smollm2-135m step with sampled
+    zero weight is never drawn; on a CPU it is ~7x faster for a 50k-token vocabulary (about
+    0.15 ms against 1 ms per draw, which was 13% of a batched smollm2-135m step with sampled
     requests: docs/benchmarks.md section 23)."""
     single = probs.dim() == 1
     p = probs.reshape(1, -1) if single else probs

@@ -179,8 +179,7 @@ class Block(nn.Module):
                mask: torch.Tensor | None, rows: "QueryRows | None") -> torch.Tensor:
         """Attention of one sequence's new tokens (``qkv``: ``[B, T, q+2kv]``) over its cache;
         returns ``[B, T, heads * head_dim]``, ready for the output projection."""
-        if rows is not None and rows.kernel and type(cache) is KVCache and cache.observer is None \
-                and qkv.shape[0] == 1 and qkv.is_contiguous():
+        if kernel_route(cache, rows) and qkv.shape[0] == 1 and qkv.is_contiguous():
             # the kernels' route: rope and the cache store in one call, then the attention kernel
             # (the same values as rotary_qkv + KVCache.write + attention: tests/test_attention_kernel.py)
             cfg = self.cfg
@@ -283,6 +282,13 @@ class QueryRows:
         return cls(slots, flat, lengths.cumsum(0), kernel)
 
 
+def kernel_route(cache: KVCache, rows: "QueryRows | None") -> bool:
+    """Whether a sequence's attention can take the kernels' route (rope and cache store in
+    ``ld_rope_store``, then ``ld_attend_rows``): the invariant attention with the kernel, on a plain
+    ``KVCache`` that no KV policy observes."""
+    return rows is not None and rows.kernel and type(cache) is KVCache and cache.observer is None
+
+
 class FusedSegments:
     """What ``rope_attend_segments`` needs to run every segment of a batched forward in one call
     per layer: the segments' row ranges, their caches' addresses and strides (the layer's added
@@ -301,7 +307,7 @@ class FusedSegments:
         base, step = [], []
         for seg in segments:
             cache, rows = seg.cache, seg.rows
-            if rows is None or not rows.kernel or type(cache) is not KVCache or cache.observer is not None:
+            if not kernel_route(cache, rows):
                 return None
             k, v = cache.k, cache.v
             if k.dim() != 5 or k.shape[1] != 1 or k.dtype != dtype or v.dtype != dtype or k.stride(-1) != 1 \
@@ -315,8 +321,8 @@ class FusedSegments:
             rows_of.append(rows)
         lengths = [r.offsets[1:] - r.offsets[:-1] for r in rows_of]
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths).cumsum(0)])
-        seg_start = torch.tensor([segments[0].start] + [s.stop for s in segments], dtype=torch.long)
-        return cls(seg_start - seg_start[0], torch.tensor(base, dtype=torch.long), torch.tensor(step, dtype=torch.long),
+        seg_start = torch.tensor([0] + [s.stop - segments[0].start for s in segments], dtype=torch.long)
+        return cls(seg_start, torch.tensor(base, dtype=torch.long), torch.tensor(step, dtype=torch.long),
                    torch.cat([r.flat for r in rows_of]), offsets)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cfg: "ModelConfig") -> torch.Tensor:
