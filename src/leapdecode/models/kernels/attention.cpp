@@ -212,18 +212,30 @@ static void attend_group(const float (*qf)[MAX_D], int G, const void* k, int64_t
         }
 }
 
-// q: element (t, h, d) at q[t * q_row + h * q_head + d]; keys/values: slot i of key head h at
-// k[h * k_head + i * k_slot]; out [T][Hq][D].  Returns 0, or a negative code for an unsupported
-// shape.
-extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, const void* k, int64_t k_head,
-                              int64_t k_slot, const void* v, int64_t v_head, int64_t v_slot, const int64_t* idx,
-                              const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
-                              void* out, int nthreads) {
+// Where a row's keys and values are: slot i of key head h at k[h * k_head + i * k_slot], the same
+// for values.
+struct LayerKV {
+    const void* k;
+    int64_t k_head, k_slot;
+    const void* v;
+    int64_t v_head, v_slot;
+};
+
+static int check_attend(int64_t T, int Hq, int Hkv, int D, int dtype, const int64_t* offsets) {
     if (D <= 0 || D > MAX_D || D % LANES) return -1;
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G) return -2;
     if (dtype != 0 && dtype != 1) return -3;
     for (int64_t t = 0; t < T; ++t)
         if (offsets[t + 1] <= offsets[t]) return -4;  // every token sees at least itself
+    return 0;
+}
+
+// Every (row, key head) task: row t's queries over its slots in the cache kv_of(t) names.  The one
+// loop of ld_attend_rows and ld_rope_attend_segments, so a row's operations are the same in both.
+template <typename KVOf>
+static void attend_tasks(const void* q, int64_t q_row, int64_t q_head, KVOf kv_of, const int64_t* idx,
+                         const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale, void* out,
+                         int nthreads) {
     const int G = Hq / Hkv;
     const int64_t tasks = T * Hkv;
 #pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
@@ -233,12 +245,27 @@ extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, cons
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t t = task / Hkv;
             const int h = (int)(task % Hkv);
+            const LayerKV& c = kv_of(t);
             float qf[MAX_G][MAX_D];
             for (int g = 0; g < G; ++g) load_row(q, t * q_row + (int64_t)(h * G + g) * q_head, D, dtype, qf[g]);
-            attend_group(qf, G, k, h * k_head, k_slot, v, h * v_head, v_slot, idx + offsets[t],
+            attend_group(qf, G, c.k, h * c.k_head, c.k_slot, c.v, h * c.v_head, c.v_slot, idx + offsets[t],
                          offsets[t + 1] - offsets[t], D, dtype, scale, s, out, (t * Hq + (int64_t)h * G) * D);
         }
     }
+}
+
+// q: element (t, h, d) at q[t * q_row + h * q_head + d]; keys/values: slot i of key head h at
+// k[h * k_head + i * k_slot]; out [T][Hq][D].  Returns 0, or a negative code for an unsupported
+// shape.
+extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, const void* k, int64_t k_head,
+                              int64_t k_slot, const void* v, int64_t v_head, int64_t v_slot, const int64_t* idx,
+                              const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
+                              void* out, int nthreads) {
+    const int rc = check_attend(T, Hq, Hkv, D, dtype, offsets);
+    if (rc) return rc;
+    const LayerKV kv = {k, k_head, k_slot, v, v_head, v_slot};
+    attend_tasks(q, q_row, q_head, [&kv](int64_t) -> const LayerKV& { return kv; }, idx, offsets, T, Hq, Hkv, D,
+                 dtype, scale, out, nthreads);
     return 0;
 }
 
@@ -323,40 +350,27 @@ extern "C" int ld_rope_attend_segments(const void* qkv, int64_t N, int64_t ld, c
                                        int nseg, const int64_t* seg_start, const int64_t* kv, const int64_t* idx,
                                        const int64_t* offsets, int Hq, int Hkv, int D, int dtype, float scale,
                                        void* q_tmp, void* out, int nthreads) {
-    if (D <= 0 || D > MAX_D || D % LANES || D % 2) return -1;
-    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G) return -2;
-    if (dtype != 0 && dtype != 1) return -3;
+    const int bad = check_attend(N, Hq, Hkv, D, dtype, offsets);
+    if (bad) return bad;
+    if (D % 2) return -1;
     if (nseg < 1 || seg_start[0] != 0 || seg_start[nseg] != N) return -5;
-    for (int64_t t = 0; t < N; ++t)
-        if (offsets[t + 1] <= offsets[t]) return -4;
     const size_t esize = dtype == 0 ? sizeof(float) : sizeof(uint16_t);
+    std::vector<LayerKV> caches((size_t)nseg);
     std::vector<int> seg_of((size_t)N);
     for (int s = 0; s < nseg; ++s) {
         const int64_t r0 = seg_start[s], r1 = seg_start[s + 1];
         if (r1 < r0) return -5;
         for (int64_t t = r0; t < r1; ++t) seg_of[(size_t)t] = s;
         const int64_t* e = kv + 7 * s;
+        caches[(size_t)s] = {(const void*)e[0], e[1], e[2], (const void*)e[3], e[4], e[5]};
         const int rc = ld_rope_store((const char*)qkv + (size_t)(r0 * ld) * esize, r1 - r0, ld,
                                      (const char*)cos + (size_t)(r0 * D) * esize, (const char*)sin + (size_t)(r0 * D) * esize,
                                      Hq, Hkv, D, dtype, (char*)q_tmp + (size_t)(r0 * Hq * D) * esize,
                                      (void*)e[0], e[1], e[2], (void*)e[3], e[4], e[5], e[6]);
         if (rc) return rc;
     }
-    const int G = Hq / Hkv;
-    const int64_t tasks = N * Hkv, q_row = (int64_t)Hq * D, q_head = D;
-#pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
-    {
-        std::vector<float> s;
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t t = task / Hkv;
-            const int h = (int)(task % Hkv);
-            const int64_t* e = kv + 7 * seg_of[(size_t)t];
-            float qf[MAX_G][MAX_D];
-            for (int g = 0; g < G; ++g) load_row(q_tmp, t * q_row + (int64_t)(h * G + g) * q_head, D, dtype, qf[g]);
-            attend_group(qf, G, (const void*)e[0], h * e[1], e[2], (const void*)e[3], h * e[4], e[5], idx + offsets[t],
-                         offsets[t + 1] - offsets[t], D, dtype, scale, s, out, (t * Hq + (int64_t)h * G) * D);
-        }
-    }
+    attend_tasks(q_tmp, (int64_t)Hq * D, D,
+                 [&caches, &seg_of](int64_t t) -> const LayerKV& { return caches[(size_t)seg_of[(size_t)t]]; },
+                 idx, offsets, N, Hq, Hkv, D, dtype, scale, out, nthreads);
     return 0;
 }
