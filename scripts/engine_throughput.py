@@ -18,6 +18,7 @@ import cProfile
 import os
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,8 +28,9 @@ from leapdecode.core.batch import BatchTiming, SpeculationScheduler, step_batch
 from leapdecode.core.runner import ModelRunner
 from leapdecode.models import native
 
-PROMPTS = ["Hello", "Write a haiku about the sea.", "def fib(n):", "The quick brown fox",
-           "List three colours:", "Once upon a time"]  # scripts/loadtest.py's
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loadtest import PROMPTS  # noqa: E402  (the load test's prompts)
 
 
 def main() -> None:
