@@ -13,16 +13,14 @@ datastore built here); any other method runs with its defaults.
    sane statistics.  ``LEAPDECODE_LOSSLESS_EXAMPLES`` scales the number of examples
    (default 150 per method; a nightly run can ask for more), ``LEAPDECODE_LOSSLESS_SEED``
    fixes hypothesis' seed (random by default; every method gets the same cases).
-2. Sampling with a fixed seed: a method whose trees hold only deterministic
-   nodes (model-free drafters) takes exactly one draw from the decode generator
-   per emitted token, as vanilla does (the verifier's deterministic-child rule,
-   see ``core/verifier.py``; proposers take no draws from it, see
-   ``proposers/lookahead.py``), so its tokens equal vanilla's sampled tokens.
-   A method that drafts sampled nodes (``draft``) consumes the stream
-   differently; for it, and for one model-free method, the distribution is
-   checked instead:
-3. Sampling distribution: the joint distribution of the first two generated
-   tokens over many seeds is compared, by a chi-square test at alpha = 0.01,
+2. Sampling with a fixed seed: every method's tokens equal vanilla's sampled
+   tokens for the same seed, whatever nodes it drafted (drafter-invariant
+   sampling: the token at each position is drawn with that position's own
+   uniform number, see ``core/verifier.py``).
+3. Sampling distribution, seeded (drafter-invariant) and unseeded (recursive
+   rejection sampling, the global torch seed fixed per run): the joint
+   distribution of the first two generated tokens over many runs is compared,
+   by a chi-square test at alpha = 0.01,
    with the exact one computed from the target's logits (``target_probs`` with
    the same temperature / top-k / top-p, which is what vanilla samples from).
    The prompts are chosen at run time so that drafts are really accepted *and*
@@ -65,7 +63,6 @@ from leapdecode.proposers.datastore import build_datastore
 from leapdecode.heads_train import Recipe, train_head
 from leapdecode.proposers.heads import HydraHeads, MedusaHeads, save_head
 from leapdecode.proposers.heads.common import fingerprint
-from conftest import sampled_nodes_spy
 
 ALPHA = 0.01
 EXAMPLES = int(os.environ.get("LEAPDECODE_LOSSLESS_EXAMPLES", "150"))
@@ -442,24 +439,15 @@ def test_stop_strings_with_speculation(tiny, env):
                                dict(temperature=1.2, top_p=0.9), dict(temperature=0.9, min_p=0.05),
                                dict(temperature=1.0, repetition_penalty=1.3)]))
 def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
-    """Same seed, same tokens: against vanilla whenever the method drafted only deterministic nodes,
-    else (sampled drafts consume the random stream differently) against a second run of the method."""
+    """Same seed, same tokens as vanilla, whatever the method drafted (deterministic or sampled nodes):
+    drafter-invariant sampling draws each position's token with that position's own number."""
     model = _model_for(tiny, case)
     kw = dict(max_new_tokens=case["max_new_tokens"], prompt_ids=case["ids"], seed=sample_seed, **params)
     want = _vanilla(model, **kw)
-    runs = []
-    while len(runs) < 2:
-        options = {**method_inputs(method, env, case["draft_kind"]), "tree_budget": case["tree_budget"]}
-        gen = leapdecode.start_generation(with_drafts(model, env), method=method, options=options, **kw)
-        sampled = sampled_nodes_spy(gen)
-        res = gen.run()
-        check_stats(res, case["max_new_tokens"], case["tree_budget"], method, model)
-        runs.append(res.tokens)
-        if not sampled[0]:
-            assert res.tokens == want.tokens, (method, case, sample_seed, params,
-                                               _divergence(want.tokens, res.tokens))
-            return
-    assert runs[0] == runs[1], "a fixed seed must reproduce the same tokens"
+    options = {**method_inputs(method, env, case["draft_kind"]), "tree_budget": case["tree_budget"]}
+    res = leapdecode.start_generation(with_drafts(model, env), method=method, options=options, **kw).run()
+    check_stats(res, case["max_new_tokens"], case["tree_budget"], method, model)
+    assert res.tokens == want.tokens, (method, case, sample_seed, params, _divergence(want.tokens, res.tokens))
 
 
 def test_auto_with_a_draft_is_seed_reproducible(tiny, env):
@@ -493,14 +481,18 @@ def _joint(model, ids: list[int], params: SamplingParams) -> dict[tuple[int, int
     return {k: v / total for k, v in out.items()}
 
 
-def _first_two(model, ids, n: int, **kw) -> tuple[dict[tuple[int, int], int], int]:
-    """Counts of the first two generated tokens over seeds 0..n-1, and how many runs accepted a draft
-    in their first step.  A speculative run is cancelled once two tokens are decided (the rest of the
-    sequence does not matter for this marginal)."""
+def _first_two(model, ids, n: int, seeded: bool = True, **kw) -> tuple[dict[tuple[int, int], int], int]:
+    """Counts of the first two generated tokens over runs 0..n-1 (run i: ``seed=i``, drafter-invariant
+    sampling; or, ``seeded=False``, no seed and the global torch seed i, so the generation's random
+    stream and recursive rejection sampling), and how many runs accepted a draft in their first
+    step.  A speculative run is cancelled once two tokens are decided (the rest of the sequence
+    does not matter for this marginal)."""
     counts: dict[tuple[int, int], int] = {}
     drafted = 0
     for i in range(n):
-        gen = leapdecode.start_generation(model, prompt_ids=ids, seed=i, **kw)
+        if not seeded:
+            torch.manual_seed(i)
+        gen = leapdecode.start_generation(model, prompt_ids=ids, seed=i if seeded else None, **kw)
         first_step = []
         if gen.proposer is not None:
             observe = gen.proposer.observe
@@ -550,8 +542,9 @@ def no_eos(tiny):
     return dataclasses.replace(tiny(seed=0), eos_token_ids=set())
 
 
-@pytest.mark.parametrize("draft_vocab,context_window", [(0, None), (64, None), (0, 2)])
-def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_window):
+@pytest.mark.parametrize("draft_vocab,context_window,seeded", [(0, None, True), (0, None, False), (64, None, False),
+                                                                (0, 2, False)])
+def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_window, seeded):
     """Sampled token trees (recursive rejection sampling over draft children drawn without replacement,
     two levels deep) from a noisy copy of the target; with ``draft_vocab=64`` the draft samples from a
     subset of the vocabulary (FR-Spec: 64 of 259 tokens plus the prompt's), zero elsewhere; with
@@ -575,7 +568,7 @@ def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_windo
     n = 1500
     # budget 8 with beam 1: the draft's 4 sampled root children and 4 sampled grandchildren
     runner_for(no_eos).add_draft("noisy", draft)
-    counts, drafted = _first_two(no_eos, chosen, n, max_new_tokens=9, method="draft",
+    counts, drafted = _first_two(no_eos, chosen, n, seeded, max_new_tokens=9, method="draft",
                                  options=dict(draft="noisy", tree_budget=8, beam=1, draft_vocab=draft_vocab,
                                               context_window=context_window), **params)
     expected = _joint(no_eos, chosen, sp)
@@ -590,7 +583,8 @@ def test_distribution_draft_model(tiny, no_eos, chi2, draft_vocab, context_windo
     assert _chi2_against(chi2, counts, _biased(expected, favourite))[2] < ALPHA
 
 
-def test_distribution_model_free(tiny, no_eos, chi2):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_distribution_model_free(tiny, no_eos, chi2, seeded):
     """Deterministic drafts (prompt lookup): the verifier draws from p and descends on a match."""
     assert "pld" in METHODS
     method = "pld"
@@ -608,7 +602,7 @@ def test_distribution_model_free(tiny, no_eos, chi2):
             best, best_score, first = ids, min(px, 1 - px), tree.tokens[0]
     assert best is not None and best_score > 0.15, "no candidate prompt drafts a plausible token"
     n = 2000
-    counts, drafted = _first_two(no_eos, best, n, max_new_tokens=3, method=method, **params)
+    counts, drafted = _first_two(no_eos, best, n, seeded, max_new_tokens=3, method=method, **params)
     expected = _joint(no_eos, best, sp)
     stat, df, pval = _chi2_against(chi2, counts, expected)
     assert pval > ALPHA, (stat, df, pval, drafted)
@@ -616,11 +610,13 @@ def test_distribution_model_free(tiny, no_eos, chi2):
     assert _chi2_against(chi2, counts, _biased(expected, first))[2] < ALPHA
 
 
-def test_distribution_vanilla_reference(no_eos, chi2):
-    """The reference itself: vanilla sampling draws from ``target_probs`` of the target's logits."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_distribution_vanilla_reference(no_eos, chi2, seeded):
+    """The reference itself: vanilla sampling draws from ``target_probs`` of the target's logits
+    (seeded: with the positions' own uniform numbers; unseeded: from the generation's generator)."""
     params = dict(temperature=0.8, top_k=6)
     ids = no_eos.tokenizer.encode(CANDIDATE_PROMPTS[0])
-    counts, _ = _first_two(no_eos, ids, 800, max_new_tokens=2, method="vanilla", **params)
+    counts, _ = _first_two(no_eos, ids, 800, seeded, max_new_tokens=2, method="vanilla", **params)
     stat, df, pval = _chi2_against(chi2, counts, _joint(no_eos, ids, SamplingParams(**params)))
     assert pval > ALPHA, (stat, df, pval)
     # and not from the untruncated distribution

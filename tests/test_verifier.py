@@ -577,3 +577,120 @@ def test_sample_rows_and_edges():
     for bad in (torch.zeros(4), torch.tensor([0.5, -0.1, 0.6]), torch.tensor([float("nan"), 1.0]), torch.zeros(0)):
         with pytest.raises(ValueError):
             sample(bad, g)
+
+
+# ------------------------------------------------------------------ drafter-invariant sampling
+def test_position_uniform_is_uniform_and_keyed_by_seed_and_position(chi2):
+    """``position_uniform``: 20 equal bins over 40,000 (seed, position) pairs fit the uniform
+    distribution; it is a function of (seed, position) only; neighbouring seeds and positions
+    give unrelated numbers (no shared draws between the streams of seeds s and s + 1)."""
+    from leapdecode.core.sampling import position_uniform
+
+    us = torch.tensor([position_uniform(s, t) for s in range(40) for t in range(1000)], dtype=torch.float64)
+    assert bool(((us >= 0) & (us < 1)).all())
+    counts = torch.bincount((us * 20).long(), minlength=20)
+    assert chi2(counts, torch.full((20,), 0.05))[2] > ALPHA
+    # a planted error: the same numbers squeezed by 5% towards 0 are rejected
+    assert chi2(torch.bincount((us * 0.95 * 20).long(), minlength=20), torch.full((20,), 0.05))[2] < ALPHA
+    assert position_uniform(7, 3) == position_uniform(7, 3)
+    a = [position_uniform(5, t) for t in range(200)]
+    b = [position_uniform(6, t) for t in range(200)]
+    assert not set(a) & set(b) and len(set(a)) == 200
+    # consecutive pairs are not correlated (a lag-1 correlation of an independent stream is ~0)
+    x = us.view(40, 1000)
+    corr = torch.corrcoef(torch.stack([x[:, :-1].flatten(), x[:, 1:].flatten()]))[0, 1]
+    assert abs(float(corr)) < 0.03
+
+
+def test_sample_at_is_samples_rule():
+    """``sample_at(p, u)`` is the index ``sample`` draws with the uniform number ``u``."""
+    from leapdecode.core.sampling import sample, sample_at
+
+    g = torch.Generator().manual_seed(11)
+    p = torch.rand(300) * (torch.rand(300) > 0.5)
+    for _ in range(50):
+        state = g.get_state()
+        want = int(sample(p, g)[0])
+        g.set_state(state)
+        u = float(torch.rand(1, 1, generator=g, dtype=torch.float64))
+        assert sample_at(p, u) == want
+    assert sample_at(torch.tensor([0.0, 1.0, 0.0]), 0.999999) == 1  # never a zero-weight index
+    for bad_u in (-0.1, 1.0):
+        with pytest.raises(ValueError):
+            sample_at(p, bad_u)
+
+
+def _invariant_case(g: torch.Generator):
+    """A random two-level tree over V6 (sampled and deterministic nodes, duplicates allowed, the
+    vanilla path planted under some nodes) for the toy target of the depth-2 tests."""
+    tree = TokenTree()
+    tree.q[-1] = Q1
+    rows = [0]
+    for _ in range(int(torch.randint(0, 4, (), generator=g))):
+        x = int(torch.randint(0, V6, (), generator=g))
+        c = tree.add(x, -1, sampled=bool(torch.rand((), generator=g) < 0.5))
+        rows.append(1 + x)
+        tree.q[c] = Q2[x]
+        for _ in range(int(torch.randint(0, 3, (), generator=g))):
+            tree.add(int(torch.randint(0, V6, (), generator=g)), c, sampled=bool(torch.rand((), generator=g) < 0.5))
+            rows.append(1 + V6)
+    return tree, rows
+
+
+def _vanilla_chain(us: list[float], params) -> list[int]:
+    """Vanilla sampling of the toy target, one position after another, with the positions' numbers."""
+    from leapdecode.core.sampling import sample_at
+
+    t0 = sample_at(target_probs(_log(P1)[None], params)[0], us[0])
+    t1 = sample_at(target_probs(_log(P2[t0])[None], params)[0], us[1])
+    t2 = sample_at(target_probs(_log(P3)[None], params)[0], us[2])
+    return [t0, t1, t2]
+
+
+def _invariance_mismatches(verify_fn, params, n=3000, seed=5) -> tuple[int, list[int]]:
+    """Over ``n`` random trees: how many verdicts differ from vanilla's tokens for the same numbers,
+    and how often 0, 1, 2 draft tokens were accepted."""
+    from leapdecode.core.sampling import position_uniform
+
+    g = torch.Generator().manual_seed(seed)
+    table = torch.cat([_log(P1)[None], _log(P2), _log(P3)[None]])
+    bad, accepted = 0, [0, 0, 0]
+    for i in range(n):
+        us = [position_uniform(i, t) for t in range(4)]  # one spare for the planted shift
+        tree, rows = _invariant_case(g)
+        want = _vanilla_chain(us, params)
+        if i % 2 and len(tree):  # plant the vanilla path: its first token on the first root child
+            tree.tokens[0] = want[0]
+            if len(tree) > 1 and tree.parents[1] == 0:
+                tree.tokens[1] = want[1]
+            rows[1] = 1 + want[0]
+            tree.q[0] = Q2[want[0]]
+        v = verify_fn(tree, table[rows], params, uniform=us.__getitem__)
+        accepted[len(v.accepted)] += 1
+        bad += v.tokens != want[: len(v.tokens)] or any(tree.tokens[c] != t for c, t in zip(v.accepted, v.tokens))
+    return bad, accepted
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)])
+def test_drafter_invariant_verdicts_are_vanillas_tokens(params):
+    """With ``uniform``, every verdict (any tree: sampled or deterministic nodes, duplicates, the
+    vanilla path planted or not) emits exactly vanilla's tokens for the same per-position numbers,
+    and drafts are accepted at both depths."""
+    bad, accepted = _invariance_mismatches(verify, params)
+    assert bad == 0
+    assert min(accepted) > 100, accepted
+
+
+def test_drafter_invariance_test_catches_a_shifted_position():
+    """A planted error: a verifier that draws depth d's token with the number of depth d + 1 (or
+    draws the emitted token from the generator) is caught by the same harness."""
+    def shifted(tree, logits, params, uniform):
+        return verify(tree, logits, params, uniform=lambda d: uniform(d + 1))
+
+    def from_generator(tree, logits, params, uniform):  # (the nodes as deterministic ones: no q needed)
+        tree.sampled = [False] * len(tree)
+        return verify(tree, logits, params, generator=torch.Generator().manual_seed(0))
+
+    for flawed in (shifted, from_generator):
+        bad, _ = _invariance_mismatches(flawed, SamplingParams(temperature=1.0), n=400)
+        assert bad > 100, flawed.__name__

@@ -182,8 +182,6 @@ PROBE_ROWS = 4  # draft nodes a gated-off sequence is re-probed with
 PROBE_FIRST = 8  # its own plain steps before the first re-probe; the gap doubles after each
 PROBE_MAX = 64  # ... up to this
 MIN_ROW_ACCEPT = 0.1  # a draft row expected to be accepted less often than this is never verified
-SEEDED_PRIOR = 0.5  # a seeded sequence's per-token acceptance before it has drafted
-SEEDED_THRESHOLD = 0.5  # a seeded sequence drafts depth d while its p ** d reaches this
 
 
 class SequenceStats:
@@ -251,11 +249,10 @@ class SpeculationScheduler:
     plain steps, then after twice as many each time the probe does not bring it back: so it
     returns when its text turns repetitive (code, lists, a quoted passage).
 
-    Seeded sampled generations are capped by a rule of their own history only (no clock, no
-    batch): depth d while ``p ** d >= SEEDED_THRESHOLD``, the prior ``SEEDED_PRIOR``, the same
-    probes.  Their trees, hence their random draws and texts, are then the same under load as
-    alone in the engine (the engine applies this rule at batch 1 too); every tree keeps the
-    sample exact.  Greedy output does not depend on the trees at all."""
+    Every generation is capped this way, seeded sampled ones too: their draws belong to positions,
+    not to trees (drafter-invariant sampling, ``core/verifier.py``), so their texts are the same
+    under load as alone whatever trees the load gives them; greedy output does not depend on the
+    trees at all, and every tree keeps an unseeded sample exact."""
 
     POOL_DISCOUNT = 0.97
     HOST_DISCOUNT = 0.9
@@ -285,11 +282,6 @@ class SpeculationScheduler:
         if entry is not None and entry[0] is gen:
             del self._seqs[id(gen)]
 
-    @staticmethod
-    def seeded(gen: Generation) -> bool:
-        """A seeded sampled generation: its trees must not depend on the load or the clock."""
-        return not gen.params.greedy and gen.params.seed is not None
-
     def pooled_rate(self) -> float:
         return min(max(self._pool_sum / self._pool_n, 0.01), 0.97)
 
@@ -314,45 +306,23 @@ class SpeculationScheduler:
         prefilling = [g for g in gens if g.prefilling]
         items = decoding + (1 if prefilling else 0)
         prefill_rows = min(len(prefilling[0].prompt_ids) - 1, 256) - 1 if prefilling else 0
-        fixed_rows = 0
-        gain0 = 0.0
         host0 = (self._plain_host or 0.0) * decoding
-        free: list[int] = []
-        for i in spec:
-            g = gens[i]
-            st = self.stats_for(g)
-            if self.seeded(g):
-                p = st.accept_rate(SEEDED_PRIOR)
-                k = _depth(p, SEEDED_THRESHOLD, g.tree_budget)
-                if k == 0 and st.plain_run >= st.gap:
-                    k, st.planned = min(g.tree_budget, PROBE_ROWS), "probe"
-                elif k:
-                    st.planned = "spec"
-                caps[i] = k
-                if k and g.decoding:
-                    fixed_rows += k
-                    gain0 += _gain(p, k)
-                    host0 += self._extra(st)
-            else:
-                free.append(i)
-        if not free:
-            return caps
         cache = next((g.cache for g in gens if g.cache is not None and not g.finished), None)
         cost = self.runner.batch_cost(cache) if cache is not None else None
         pooled = self.pooled_rate()
-        rates = {i: self.stats_for(gens[i]).accept_rate(pooled) for i in free}
-        extra = {i: self._extra(self.stats_for(gens[i])) for i in free}
+        rates = {i: self.stats_for(gens[i]).accept_rate(pooled) for i in spec}
+        extra = {i: self._extra(self.stats_for(gens[i])) for i in spec}
         if cost is None:
-            chosen = {i: 0 for i in free}
+            chosen = {i: 0 for i in spec}
         else:
             row = cost.row_seconds()
-            base_s = cost(max(items, 1), fixed_rows, max(prefill_rows, 0)) + host0
-            base_tokens = decoding + gain0
-            chosen = {i: 0 for i in free}
+            base_s = cost(max(items, 1), 0, max(prefill_rows, 0)) + host0
+            base_tokens = decoding
+            chosen = {i: 0 for i in spec}
             rate = base_tokens / base_s
             for _ in range(8):  # Dinkelbach: converges in a few rounds
                 new = {}
-                for i in free:
+                for i in spec:
                     g, p = gens[i], rates[i]
                     if not g.decoding:
                         new[i] = 0
@@ -366,7 +336,7 @@ class SpeculationScheduler:
                 chosen, rate = new, nrate
                 if done:
                     break
-        for i in free:
+        for i in spec:
             g, st, k = gens[i], self.stats_for(gens[i]), chosen[i]
             if k:
                 st.planned = "spec"
@@ -405,10 +375,9 @@ class SpeculationScheduler:
                 if not o.output.finished:  # a finished step's tokens may be cut short (EOS, length)
                     accepted = min(max(len(o.output.tokens) - 1, 0), o.drafted)
                     st.update(o.drafted, accepted)
-                    if not self.seeded(g):
-                        d = self.POOL_DISCOUNT
-                        self._pool_sum = d * self._pool_sum + accepted / (accepted + (accepted < o.drafted))
-                        self._pool_n = d * self._pool_n + 1.0
+                    d = self.POOL_DISCOUNT
+                    self._pool_sum = d * self._pool_sum + accepted / (accepted + (accepted < o.drafted))
+                    self._pool_n = d * self._pool_n + 1.0
                 # each emitted token is credited a plain step's host work (detokenizing, stop strings)
                 self._host(st, o.host_s - (self._plain_host or 0.0) * max(len(o.output.tokens), 1))
                 st.plain_run = 0

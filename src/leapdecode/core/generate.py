@@ -450,7 +450,10 @@ class Generation:
         tokens, generated = self.tokens, self.generated
         masks = RowMasks(self.constraint, tree) if self.constraint is not None else None
         try:
-            verdict = verify(tree, logits, self.params, self._history, self.generator, allowed=masks)
+            start, ctx = len(tokens), self.ctx
+            uniform = (lambda depth: ctx.uniform(start + depth)) if ctx.drafter_invariant else None
+            verdict = verify(tree, logits, self.params, self._history, self.generator, allowed=masks,
+                             uniform=uniform)
         finally:
             if masks is not None:
                 masks.close()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, position_uniform
 from .tree import TokenTree
 
 if TYPE_CHECKING:
@@ -50,6 +50,19 @@ class DecodeContext:
     @property
     def target(self) -> "LoadedModel":
         return self.runner.model
+
+    @property
+    def drafter_invariant(self) -> bool:
+        """Seeded sampling: the verifier draws each position's token with that position's own
+        uniform number (``core/verifier.py``), so the text does not depend on the trees."""
+        return self.params.seed is not None and not self.params.greedy
+
+    def uniform(self, position: int) -> float | None:
+        """For a drafter-invariant generation, the uniform number the target's token at sequence
+        ``position`` (0 = the prompt's first token) is drawn with; a drafter that samples draws its
+        own token there with the same number (``sampling.sample_at``) to be accepted more often.
+        None otherwise."""
+        return position_uniform(self.params.seed, position) if self.drafter_invariant else None
 
     def remember(self, key: tuple, factory: Callable[[], T]) -> T:
         """The runner's memory entry ``key`` (created by ``factory`` on first use): what a method

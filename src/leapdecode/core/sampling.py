@@ -146,19 +146,55 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, num_sa
     p = probs.reshape(1, -1) if single else probs
     if p.dim() != 2 or p.shape[-1] == 0:
         raise ValueError(f"sample needs a 1-D or 2-D tensor of weights, got shape {tuple(probs.shape)}")
+    u = torch.rand(p.shape[0], num_samples, generator=generator, dtype=torch.float64, device=p.device)
+    idx = _inverse_cdf(p, u)
+    return idx[0] if single else idx
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The index of the 1-D distribution ``probs`` that inverse transform sampling gives for the
+    uniform number ``u`` in [0, 1): ``sample``'s rule with a given ``u`` (a ``position_uniform``)."""
+    if probs.dim() != 1 or probs.shape[0] == 0:
+        raise ValueError(f"sample_at needs a 1-D tensor of weights, got shape {tuple(probs.shape)}")
+    if not 0.0 <= u < 1.0:
+        raise ValueError(f"u must be in [0, 1), got {u!r}")
+    uu = torch.full((1, 1), u, dtype=torch.float64, device=probs.device)
+    return int(_inverse_cdf(probs.reshape(1, -1), uu)[0, 0])
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of the weights ``p`` ``[rows, V]``, the first index whose fp64 cumulative weight
+    exceeds ``u * total`` (``u`` ``[rows, n]`` in [0, 1)); never an index of zero weight."""
     p = p.double()
     cdf = p.cumsum(-1)
     total = cdf[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()) or bool((p < 0).any()):
         raise ValueError("sample needs non-negative, finite weights with a positive total")
-    u = torch.rand(p.shape[0], num_samples, generator=generator, dtype=torch.float64, device=p.device)
     idx = torch.searchsorted(cdf, u * total, right=True).clamp_(max=p.shape[-1] - 1)
     # u * total can round up to the total: step back to the last index of positive weight
     zero = p.gather(-1, idx) <= 0
     if bool(zero.any()):
         last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).argmax(-1, keepdim=True)
         idx = torch.where(zero, last.expand_as(idx), idx)
-    return idx[0] if single else idx
+    return idx
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that a seeded sampled generation draws its token at sequence
+    ``position`` with: a counter-based random stream (SplitMix64's finaliser over the seed and the
+    position), so the number belongs to the position and not to how many draws came before it.
+
+    This is what makes seeded sampling *drafter-invariant* (``core/verifier.py``): whatever tree a
+    step verifies, the token at each position is ``sample_at(p, position_uniform(seed, pos))`` of
+    the target's distribution ``p`` there, exactly the token vanilla decoding draws."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
 
 
 def greedy_tokens(

@@ -22,6 +22,21 @@ root), it walks down from the root:
   equals a *deterministic* child (model-free drafters), the walk descends
   there, otherwise that token is emitted and the step ends.  Each stage leaves
   the emitted token distributed exactly as the target's p.
+* **drafter-invariant sampling** (``uniform`` given: seeded generations): the
+  token at each position is the target's own draw there, inverse transform
+  sampling of p with the uniform number that belongs to that position
+  (``sampling.position_uniform``); the walk descends into the child (drawn or
+  deterministic) holding that token and stops when none does.  This is
+  "Coupling without Communication and Drafter-Invariant Speculative Decoding"
+  (Daliri, Musco & Suresh, 2024/2025) with an inverse-transform coupling in
+  place of their Gumbel-max one (one uniform number per position instead of
+  one per vocabulary entry).  Every emitted token is exactly the token vanilla
+  seeded decoding draws at that position, so a seeded text is the same with any
+  method, any tree and any batch; a draft token is accepted with probability
+  p(x), the same as speculative sampling gives a deterministic draft (for
+  several deterministic children, p summed over them, as recursive rejection
+  gives), and drafters that sample couple their draws to the same numbers
+  (``DecodeContext.uniform``).
 
 ``allowed`` (optional) is the hook for constrained decoding: a bool vocabulary
 mask per row (``[rows, V]``), or a function ``row -> [V]`` mask that is asked
@@ -39,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import SamplingParams, greedy_tokens, sample, target_probs
+from .sampling import SamplingParams, greedy_tokens, sample, sample_at, target_probs
 from .tree import TokenTree
 
 
@@ -58,6 +73,19 @@ def _ancestor_tokens(tree: TokenTree) -> list[list[int]]:
     return rows
 
 
+def _follow(tree: TokenTree, children: dict[int, list[int]], token_at: Callable[[int, int], int]) -> Verdict:
+    """Descend from the root while a child holds the target's own token ``token_at(row, depth)``
+    (a function of the target's logits at that row only: greedy, or drafter-invariant sampling)."""
+    node, path = -1, []
+    while True:
+        token = token_at(node + 1, len(path))
+        nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), -1)
+        if nxt < 0:
+            return Verdict(path, token, [tree.tokens[c] for c in path] + [token])
+        path.append(nxt)
+        node = nxt
+
+
 def verify(
     tree: TokenTree,
     logits: torch.Tensor,
@@ -65,11 +93,14 @@ def verify(
     history: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     allowed: torch.Tensor | Callable[[int], torch.Tensor] | None = None,
+    uniform: Callable[[int], float] | None = None,
 ) -> Verdict:
     """Accept a path of ``tree`` given target ``logits`` ``[1 + len(tree), V]`` (row 0 = root).
 
     ``history`` holds the token ids decided so far (prompt + generated, root
-    included); it only matters for the repetition penalty.
+    included); it only matters for the repetition penalty.  ``uniform`` (sampling
+    only): ``depth -> u``, the uniform number of the token ``depth`` positions past
+    the root's next one, for drafter-invariant sampling; ``generator`` is then unused.
     """
     extra = _ancestor_tokens(tree) if params.repetition_penalty != 1.0 else None
     lazy = callable(allowed)
@@ -98,20 +129,16 @@ def verify(
                                          extra[row : row + 1] if extra else None)[0])
         else:
             best_at = greedy_tokens(logits, params, history, extra).tolist().__getitem__
-        node, path = -1, []
-        while True:
-            token = best_at(node + 1)
-            nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == token), -1)
-            if nxt < 0:
-                return Verdict(path, token, [tree.tokens[c] for c in path] + [token])
-            path.append(nxt)
-            node = nxt
+        return _follow(tree, children, lambda row, depth: best_at(row))
 
     if lazy:
         def probs_at(row: int) -> torch.Tensor:
             return target_probs(row_logits(row), params, history, extra[row : row + 1] if extra else None)[0]
     else:
         probs_at = target_probs(logits, params, history, extra).__getitem__
+    if uniform is not None:
+        return _follow(tree, children, lambda row, depth: sample_at(probs_at(row), uniform(depth)))
+
     node, path = -1, []
     while True:
         p = probs_at(node + 1)

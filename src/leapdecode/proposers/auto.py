@@ -119,15 +119,13 @@ class AutoProposer(Proposer):
         self.sam_only_match = sam_only_match
         self.sam = SuffixAutomatonProposer(draft_len=sam_len)
         self.draft = draft_proposer
-        self.head = head_proposer  # over a trained head (its ``cost_ratio``: head / target parameters)
+        self.head = head_proposer  # over a trained head
         self.arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) \
             + (["head"] if head_proposer is not None else []) + ["none"]
         self.discount, self.explore = discount, explore
         self.bandit: BanditStats | None = None  # the runner's, shared by this target's generations
         self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) \
             or getattr(head_proposer, "default_budget", None) or 24
-        self._run_bandit: BanditStats | None = None
-        self._deterministic = False
         self._pending: tuple[int, str, int] | None = None
         self._t_step = 0.0
         self._t_end: float | None = None  # when the pending step's observe() finished
@@ -150,18 +148,10 @@ class AutoProposer(Proposer):
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
-        # A seeded sampling run must be reproducible, but wall-time rewards and statistics
-        # learned by earlier runs would change which arm (and so which random draws) each
-        # step uses.  Such runs learn from scratch with a deterministic cost model instead:
-        # a step costs one target forward plus (draft size / target size) per draft forward.
-        self._deterministic = not ctx.params.greedy and ctx.params.seed is not None
+        # wall-time rewards and statistics learned by earlier runs steer every run, seeded sampling
+        # too: its text does not depend on which arm drafted (drafter-invariant sampling)
         self.bandit = ctx.remember(("auto", "bandit", tuple(self.arms), self.discount, self.explore),
                                    lambda: BanditStats(self.arms, discount=self.discount, explore=self.explore))
-        if self._deterministic:
-            self._run_bandit = BanditStats(self.arms, self.discount, self.explore)
-            self._cost_ratio = _size_ratio(self.draft, ctx.target) if self.draft is not None else 0.0
-        else:
-            self._run_bandit = self.bandit
         self.sam.begin(ctx, tokens)
         if self.draft is not None:
             self.draft.begin(ctx, tokens)
@@ -173,7 +163,7 @@ class AutoProposer(Proposer):
         """SAM Decoding's rule: past ``sam_only_match`` matched tokens the automaton's draft is
         used alone (a long match is cheap and rarely wrong); below it the bandit decides,
         trying the arm the match length suggests first."""
-        arms = self._run_bandit.arms
+        arms = self.bandit.arms
         if match_len >= self.sam_only_match:
             return ["sam"]
         if match_len >= MATCH_BUCKETS[2]:
@@ -184,39 +174,21 @@ class AutoProposer(Proposer):
         """Credit the previous step's arm with tokens per second, now that its time is known."""
         if self._pending is not None:
             ctx, arm, emitted = self._pending
-            if self._deterministic:
-                if arm == "head":
-                    cost = getattr(self.head, "cost_ratio", 0.0) * max(1, self._head_calls() - self._head_before)
-                else:
-                    cost = self._cost_ratio * (self._draft_forwards() - self._forwards_before)
-                self._run_bandit.update(ctx, arm, emitted / (1.0 + cost))
-            else:
-                end = self._t_end if self._t_end is not None else time.perf_counter()
-                elapsed = end - self._t_step
-                if elapsed > 0:
-                    self._run_bandit.update(ctx, arm, emitted / elapsed)
+            end = self._t_end if self._t_end is not None else time.perf_counter()
+            elapsed = end - self._t_step
+            if elapsed > 0:
+                self.bandit.update(ctx, arm, emitted / elapsed)
             self._pending = None
-
-    def _draft_forwards(self) -> int:
-        return self.draft.stats().get("draft_forwards", 0) if self.draft is not None else 0
-
-    def _head_calls(self) -> int:
-        """The head's forwards so far (its ``*_head_forwards``/``*_head_calls`` stat; 0 without one)."""
-        if self.head is None:
-            return 0
-        return next((v for k, v in self.head.stats().items() if k.endswith(("_head_forwards", "_head_calls"))), 0)
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._close_step()
         self._t_step = time.perf_counter()
         self._t_end = None
-        self._forwards_before = self._draft_forwards()
-        self._head_before = self._head_calls()
         self.sam.sync(tokens)
         found = self.sam.matches()
         match_len = found[0][0] if found else 0
         ctx = match_bucket(match_len)
-        arm = self._run_bandit.choose(ctx, self._arms_for(match_len))
+        arm = self.bandit.choose(ctx, self._arms_for(match_len))
         self._arm, self._ctx = arm, ctx
         self._uses[arm] = self._uses.get(arm, 0) + 1
         self._draft_live = False
@@ -253,18 +225,9 @@ class AutoProposer(Proposer):
             self.head.end()
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self._run_bandit.snapshot()}
+        out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self.bandit.snapshot()}
         if self.draft is not None:
             out.update(self.draft.stats())
         if self.head is not None:
             out.update(self.head.stats())
         return out
-
-
-def _size_ratio(draft_proposer, target) -> float:
-    """Draft parameters / target parameters: the relative cost of a memory-bound forward."""
-    def size(m) -> int:
-        return sum(p.numel() for p in m.model.parameters()) or 1
-
-    return size(draft_proposer.draft) / size(target)
-

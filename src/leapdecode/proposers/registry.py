@@ -265,15 +265,7 @@ def _auto_head(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer | None":
         proposer = METHODS[method].build(head_cfg, runner)
     except (HeadFileError, HeadMismatchError, HeadNotFoundError):  # a damaged store entry: auto goes on without it
         return None
-    proposer.cost_ratio = runner.memory.get(("auto_head_cost", kind), lambda: _param_ratio(proposer, model))
     return proposer
-
-
-def _param_ratio(proposer, model) -> float:
-    """The head's parameters / the target's: the relative cost of a memory-bound head call."""
-    head = getattr(proposer, "head", None) or getattr(proposer, "heads", None)
-    own = sum(p.numel() for p in head.parameters()) if head is not None else 0
-    return own / max(1, sum(p.numel() for p in model.model.parameters()))
 
 
 def _build_pld(cfg: PldConfig, runner: "ModelRunner") -> "Proposer":

@@ -209,9 +209,9 @@ class Engine:
     sizes every speculating generation's tree each iteration with ``core/batch.py``'s
     ``SpeculationScheduler`` (from the forward's online-measured cost, each sequence's recent
     acceptance and its proposer's measured time; a step where no draft pays is plain batched
-    decoding; seeded sampled generations by a rule of their own history, the same at batch 1);
+    decoding; a seeded sampled text does not depend on its trees: drafter-invariant sampling);
     ``"profile"`` is the earlier policy (``_caps``: ``speculation_caps`` from the single-sequence
-    verification profile, greedy and unseeded sampled generations only, from batch 2 on).
+    verification profile, from batch 2 on).
     ``speculate_under_load=False``: every generation drafts its own full tree."""
 
     SPECULATION_MODES = ("measured", "profile")
@@ -517,18 +517,16 @@ class Engine:
 
     def _caps(self, running: list[Running]) -> list[int | None] | None:
         """The ``"profile"`` policy (see the class): draft tokens per speculating generation this
-        iteration (``speculation_caps``): greedy
-        ones and sampled ones without a seed (any tree keeps sampling distribution-exact); a
-        seeded sampled generation keeps its own tree, so that its draws, hence its text, are
-        the same under load as alone."""
+        iteration (``speculation_caps``).  Any tree keeps a greedy text, a seeded sampled text
+        (drafter-invariant sampling) and an unseeded sample's distribution."""
         gens = [r.gen for r in running]
-        capped = [g.proposer is not None and g.decoding and (g.params.greedy or g.params.seed is None) for g in gens]
+        capped = [g.proposer is not None and g.decoding for g in gens]
         if not any(capped):
             return None
         # measured once (or read from the profile store) on a cache with nothing pending
         cost = self.runner.verify_cost(next(g for g, c in zip(gens, capped) if c).cache)
         accept = [g.draft_acceptance if c else None for g, c in zip(gens, capped)]
-        # rows that are not capped drafts: every root, and the full trees of the uncapped (seeded) speculators
+        # rows that are not capped drafts: every root
         fixed = sum(1 if c or g.proposer is None else 1 + g.tree_budget for g, c in zip(gens, capped))
         caps = speculation_caps(accept, [g.tree_budget for g in gens], fixed, cost)
         return [cap if c else None for cap, c in zip(caps, capped)]
