@@ -460,6 +460,35 @@ def test_auto_with_a_draft_is_seed_reproducible(tiny, env):
     assert len(outs) == 1, f"{len(outs)} different outputs from one seed"
 
 
+def _accepted_per_step(model, draft, seeds) -> float:
+    runner = ModelRunner(model)
+    runner.add_draft("same", draft)
+    ids = model.tokenizer.encode("the cat sat on the mat and then")
+    accepted = steps = 0
+    for s in seeds:
+        res = leapdecode.generate(runner, prompt_ids=ids, method="draft", max_new_tokens=40, temperature=1.0,
+                                  seed=s, options=dict(draft="same", tree_budget=4, beam=1, top_k=1))
+        hist = res.stats["accept_hist"]
+        accepted += sum(int(k) * v for k, v in hist.items())
+        steps += sum(hist.values())
+    return accepted / steps
+
+
+def test_seeded_draft_model_draws_with_the_positions_numbers(tiny, no_eos, monkeypatch):
+    """Drafter-invariant sampling, the drafter's side: a draft model that samples draws its chain
+    with the numbers the target draws those positions with, so a draft identical to the target
+    (fp32 copy; only rounding differs) has nearly every draft accepted.  Planted: the same draft
+    drawing with its own random numbers is accepted far less often."""
+    from leapdecode.proposers.draft_model import DraftModelProposer
+
+    draft = tiny(seed=0, copy=1)
+    coupled = _accepted_per_step(no_eos, draft, range(10))
+    assert coupled > 3.5  # of 4 per step
+    own = DraftModelProposer._children
+    monkeypatch.setattr(DraftModelProposer, "_children", lambda self, logp, k, u=None: own(self, logp, k))
+    assert _accepted_per_step(no_eos, draft, range(10)) < coupled - 0.7
+
+
 # ============================================================================ 3. sampling distribution
 def _next_probs(model, ids: list[int], params: SamplingParams) -> torch.Tensor:
     """The target's next-token distribution after ``ids`` (one plain forward, fresh cache), float64."""

@@ -70,7 +70,7 @@ import time
 import torch
 
 from .tree_cost import TreeSizer
-from ..core.sampling import SamplingParams, target_probs
+from ..core.sampling import SamplingParams, sample_at, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer, feed_committed
@@ -193,14 +193,21 @@ class DraftModelProposer(Proposer):
             return logits.float().log_softmax(-1)
         return target_probs(logits, self.params).clamp_min(0).log()
 
-    def _children(self, logp: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    def _children(self, logp: torch.Tensor, k: int, u: float | None = None) -> tuple[list[int], list[float]]:
         """``k`` children as (vocabulary ids, draft log-probabilities): the top ``k`` (greedy) or
-        an ordered sample without replacement (Gumbel-top-k)."""
+        an ordered sample without replacement (Gumbel-top-k).  ``u`` (drafter-invariant sampling:
+        the number the target draws this position's token with): the first child is the draft's
+        own draw with that number (``sample_at`` over the whole vocabulary, in the target's token
+        order), which is the target's token whenever the two distributions agree there."""
         if self.params.greedy:
             vals, idx = torch.topk(logp, k)
         else:
             g = -torch.empty_like(logp).exponential_(generator=self.ctx.generator).log()
             keys = logp + g
+            if u is not None:
+                first = sample_at(self._full(logp.exp()), u)
+                at = first if self.head is None else int((self.head.ids == first).nonzero()[0, 0])
+                keys[at] = math.inf
             _, idx = torch.topk(keys, k)
             idx = idx[torch.isfinite(logp[idx])]
             vals = logp[idx]
@@ -227,6 +234,7 @@ class DraftModelProposer(Proposer):
         cand_par: list[int] = []
         cand_score: list[float] = []
         cand_p: list[float] = []
+        cand_depth: list[int] = []  # 0: a child of the root
         qdist: dict[int, torch.Tensor] = {}
         sizer = self.sizer if self._cost_model else None
 
@@ -234,11 +242,13 @@ class DraftModelProposer(Proposer):
             if not greedy:
                 qdist[parent] = self._full(lp.exp())
             base = cand_score[parent] if parent >= 0 else 0.0
+            depth = cand_depth[parent] + 1 if parent >= 0 else 0
             added = []
-            for t, v in zip(*self._children(lp, k)):
+            for t, v in zip(*self._children(lp, k, self.ctx.uniform(len(tokens) + depth))):
                 p = math.exp(v)
                 cand_tok.append(t)
                 cand_par.append(parent)
+                cand_depth.append(depth)
                 cand_p.append(p)
                 cand_score.append(base + (sizer.log_accept(p) if sizer is not None else v))
                 added.append(len(cand_tok) - 1)

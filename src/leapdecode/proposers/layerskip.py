@@ -73,7 +73,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..core.sampling import apply_repetition_penalty, sample, target_probs
+from ..core.sampling import apply_repetition_penalty, sample, sample_at, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
@@ -294,7 +294,9 @@ class LayerSkipProposer(Proposer):
                     tok = int(t)
                 else:
                     q = target_probs(logits[None], params)[0]
-                    tok = int(sample(q, self.ctx.generator)[0])
+                    # drafter-invariant sampling: the number the target draws this position with
+                    u = self.ctx.uniform(len(tokens) + len(out))
+                    tok = int(sample(q, self.ctx.generator)[0]) if u is None else sample_at(q, u)
                     conf = q[tok]
                     qs.append(q)
                 out.append(tok)

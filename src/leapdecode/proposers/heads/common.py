@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.proposer import DecodeContext
-from ...core.sampling import SamplingParams, target_probs
+from ...core.sampling import SamplingParams, sample_at, target_probs
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ...models.native import rms_norm
@@ -84,6 +84,16 @@ class HeadVocab:
             return idx
         return self.sub.ids[torch.tensor(idx, dtype=torch.long)].tolist() if idx else []
 
+    def coupled(self, logp: torch.Tensor, u: float | None) -> int | None:
+        """Drafter-invariant sampling (``u``: the number the target draws the position's token with,
+        ``DecodeContext.uniform``): the position in ``logp`` of the head's own draw with that
+        number, over the whole vocabulary in the target's token order (``sample_at``), which is
+        the target's token whenever the two distributions agree there; None without ``u``."""
+        if u is None:
+            return None
+        token = sample_at(self.full(logp.exp()), u)
+        return token if self.sub is None else int((self.sub.ids == token).nonzero()[0, 0])
+
     def full(self, p: torch.Tensor) -> torch.Tensor:
         """A distribution over the head's ids as one over the whole vocabulary (0 outside)."""
         if self.sub is None:
@@ -101,15 +111,18 @@ def node_dist(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def draw_children(logp: torch.Tensor, k: int, params: SamplingParams,
-                  generator: torch.Generator) -> tuple[list[int], list[float]]:
+                  generator: torch.Generator, first: int | None = None) -> tuple[list[int], list[float]]:
     """``k`` children as (positions in ``logp``, log-probabilities): the top ``k`` (greedy), or an
-    ordered sample without replacement (Gumbel-top-k) of the tokens with non-zero probability."""
+    ordered sample without replacement (Gumbel-top-k) of the tokens with non-zero probability,
+    ``first`` (a position, ``HeadVocab.coupled``) taken first when given."""
     k = min(k, logp.shape[-1])
     if params.greedy:
         vals, idx = torch.topk(logp, k)
         return idx.tolist(), vals.tolist()
-    g = -torch.empty_like(logp).exponential_(generator=generator).log()
-    _, idx = torch.topk(logp + g, k)
+    keys = logp - torch.empty_like(logp).exponential_(generator=generator).log()
+    if first is not None:
+        keys[first] = math.inf
+    _, idx = torch.topk(keys, k)
     idx = idx[torch.isfinite(logp[idx])]
     return idx.tolist(), logp[idx].tolist()
 

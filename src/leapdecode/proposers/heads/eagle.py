@@ -344,7 +344,8 @@ class EagleProposer(Proposer):
                 qdist[parent] = self.out.full(lp.exp())
             base = cand_score[parent] if parent >= 0 else 0.0
             depth = cand_depth[parent] + 1 if parent >= 0 else 0
-            idx, vals = draw_children(lp, k, params, gen)
+            first = self.out.coupled(lp, self.ctx.uniform(root_pos + 1 + depth))  # drafter-invariant sampling
+            idx, vals = draw_children(lp, k, params, gen, first)
             added = []
             for t, v in zip(self.out.ids(idx), vals):
                 cand_tok.append(t)

@@ -175,7 +175,9 @@ class HydraProposer(Proposer):
             for j, c in enumerate(nodes):
                 if not greedy:
                     qdist[c] = self.out.full(logp[j].exp())
-                idx, vals = draw_children(logp[j], k, params, gen)
+                # drafter-invariant sampling: the feature is at the position before the root's
+                first = self.out.coupled(logp[j], self.ctx.uniform(self.feature_pos + 2 + i))
+                idx, vals = draw_children(logp[j], k, params, gen, first)
                 base = score[c] if c >= 0 else 0.0
                 for t, v in zip(self.out.ids(idx), vals):
                     tok.append(t)

@@ -165,7 +165,9 @@ class MedusaProposer(Proposer):
                 d = depth + 1
                 if d >= n_heads:
                     continue
-                idx, vals = draw_children(logp[d], k, params, gen)
+                # drafter-invariant sampling: head d drafts the token d positions past the root's next
+                first = self.out.coupled(logp[d], self.ctx.uniform(len(tokens) + d))
+                idx, vals = draw_children(logp[d], k, params, gen, first)
                 if not idx or len(tree) + len(idx) > budget:
                     continue
                 tree.q[node] = q_of[d]
