@@ -211,22 +211,6 @@ def chi2():
     return chi2_gof
 
 
-def sampled_nodes_spy(gen) -> list[bool]:
-    """Wrap a generation's proposer so that ``result[0]`` says whether any tree it proposed had
-    sampled nodes (drawn from a draft distribution)."""
-    seen = [False]
-    if gen.proposer is not None:
-        propose = gen.proposer.propose
-
-        def spy(tokens, budget):
-            tree = propose(tokens, budget)
-            seen[0] |= any(tree.sampled)
-            return tree
-
-        gen.proposer.propose = spy
-    return seen
-
-
 def build_portable_kernel(tmp_path_factory, source, functions: tuple[str, ...]):
     """``source`` (one of ``qkernel.SOURCES``) built with qkernel's compiler and flags plus
     ``-DLD_PORTABLE`` (the plain C++ path), loaded, with ``functions`` typed as in the real

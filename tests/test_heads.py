@@ -196,16 +196,22 @@ class GreedyMarkedSampled(MedusaProposer):
 
 
 def _counts(model, ids, make_proposer, n, params):
-    """Counts of the first three tokens over seeds 0..n-1, how many runs drafted and how many accepted
-    a draft (each run is cancelled once three tokens are decided)."""
+    """Counts of the first three tokens over runs 0..n-1, how many runs drafted and how many accepted
+    a draft (each run is cancelled once three tokens are decided).  Unseeded runs (the global torch
+    seed i fixed), so the verifier's recursive rejection sampling reads the heads' draft
+    distributions (a seeded run's draws are the positions' own numbers whatever the drafts: the
+    same-seed tests of tests/test_lossless.py cover those); each run starts from a runner memory
+    with nothing learned (auto's bandit tries every arm afresh)."""
     from leapdecode.core.generate import Generation
 
     counts: dict = {}
     drafted = accepted = 0
     runner = ModelRunner(model)
     for i in range(n):
+        runner.memory.clear()
+        torch.manual_seed(i)
         prop = make_proposer()
-        g = Generation(runner, ids, SamplingParams(**params, seed=i), prop, method="test", max_new_tokens=12)
+        g = Generation(runner, ids, SamplingParams(**params), prop, method="test", max_new_tokens=12)
         seen = []
         observe = prop.observe
 

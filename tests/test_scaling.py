@@ -300,11 +300,12 @@ def test_first_finish_returns_the_earliest_finisher(tiny, method, by):
     assert runner_for(lm).caches_in_use == 0
 
 
-@pytest.mark.parametrize("model_seed, temperature, seed", [(2, 1.0, 2), (2, 0.8, 11)])
+@pytest.mark.parametrize("model_seed, temperature, seed", [(2, 1.0, 7), (2, 0.8, 26)])
 def test_first_finish_does_not_follow_how_fast_speculation_went(tiny, model_seed, temperature, seed):
-    """Cases (found by search over model seeds 0-3, both temperatures and seeds 0-11; searched again
-    when the sampler's random stream changed, ``sampling.sample``) where a sample ends in fewer forwards, thanks to accepted drafts,
-    but after more tokens than another: the winner is still the one with the fewest tokens."""
+    """Cases (found by search over model seeds 0-3, both temperatures and seeds 0-39; searched again
+    whenever seeded sampling's random numbers changed: last for drafter-invariant sampling) where a
+    sample ends in fewer forwards, thanks to accepted drafts, but after more tokens than another:
+    the winner is still the one with the fewest tokens."""
     base = tiny(seed=model_seed)
     ids = base.tokenizer.encode("tttt")
     eos = int(_next_probs(base, ids, SamplingParams(temperature=temperature)).argsort()[-3])
@@ -314,7 +315,8 @@ def test_first_finish_does_not_follow_how_fast_speculation_went(tiny, model_seed
         ref = leapdecode.generate(lm, prompt_ids=ids, method="pld", temperature=temperature, seed=s, max_new_tokens=24)
         if ref.finish_reason == "stop":
             ends.append((len(ref.tokens) + 1, ref.stats["target_forwards"], i))
-    length, forwards, winner = min(ends)
+    length, winner = min((n, i) for n, _, i in ends)  # fewest tokens; a tie to the lower sample index
+    forwards = next(f for _, f, i in ends if i == winner)
     assert any(f < forwards for _, f, _ in ends), ends  # the case this test is about
     res = leapdecode.generate(lm, prompt_ids=ids, strategy="first-finish", method="pld", temperature=temperature,
                               seed=seed, max_new_tokens=24, strategy_options={"num_samples": 6})

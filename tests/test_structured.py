@@ -20,10 +20,10 @@
    booleans, null, anyOf, $ref to $defs, required/optional properties) parse and validate with
    ``jsonschema`` whenever they finish, and most finish; outputs of generated regexes always
    finish and ``re.fullmatch``, with a speculative method giving vanilla's tokens on the same
-   seed (greedy, and sampling with deterministic drafts).
+   seed (greedy and sampling).
 4. Greedy identity: every method (draft and auto with tiny draft models) gives constrained
-   vanilla's tokens on JSON schemas, regexes and a Lark grammar; model-free methods also on a
-   fixed sampling seed; proposers observe the trees they built (in their own numbering) though
+   vanilla's tokens on JSON schemas, regexes and a Lark grammar; every method also on a fixed
+   sampling seed (drafter-invariant sampling); proposers observe the trees they built (in their own numbering) though
    the grammar pruned what was verified.
 5. Forced tokens: with fixed keys, the grammar drafts them itself ("grammar" trees, and chains
    below pld's trees), the verifier accepts them whole (byte-level tokenizer: one tokenization),
@@ -31,8 +31,9 @@
 6. Distribution on a tiny model: a small language (built at run time from the model's own
    likely characters, so drafts are both accepted and rejected); the exact constrained vanilla
    distribution over whole outputs is the product of masked, renormalized next-token
-   probabilities from the model's logits; ``pld`` (deterministic drafts) and ``draft`` (sampled
-   draft trees, forbidden draws kept as leaves) pass the chi-square test at
+   probabilities from the model's logits; ``pld`` (deterministic drafts, seeded) and ``draft``
+   (sampled draft trees, unseeded: recursive rejection sampling, forbidden draws kept as leaves)
+   pass the chi-square test at
    alpha = 0.01, and two planted wrong masks (one extra token allowed, one allowed token
    missing) are rejected by the same test.
 7. Errors: invalid schemas, unsupported keywords, invalid regexes and grammars, several
@@ -74,7 +75,6 @@ from leapdecode.errors import GrammarError, InvalidParameterError
 from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
 from leapdecode.strategies.grammar import GrammarConstraint, compile_constraint
-from conftest import sampled_nodes_spy
 
 ALPHA = 0.01
 # a fixed seed and no example database: every run (and CI) sees the same examples
@@ -754,7 +754,7 @@ FIXED_REGEXES = [r"(ab|ba|aa)c", r"[a-z]{1,8}@[a-z]{2,5}\.(com|org)", r"\d{3}-\d
 
 def test_regex_outputs_match(tiny, fresh_runner):
     """Every output finishes and fully matches; a model-free method gives vanilla's tokens on the same
-    seed, greedy or sampling (deterministic drafts take one draw per emitted token, as vanilla)."""
+    seed, greedy or sampling."""
     runners = [fresh_runner(tiny(seed=s), verify_cost="flat") for s in (0, 1)]
 
     @hypothesis.seed(20240915)
@@ -765,14 +765,11 @@ def test_regex_outputs_match(tiny, fresh_runner):
     def check(regex, which, prompt, method, temperature, seed):
         kw = dict(regex=regex, max_new_tokens=120, temperature=temperature, seed=seed)
         want = leapdecode.generate(runners[which], prompt, method="vanilla", **kw)
-        gen = leapdecode.start_generation(runners[which], prompt, method=method, **kw)
-        sampled = sampled_nodes_spy(gen)
-        got = gen.run()
+        got = leapdecode.generate(runners[which], prompt, method=method, **kw)
         for res in (want, got):
             assert res.finish_reason == "stop", (regex, res.text)
             assert re.fullmatch(regex, res.text), (regex, res.text)
-        if not sampled[0]:
-            assert got.tokens == want.tokens, (regex, method, want.text, got.text)
+        assert got.tokens == want.tokens, (regex, method, want.text, got.text)
 
     check()
 
@@ -912,31 +909,16 @@ def test_identity_cases_are_meaningful(tiny):
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("vanilla", "draft")])
 def test_sampling_same_seed_as_vanilla(tiny, fresh_runner, rest_datastore, heads_dir, method):
-    """Deterministic drafts (and the grammar's forced tokens) take one draw from the generator per
-    emitted token, as vanilla does: same seed, same tokens."""
-    compared = 0
+    """Constrained sampling with a seed: every method (sampled drafts too: layerskip, medusa, hydra,
+    eagle) gives vanilla's constrained tokens for the same seed (drafter-invariant sampling)."""
     for case, constraint, prompt, seed in IDENTITY_CASES:
         for params in (dict(temperature=1.0, seed=11), dict(temperature=0.8, top_k=20, seed=12)):
             want = _vanilla(tiny, case, **params)
             runner = fresh_runner(tiny(seed=seed), verify_cost="flat")
-            gen = leapdecode.start_generation(runner, prompt, method=method, max_new_tokens=MAX_NEW,
-                                              options=_options(method, None, rest_datastore, heads_dir), **constraint, **params)
-            sampled = sampled_nodes_spy(gen)
-            got = gen.run()
-            if not sampled[0]:
-                assert got.tokens == want.tokens, (case, method, params, want.text, got.text)
-                compared += 1
-            else:  # sampled drafts (layerskip, medusa, eagle) use the stream differently
-                assert got.finish_reason != "stop" or _follows(constraint, got.text)
-                if case == IDENTITY_CASES[0][0]:  # and the same seed gives the same tokens
-                    again = leapdecode.generate(runner, prompt, method=method, max_new_tokens=MAX_NEW,
-                                                options=_options(method, None, rest_datastore, heads_dir), **constraint,
-                                                **params)
-                    assert again.tokens == got.tokens
-    # methods whose trees hold sampled drafts at temperature > 0 (their exact distribution: the
-    # chi-square tests of test_lossless.py / test_heads.py) are checked for the constraint and
-    # same-seed repeatability only
-    assert compared >= 4 or method in ("layerskip", "medusa", "hydra", "eagle"), compared
+            got = leapdecode.generate(runner, prompt, method=method, max_new_tokens=MAX_NEW,
+                                      options=_options(method, None, rest_datastore, heads_dir), **constraint,
+                                      **params)
+            assert got.tokens == want.tokens, (case, method, params, want.text, got.text)
 
 
 # ============================================================================ 5. forced tokens
@@ -953,8 +935,8 @@ def _record_steps(monkeypatch, gen: Generation) -> list:
     """(position in the output, tree, verdict) of every verification of ``gen``."""
     steps = []
 
-    def spy(tree, logits, params, history=None, generator=None, allowed=None):
-        v = verify(tree, logits, params, history, generator, allowed)
+    def spy(tree, logits, params, history=None, generator=None, allowed=None, uniform=None):
+        v = verify(tree, logits, params, history, generator, allowed, uniform)
         steps.append((len(gen.generated), tree, v))
         return v
 
@@ -1183,12 +1165,17 @@ class MissingToken(Tracking):
         return not (tuple(self.stack) == self.prefix and token == self.token) and self.inner.allows(token)
 
 
-def _sample_outputs(runner, ids, n: int, method: str, options: dict, regex: str, wrap=None) -> Counter:
+def _sample_outputs(runner, ids, n: int, method: str, options: dict, regex: str, wrap=None,
+                    seeded: bool = True) -> Counter:
+    """Outputs of ``n`` runs: run i with ``seed=i`` (drafter-invariant sampling), or, ``seeded=False``,
+    with no seed and the global torch seed i (recursive rejection sampling over sampled drafts)."""
     counts: Counter = Counter()
     for i in range(n):
         kw = dict(regex=regex) if wrap is None else dict(constraint=wrap(compile_constraint(runner, regex=regex)))
+        if not seeded:
+            torch.manual_seed(i)
         res = leapdecode.generate(runner, "", prompt_ids=ids, method=method, options=options, temperature=1.0,
-                                  seed=i, max_new_tokens=6, **kw)
+                                  seed=i if seeded else None, max_new_tokens=6, **kw)
         assert res.finish_reason == "stop", res
         counts[tuple(res.tokens)] += 1
     return counts
@@ -1219,8 +1206,8 @@ def _draft_outcomes(monkeypatch) -> Counter:
     those where the verifier accepted at least one drafted node ("accepted")."""
     stats: Counter = Counter()
 
-    def spy(tree, logits, params, history=None, generator=None, allowed=None):
-        v = verify(tree, logits, params, history, generator, allowed)
+    def spy(tree, logits, params, history=None, generator=None, allowed=None, uniform=None):
+        v = verify(tree, logits, params, history, generator, allowed, uniform)
         if any(s != "grammar" for s in tree.sources):
             stats["drafted"] += 1
             stats["accepted"] += any(tree.sources[i] != "grammar" for i in v.accepted)
@@ -1315,7 +1302,8 @@ def test_distribution_sampled_draft_tree(tiny, fresh_runner, chi2, monkeypatch):
     # draft_vocab=64: the draft samples from the 64 lowest ids and the prompt's tokens, so it never
     # draws an EOS (see test_bug_sampled_eos_draft_is_accepted)
     options = dict(draft="noisy", tree_budget=8, beam=1, draft_vocab=64)
-    counts = _sample_outputs(runner, ids, N_SAMPLES, "draft", options, regex, wrap=Tracking)
+    # unseeded: recursive rejection sampling, where forbidden sampled draws must stay as leaves
+    counts = _sample_outputs(runner, ids, N_SAMPLES, "draft", options, regex, wrap=Tracking, seeded=False)
     stat, df, pval = _chi2_outputs(chi2, counts, expected)
     assert pval > ALPHA, (stat, df, pval, counts, expected)
     assert leaves["forbidden"] > N_SAMPLES // 10, leaves  # forbidden draws were verified as leaves
