@@ -1,7 +1,7 @@
 """Throughput of the batched engine loop in-process, on a fixed list of requests (no HTTP).
 
 The load test's request mix (``scripts/loadtest.py``'s prompts, chat or plain completion,
-``max_tokens`` drawn from [24, 96], temperature 0 or 0.8 with a seed), ``--requests`` of them,
+``max_tokens`` drawn from [``--max-tokens`` / 4, ``--max-tokens``] (default 96), temperature 0 or 0.8 with a seed), ``--requests`` of them,
 kept ``--clients`` at a time in one batch stepped by ``core/batch.py`` (``step_batch`` with the
 ``SpeculationScheduler``, as the server's engine does); a finished request is replaced by the next.
 Every run does the same work, so runs compare without the load test's mix noise.  ``--no-fused``
@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--method", default="vanilla")
     ap.add_argument("--clients", type=int, default=16, help="requests in the batch at once")
     ap.add_argument("--requests", type=int, default=64, help="requests measured (after a warm-up of --clients)")
+    ap.add_argument("--max-tokens", type=int, default=96,
+                    help="a request's max_tokens is drawn from [max/4, max], as the load test draws it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fused", action="store_true", help="attention per sequence (FusedSegments off)")
     ap.add_argument("--profile", default="", help="write a cProfile of the measured part here")
@@ -56,7 +58,7 @@ def main() -> None:
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=False)
         ids = tok.encode(text, add_special_tokens=False)
-        return start_generation(runner, prompt_ids=list(ids), max_new_tokens=rng.randint(24, 96), method=a.method,
+        return start_generation(runner, prompt_ids=list(ids), max_new_tokens=rng.randint(max(1, a.max_tokens // 4), a.max_tokens), method=a.method,
                                 temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 1000))
 
     sched = SpeculationScheduler(runner)

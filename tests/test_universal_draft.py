@@ -131,6 +131,28 @@ def test_routes_to_universal(target, bpe_draft):
     assert isinstance(p, UniversalDraftProposer) and (p.min_len, p.max_len) == (1, 5)
 
 
+def test_the_vocabularies_are_compared_once_per_draft_and_runner(target, bpe_draft, monkeypatch):
+    """``get_vocab`` builds a dict of the whole vocabulary (~0.2 s for 152k tokens): a runner compares
+    a draft's with the target's once, not for every request; the answer is kept per pair."""
+    from leapdecode.proposers.draft_model import DraftModelProposer
+
+    calls = []
+    for model in (target, bpe_draft):
+        tok = model.tokenizer
+        monkeypatch.setattr(tok, "get_vocab", lambda tok=tok, own=tok.get_vocab: calls.append(1) or own())
+    runner = ModelRunner(target)
+    runner.add_draft("bpe", bpe_draft)
+    runner.add_draft("same", target)
+    for _ in range(3):
+        assert isinstance(build_proposer(method_config("draft", {"draft": "bpe"}), runner), UniversalDraftProposer)
+        assert isinstance(build_proposer(method_config("draft", {"draft": "same"}), runner), DraftModelProposer)
+    assert len(calls) == 4  # two comparisons, two vocabularies each
+    other = ModelRunner(target)  # a runner keeps its own answers
+    other.add_draft("bpe", bpe_draft)
+    build_proposer(method_config("draft", {"draft": "bpe"}), other)
+    assert len(calls) == 6
+
+
 def test_tokenizers_differ(target, bpe_draft):
     text = "The quick brown fox"
     assert target.tokenizer.encode(text) != bpe_draft.tokenizer.encode(text)

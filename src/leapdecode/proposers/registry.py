@@ -199,8 +199,16 @@ def _build_vanilla(cfg: VanillaConfig, runner: "ModelRunner") -> None:
     return None
 
 
-def _same_vocab(a, b) -> bool:
-    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+def _same_vocab(draft, runner: "ModelRunner") -> bool:
+    """Do the draft and the runner's target share a tokenizer vocabulary?  Compared once per pair
+    and runner (``get_vocab`` builds a dict of every token: ~0.2 s for a 152k vocabulary, 18% of a
+    server's time when it was asked for every request; docs/benchmarks.md section 24)."""
+    target = runner.model
+    pair, same = runner.memory.get(("same_vocab", id(draft), id(target)), lambda: (
+        (draft, target), draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()))
+    if pair[0] is draft and pair[1] is target:
+        return same
+    return draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()  # another object at a reused id
 
 
 def _build_draft(cfg: DraftConfig, runner: "ModelRunner") -> "Proposer":
@@ -208,7 +216,7 @@ def _build_draft(cfg: DraftConfig, runner: "ModelRunner") -> "Proposer":
     from .universal_draft import UniversalDraftProposer
 
     dm = runner.draft(cfg.draft)
-    if not _same_vocab(dm, runner.model):
+    if not _same_vocab(dm, runner):
         return UniversalDraftProposer(dm, tree_budget=cfg.tree_budget, draft_len=cfg.draft_len,
                                       min_draft_len=cfg.min_draft_len, max_draft_len=cfg.max_draft_len,
                                       adaptive=cfg.adaptive, window=cfg.window, anchor_lag=cfg.anchor_lag)
@@ -237,7 +245,7 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
                 dm = runner.draft()
             except InvalidParameterError:  # the registered pair is not loaded on this runner
                 dm = None
-        if dm is not None and _same_vocab(dm, runner.model):
+        if dm is not None and _same_vocab(dm, runner):
             draft_proposer = DraftModelProposer(dm, tree_budget=cfg.tree_budget, context_window=AUTO_DRAFT_WINDOW,
                                                 defer_prefill=True)  # a generation may never use the arm
     return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
