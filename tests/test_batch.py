@@ -497,6 +497,49 @@ def test_prefix_cache_reuses_whole_chunks_exactly(tiny, request, fmt):
     assert cached.caches_in_use == plain.caches_in_use == 0
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_short_prompts_share_blocks_of_16_on_a_cut_invariant_model(tiny, request, fmt):
+    """Short prompts (a chat's system prompt and a short question) on a model whose prompt keys and
+    values do not depend on how the prompt is cut (int4: ``cut_invariant_tokens`` 64): a prompt that
+    starts with another's first 37 tokens restores its two whole 16-token blocks and computes the
+    rest, with the bits (cache and tokens) it computes without the prefix cache.  fp32 (not cut-
+    invariant): no blocks, nothing reused."""
+    model = tiny(seed=0) if fmt == "fp32" else request.getfixturevalue("q4")[0]
+    common = prompt_ids(model.tokenizer, 37, seed=60)
+    a_ids, b_ids = common + prompt_ids(model.tokenizer, 9, seed=61), common + prompt_ids(model.tokenizer, 14, seed=62)
+    cached, plain = new_runner(model), new_runner(model, prefix_cache_bytes=0)
+    kw = dict(method="pld", max_new_tokens=16)
+    ra = leapdecode.generate(cached, prompt_ids=a_ids, **kw)
+    rb = leapdecode.generate(cached, prompt_ids=b_ids, **kw)
+    pa, pb = (leapdecode.generate(plain, prompt_ids=ids, **kw) for ids in (a_ids, b_ids))
+    assert (ra.tokens, rb.tokens) == (pa.tokens, pb.tokens)
+    assert ra.stats["prefix_reused"] == 0
+    pc = cached.prefix_cache
+    if fmt == "fp32":
+        assert model.model.cut_invariant_tokens == 0
+        assert rb.stats["prefix_reused"] == 0 and len(pc) == 0
+        return
+    assert model.model.cut_invariant_tokens == 64
+    assert rb.stats["prefix_reused"] == 32 and pc.reused_tokens == 32
+    assert len(pc) == 2 + 1  # a's two blocks (45 prompt tokens before its root), b's third (52)
+    g1, g2 = start_generation(cached, prompt_ids=b_ids, **kw), start_generation(plain, prompt_ids=b_ids, **kw)
+    try:
+        g1.start()
+        g2.start()
+        n = len(b_ids) - 1
+        k1, v1 = g1.cache.committed_slice(0, n)
+        k2, v2 = g2.cache.committed_slice(0, n)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    finally:
+        g1.close()
+        g2.close()
+    # a prompt longer than a cut-invariant forward keeps the whole-chunk scheme: no blocks of 16
+    long_ids = common + prompt_ids(model.tokenizer, 60, seed=63)
+    before = len(pc)
+    assert leapdecode.generate(cached, prompt_ids=long_ids, **kw).stats["prefix_reused"] == 0
+    assert len(pc) == before
+
+
 def test_a_prefill_entirely_from_the_prefix_cache(tiny):
     """A prompt of 2 * 256 + 1 tokens whose two chunks are both cached needs no prefill forward."""
     model = tiny(seed=0)

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from .runner import ModelRunner
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry)
+PREFIX_BLOCK = 16  # prompt tokens per prefix-cache entry of a short prompt on a cut-invariant model
+FINE_KEY = b"blocks of 16"  # what the key chain of such blocks starts from (chunks' start from b"")
 TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
 
 
@@ -269,6 +271,11 @@ class Generation:
         self._prefilled = 0
         self._prefix_key = b""
         self._reused = 0
+        # a short prompt on a model whose prompt tokens have the same keys and values however the
+        # prompt is cut (``cut_invariant_tokens``) is prefilled in one forward after the longest
+        # run of ``PREFIX_BLOCK``-token blocks the prefix cache holds (a shared system prompt)
+        self._fine = (policy is None and self.runner.prefix_cache.enabled
+                      and 0 < len(ids) - 1 <= min(getattr(target, "cut_invariant_tokens", 0), self._chunk))
         self._ready_done = False
 
     def adopt_prompt(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -305,6 +312,20 @@ class Generation:
         """The next prompt chunk to compute, after taking every chunk the prefix cache has."""
         ids, cache, prefix = self.prompt_ids, self.cache, self.runner.prefix_cache
         end = len(ids) - 1
+        if self._fine:
+            while self._prefilled + PREFIX_BLOCK <= end:
+                s = self._prefilled
+                key = prefix.key(self._prefix_key or FINE_KEY, ids[s : s + PREFIX_BLOCK])
+                if not prefix.restore(key, cache):
+                    break
+                self._prefix_key = key
+                self._prefilled += PREFIX_BLOCK
+                self._reused += PREFIX_BLOCK
+            if self._prefilled >= end:
+                return None
+            want = self.proposer.prompt_features() if self.proposer is not None else 0
+            return Forward(torch.tensor(ids[self._prefilled : end], device=self.model.device),
+                           hidden=[] if want > 0 else None)
         while self._prefilled < end:
             s = self._prefilled
             chunk = ids[s : min(s + self._chunk, end)]
@@ -439,6 +460,13 @@ class Generation:
                 if work.prefill_key is not None:
                     self._prefix_key = work.prefill_key
                     self.runner.prefix_cache.store(work.prefill_key, self.cache, self._prefilled, work.tokens.numel())
+                elif self._fine:  # every whole block this forward computed
+                    prefix, ids = self.runner.prefix_cache, self.prompt_ids
+                    b = self._prefilled - work.tokens.numel()
+                    while b + PREFIX_BLOCK <= self._prefilled:
+                        self._prefix_key = prefix.key(self._prefix_key or FINE_KEY, ids[b : b + PREFIX_BLOCK])
+                        prefix.store(self._prefix_key, self.cache, b + PREFIX_BLOCK, PREFIX_BLOCK)
+                        b += PREFIX_BLOCK
                 return StepOutput("", [], False)
             return self._accept(work, logits[0])
         except BaseException:

@@ -24,7 +24,7 @@ from torch import nn
 
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
-from .qkernel import attend_rows, attention_supported, rms_norm_bf16, rope_attend_segments, rope_store
+from .qkernel import DENSE_MIN_ROWS, attend_rows, attention_supported, rms_norm_bf16, rope_attend_segments, rope_store
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -372,6 +372,17 @@ class NativeCausalLM(nn.Module):
     # one SDPA call per token and layer; False keeps the SDPA calls (both are invariant, with
     # different roundings).  Where the kernel cannot run (no compiler, CUDA) SDPA is used.
     attention_kernel: bool = True
+
+    @property
+    def cut_invariant_tokens(self) -> int:
+        """The longest forward whose tokens' keys and values have the same bits however a prompt is
+        cut into forwards: with quantized weights (the batch-invariant kernels: the int4 kernel up to
+        ``DENSE_MIN_ROWS`` rows, torch's int8 kernel at any) and the invariant attention (up to
+        ``INVARIANT_MAX_TOKENS`` tokens), that many; 0 otherwise (a prompt's chunks are then cut
+        the same way wherever it runs: ``core/prefix_cache.py``)."""
+        if not self.quantization or self.attention != "invariant":
+            return 0
+        return min(self.INVARIANT_MAX_TOKENS, DENSE_MIN_ROWS)
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None, attention: str = "sdpa") -> None:
         super().__init__()
