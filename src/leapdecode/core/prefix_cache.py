@@ -16,8 +16,15 @@ function of the tokens up to its end only, and that is exactly what the key hash
 that finds its first j chunks here copies them into its cache and computes the rest as it
 would have anyway.  Greedy output with a hit is bitwise the output without (tested).
 
-Blocks are whole chunks only (a prefix shorter than a chunk is not reused); least recently
-used out past ``max_bytes``.  One store per runner (one target model).
+Short prompts get finer blocks where that stays exact.  On a *cut-invariant* model (quantized
+weights on the batch-invariant kernels with the invariant attention: a forward of up to
+``NativeCausalLM.cut_invariant_tokens`` (64) tokens computes each token's keys and values with
+the same bits however the prompt is cut) a prompt of at most that many tokens before its root is
+keyed in blocks of ``PREFIX_BLOCK`` (16) tokens, on a key chain of its own: a request restores
+the longest run of blocks stored here (a chat template's system prompt, shared by every chat
+request) and computes the rest in one forward.  Longer prompts, and other models, use whole
+chunks only (a prefix shorter than a chunk is not reused).  Least recently used out past
+``max_bytes``.  One store per runner (one target model).
 """
 
 from __future__ import annotations
