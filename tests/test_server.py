@@ -653,6 +653,23 @@ def test_server_runner_never_loads_drafts(server):
     assert server.runner.allow_draft_loading is False and set(server.runner.drafts) == {DRAFT}
 
 
+def test_the_registered_draft_is_not_named_in_requests():
+    """A server's first loaded draft is named in every request's options (a named draft is always
+    used), except the target's registered pair: methods find that one themselves, and ``auto`` leaves
+    it out beside a trained head, as it does in-process."""
+    import dataclasses
+
+    model = dataclasses.replace(load("tiny-random", dtype="fp32"), draft_name=DRAFT)
+    draft = load(DRAFT, dtype="fp32")
+    registered = create_app(model, default_method="auto", drafts={DRAFT: draft})
+    assert registered.state.config.default_draft is None
+    assert registered.state.runner.draft() is draft  # still loaded: auto and draft use it unnamed
+    other = create_app(dataclasses.replace(model, draft_name=None), default_method="auto", drafts={DRAFT: draft})
+    assert other.state.config.default_draft == DRAFT
+    for app in (registered, other):
+        app.state.engine.stop()
+
+
 # ---------------------------------------------------------------------------- configuration
 def test_default_method_options(ref):
     model = load("tiny-random", dtype="fp32")

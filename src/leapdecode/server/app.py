@@ -127,7 +127,10 @@ def create_app(
         model_name=served_model_name or model.name,
         default_method=default_method,
         default_options=default_options,
-        default_draft=names[0] if names else None,
+        # the first draft loaded, named in every request's options; not the target's registered
+        # pair, which methods find by themselves (runner.draft()): ``auto`` then leaves it out
+        # beside a trained head, as in-process (a named draft it would keep, and pay for)
+        default_draft=names[0] if names and names[0] != getattr(model, "draft_name", None) else None,
         tree_budget=tree_budget,
         api_key=api_key,
         request_timeout=float(request_timeout),
