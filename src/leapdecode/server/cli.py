@@ -26,8 +26,9 @@ def add_parser(subparsers) -> None:
     add_model_args(p)
     p.add_argument("--draft", action="append", metavar="NAME",
                    help="draft model to load at start-up (repeatable; the first is the default of methods that "
-                        "take a draft); requests may use only these (default: the model's registered draft when "
-                        "the default method uses one)")
+                        "take a draft, except the model's registered draft, which they find by themselves: auto "
+                        "then leaves it out beside a trained head); requests may use only these (default: the "
+                        "model's registered draft when the default method uses one)")
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"default decoding method: {', '.join(METHODS)} (default: %(default)s); a request may "
                         "choose another with \"leapdecode\": {\"method\": ...}")
