@@ -1,13 +1,16 @@
 """Helpers shared by several proposers: option checks, copying continuations, merging
-candidate continuations into a tree, and FR-Spec's vocabulary-subset draft head."""
+candidate continuations into a tree, drawing a node's children, and FR-Spec's vocabulary-subset
+draft head."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from ..core.proposer import DecodeContext
+from ..core.sampling import SamplingParams, sample_at
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 
@@ -83,6 +86,38 @@ def merge_candidates(cands: Iterable[tuple[Sequence[int], int, int]], budget: in
         p = par[v]
         index[v] = tree.add(tok[v], index[p] if p >= 0 else -1, sampled=False, source=source)
     return tree
+
+
+def draw_children(logp: torch.Tensor, k: int, params: SamplingParams,
+                  generator: torch.Generator, first: int | None = None) -> tuple[list[int], list[float]]:
+    """``k`` children of a drafted node as (positions in ``logp``, log-probabilities): the top ``k``
+    (greedy), or an ordered sample without replacement (Gumbel-top-k) of the tokens with non-zero
+    probability, ``first`` (a position, ``coupled_first``) taken first when given."""
+    k = min(k, logp.shape[-1])
+    if params.greedy:
+        vals, idx = torch.topk(logp, k)
+        return idx.tolist(), vals.tolist()
+    keys = logp - torch.empty_like(logp).exponential_(generator=generator).log()
+    if first is not None:
+        keys[first] = math.inf
+    _, idx = torch.topk(keys, k)
+    idx = idx[torch.isfinite(logp[idx])]
+    return idx.tolist(), logp[idx].tolist()
+
+
+def coupled_first(logp: torch.Tensor, u: float | None, ids: torch.Tensor | None = None) -> int | None:
+    """Drafter-invariant sampling (``u``: the number the target draws the position's token with,
+    ``DecodeContext.uniform``): the position in ``logp`` of the drafter's own draw with that number,
+    inverse transform sampling in the target's token order (``sample_at``), which is the target's
+    token whenever the two distributions agree there; None without ``u``.  ``ids``: the vocabulary
+    ids of ``logp``'s positions under a subset head (their ascending order is the target's order;
+    the tokens outside have probability 0, so they change no cumulative sum)."""
+    if u is None:
+        return None
+    if ids is None:
+        return sample_at(logp.exp(), u)
+    order = torch.argsort(ids)
+    return int(order[sample_at(logp[order].exp(), u)])
 
 
 class SubsetHead(torch.nn.Module):

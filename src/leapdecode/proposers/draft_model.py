@@ -70,11 +70,11 @@ import time
 import torch
 
 from .tree_cost import TreeSizer
-from ..core.sampling import SamplingParams, sample_at, target_probs
+from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer, feed_committed
-from .common import ATTENTION_SINK, CONTEXT_WINDOW, DRAFT_VOCAB, subset_head
+from .common import ATTENTION_SINK, CONTEXT_WINDOW, DRAFT_VOCAB, coupled_first, draw_children, subset_head
 
 
 class DraftModelProposer(Proposer):
@@ -194,24 +194,12 @@ class DraftModelProposer(Proposer):
         return target_probs(logits, self.params).clamp_min(0).log()
 
     def _children(self, logp: torch.Tensor, k: int, u: float | None = None) -> tuple[list[int], list[float]]:
-        """``k`` children as (vocabulary ids, draft log-probabilities): the top ``k`` (greedy) or
-        an ordered sample without replacement (Gumbel-top-k).  ``u`` (drafter-invariant sampling:
-        the number the target draws this position's token with): the first child is the draft's
-        own draw with that number (``sample_at`` over the whole vocabulary, in the target's token
-        order), which is the target's token whenever the two distributions agree there."""
-        if self.params.greedy:
-            vals, idx = torch.topk(logp, k)
-        else:
-            g = -torch.empty_like(logp).exponential_(generator=self.ctx.generator).log()
-            keys = logp + g
-            if u is not None:
-                first = sample_at(self._full(logp.exp()), u)
-                at = first if self.head is None else int((self.head.ids == first).nonzero()[0, 0])
-                keys[at] = math.inf
-            _, idx = torch.topk(keys, k)
-            idx = idx[torch.isfinite(logp[idx])]
-            vals = logp[idx]
-        return self._ids(idx.tolist()), vals.tolist()
+        """``k`` children as (vocabulary ids, draft log-probabilities): ``draw_children``, with
+        (drafter-invariant sampling, ``u`` the number the target draws this position's token with)
+        the draft's own draw with that number first (``coupled_first``)."""
+        first = None if self.params.greedy else coupled_first(logp, u, self.head.ids if self.head is not None else None)
+        idx, vals = draw_children(logp, k, self.params, self.ctx.generator, first)
+        return self._ids(idx), vals
 
     # -------------------------------------------------------------- propose
     def propose(self, tokens: list[int], budget: int) -> TokenTree:

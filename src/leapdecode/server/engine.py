@@ -526,7 +526,7 @@ class Engine:
         # measured once (or read from the profile store) on a cache with nothing pending
         cost = self.runner.verify_cost(next(g for g, c in zip(gens, capped) if c).cache)
         accept = [g.draft_acceptance if c else None for g, c in zip(gens, capped)]
-        # rows that are not capped drafts: every root
+        # rows that are not capped drafts: every root, and a full tree for a speculator not decoding yet
         fixed = sum(1 if c or g.proposer is None else 1 + g.tree_budget for g, c in zip(gens, capped))
         caps = speculation_caps(accept, [g.tree_budget for g in gens], fixed, cost)
         return [cap if c else None for cap, c in zip(caps, capped)]

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.proposer import DecodeContext
-from ...core.sampling import SamplingParams, sample_at, target_probs
+from ...core.sampling import SamplingParams, target_probs
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ...models.native import rms_norm
 from ...models.quant import Int8Linear, kernel_problem
-from ..common import subset_head
+from ..common import coupled_first, subset_head
 
 HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the ``head_weights`` option of medusa, hydra and eagle (registry.py)
 
@@ -85,14 +85,8 @@ class HeadVocab:
         return self.sub.ids[torch.tensor(idx, dtype=torch.long)].tolist() if idx else []
 
     def coupled(self, logp: torch.Tensor, u: float | None) -> int | None:
-        """Drafter-invariant sampling (``u``: the number the target draws the position's token with,
-        ``DecodeContext.uniform``): the position in ``logp`` of the head's own draw with that
-        number, over the whole vocabulary in the target's token order (``sample_at``), which is
-        the target's token whenever the two distributions agree there; None without ``u``."""
-        if u is None:
-            return None
-        token = sample_at(self.full(logp.exp()), u)
-        return token if self.sub is None else int((self.sub.ids == token).nonzero()[0, 0])
+        """``coupled_first`` of the head's log-probabilities ``logp`` (drafter-invariant sampling)."""
+        return coupled_first(logp, u, self.sub.ids if self.sub is not None else None)
 
     def full(self, p: torch.Tensor) -> torch.Tensor:
         """A distribution over the head's ids as one over the whole vocabulary (0 outside)."""
@@ -108,23 +102,6 @@ def node_dist(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         return logits.float().log_softmax(-1)
     return target_probs(logits[None], params)[0].clamp_min(0).log()
-
-
-def draw_children(logp: torch.Tensor, k: int, params: SamplingParams,
-                  generator: torch.Generator, first: int | None = None) -> tuple[list[int], list[float]]:
-    """``k`` children as (positions in ``logp``, log-probabilities): the top ``k`` (greedy), or an
-    ordered sample without replacement (Gumbel-top-k) of the tokens with non-zero probability,
-    ``first`` (a position, ``HeadVocab.coupled``) taken first when given."""
-    k = min(k, logp.shape[-1])
-    if params.greedy:
-        vals, idx = torch.topk(logp, k)
-        return idx.tolist(), vals.tolist()
-    keys = logp - torch.empty_like(logp).exponential_(generator=generator).log()
-    if first is not None:
-        keys[first] = math.inf
-    _, idx = torch.topk(keys, k)
-    idx = idx[torch.isfinite(logp[idx])]
-    return idx.tolist(), logp[idx].tolist()
 
 
 def head_stats(name: str, steps: int, drafted: int, accepted: int, seconds: float) -> dict[str, Any]:

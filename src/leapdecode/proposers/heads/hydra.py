@@ -37,9 +37,9 @@ from torch import nn
 from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
-from ..common import DRAFT_VOCAB, check_int
-from .common import (HeadVocab, candidate_tree, check_head_weights, draw_children, head_stats, int8_linears,
-                     node_dist, require_native, running_head, target_features)
+from ..common import DRAFT_VOCAB, check_int, draw_children
+from .common import (HeadVocab, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
+                     require_native, running_head, target_features)
 from .medusa import ResBlock  # Hydra's later blocks are Medusa's residual block
 
 

@@ -36,9 +36,9 @@ from torch import nn
 from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
-from ..common import DRAFT_VOCAB, check_int
-from .common import (HeadVocab, best_first, check_head_weights, draw_children, head_stats, int8_linears, node_dist,
-                     require_native, running_head, target_features)
+from ..common import DRAFT_VOCAB, check_int, draw_children
+from .common import (HeadVocab, best_first, check_head_weights, head_stats, int8_linears, node_dist, require_native,
+                     running_head, target_features)
 
 
 class ResBlock(nn.Module):
