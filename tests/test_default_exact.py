@@ -50,6 +50,23 @@ def test_greedy_speculation_gives_vanilla_tokens(smol):
     assert _divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead")) == []
 
 
+def test_seeded_speculative_sampling_gives_vanilla_tokens(smol):
+    """Drafter-invariant sampling in the default format: with a seed, every speculative method gives
+    vanilla's sampled tokens, drafts accepted or not (and the seed really changes the text)."""
+    prompt = smol.tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[0]}], tokenize=False,
+                                                add_generation_prompt=True)
+    kw = dict(max_new_tokens=48, temperature=0.8, top_p=0.95)
+    want = {s: leapdecode.generate(smol, prompt, method="vanilla", seed=s, **kw).tokens for s in (1, 2)}
+    assert want[1] != want[2]
+    accepted = 0
+    for method in ("sam", "pld", "recycling", "lookahead", "layerskip", "auto"):  # layerskip: sampled drafts
+        for s in (1, 2):
+            got = leapdecode.generate(smol, prompt, method=method, seed=s, **kw)
+            assert got.tokens == want[s], (method, s)
+            accepted += sum(int(k) * v for k, v in got.stats["accept_hist"].items())
+    assert accepted > 0  # drafts were accepted, so the trees mattered
+
+
 def test_auto_keeps_float_weights_where_only_the_portable_kernel_runs(monkeypatch):
     # the portable path gives the same bits but is far slower than bf16: auto does not pick it
     monkeypatch.setattr(qkernel, "kernel_isa", lambda: "portable")
