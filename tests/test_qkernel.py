@@ -65,13 +65,16 @@ def kernel():
 @pytest.fixture
 def force_kernel(kernel, monkeypatch):
     """Every ``QLinear`` forward on the kernel, whatever its number of rows (no dense prefill path)."""
-    monkeypatch.setattr(qkernel, "DENSE_MIN_ROWS", 1 << 30, raising=False)
+    monkeypatch.setattr(qkernel, "prefill_on_dense", lambda parts: False)
     return kernel
 
 
-def invariant_rows() -> int:
-    """The most rows a ``QLinear`` forward runs on the batch-invariant kernel."""
-    return getattr(qkernel, "DENSE_MIN_ROWS", 1 << 30)
+@pytest.fixture(params=["dense", "kernel"])
+def prefill_path(kernel, monkeypatch, request):
+    """Forwards of more than ``DENSE_MIN_ROWS`` rows on the bf16 copy ("dense") or on the kernel,
+    whatever ``prefill_ratios`` measured here."""
+    monkeypatch.setattr(qkernel, "prefill_on_dense", lambda parts: request.param == "dense")
+    return request.param
 
 
 class _threads:
@@ -338,16 +341,17 @@ def bf16_bound(x: torch.Tensor, w: BlockWeight, ref: torch.Tensor, bias: torch.T
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_forwards_are_invariant_up_to_the_limit_and_right_beyond(kernel, fmt):
-    # the layer as the model runs it: up to invariant_rows() rows (decoding, tree verification)
-    # every row is its 1-row result bitwise; larger bf16 forwards (prefill chunks) give the
-    # product within bf16 roundings; the fp32-output head stays on the kernel for any rows
+def test_forwards_are_invariant_up_to_the_limit_and_right_beyond(prefill_path, fmt):
+    # the layer as the model runs it: up to DENSE_MIN_ROWS rows (decoding, tree verification)
+    # every row is its 1-row result bitwise; larger forwards (prefill chunks) are too on the
+    # kernel's prefill path, and on the bf16 copy give the product within bf16 roundings; the
+    # fp32-output head stays on the kernel for any rows
     bits, group, offset = fmt
     n, k = 48, 96
     w = random_block(n, k, bits, group, offset, seed=40)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(41))
     x = random_x(140, k, seed=42)
-    limit = min(invariant_rows(), 140)
+    limit = qkernel.DENSE_MIN_ROWS if prefill_path == "dense" else 140
     assert limit >= MAX_ROWS
     for out_fp32 in (False, True):
         layer = QLinear([QPart.from_block(w)], bias, out_fp32=out_fp32)
@@ -859,3 +863,56 @@ def test_kernel_arguments_follow_moved_buffers(force_kernel):
     assert layer.parts[0].codes.data_ptr() != before  # really moved
     assert layer._calls()[0][0][0] == layer.parts[0].codes.data_ptr()
     assert torch.equal(layer(x), y)
+
+
+# --------------------------------------------------------------------------- the prefill path
+def test_prefill_path_follows_the_measured_ratios(kernel, monkeypatch):
+    # a layer's forwards of more than DENSE_MIN_ROWS rows go to the bf16 copy only where the
+    # measured ratios, weighted by its parts' sizes, say the kernel is slower; no copy is built
+    # otherwise (its memory is never spent)
+    fast4 = QPart.from_block(random_block(64, 96, 4, 32, seed=50))  # 6144 weights
+    slow6 = QPart.from_block(random_block(32, 96, 6, 16, 32, seed=51))  # 3072 weights
+    x = random_x(qkernel.DENSE_MIN_ROWS + 6, 96, seed=52)
+    monkeypatch.delenv(qkernel.PREFILL_ENV, raising=False)
+    for r4, r6, dense in ((0.8, 1.3, False), (0.8, 1.5, True), (1.1, 0.5, False), (1.2, 1.01, True)):
+        monkeypatch.setattr(qkernel, "prefill_ratios", lambda r4=r4, r6=r6: {(4, 32): r4, (6, 16): r6})
+        assert qkernel.prefill_on_dense([fast4, slow6]) is (6144 * r4 + 3072 * r6 > 9216)
+        assert qkernel.prefill_on_dense([fast4, slow6]) is dense
+        layer = QLinear([fast4, slow6])
+        y = layer(x)
+        assert (layer._dense is not None) is dense
+        rows = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 7)])
+        assert torch.equal(y[::7], rows) is not dense  # the kernel: each row its 1-row bits
+    for forced in ("dense", "kernel"):  # the variable overrides the measurement
+        monkeypatch.setenv(qkernel.PREFILL_ENV, forced)
+        assert qkernel.prefill_on_dense([fast4]) is (forced == "dense")
+
+
+def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path):
+    calls = []
+
+    def measured(bits, group, rounds=3):
+        calls.append((bits, group))
+        return 0.5 + bits / 10 + group / 100
+
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(qkernel, "measure_prefill_ratio", measured)
+    qkernel.prefill_ratios.cache_clear()
+    try:
+        first = qkernel.prefill_ratios()
+        assert sorted(calls) == sorted((b, g) for b in qkernel.BITS for g in qkernel.GROUPS)
+        assert first[(4, 32)] == pytest.approx(0.5 + 0.4 + 0.32)
+        qkernel.prefill_ratios.cache_clear()  # a new process: read back from the file
+        assert qkernel.prefill_ratios() == pytest.approx(first) and len(calls) == len(first)
+        stored = (tmp_path / "kernels" / "prefill.json").read_text()
+        assert qkernel.build_key() in stored
+        (tmp_path / "kernels" / "prefill.json").write_text("{not json")  # a corrupt file: measured again
+        qkernel.prefill_ratios.cache_clear()
+        assert qkernel.prefill_ratios() == pytest.approx(first) and len(calls) == 2 * len(first)
+    finally:
+        qkernel.prefill_ratios.cache_clear()
+
+
+def test_measured_prefill_ratio_is_a_sane_time_ratio(kernel):
+    r = qkernel.measure_prefill_ratio(4, 32, rounds=1)
+    assert 0.02 < r < 50.0

@@ -26,12 +26,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import math
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .linear import make_linear
-from .store import cache_dir
+from .store import atomic_write, cache_dir
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
@@ -262,6 +264,80 @@ def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
     return out
 
 
+# --------------------------------------------------------------------------- prefill path
+PREFILL_ENV = "LEAPDECODE_PREFILL"  # "kernel" or "dense": the prefill path without measuring
+PREFILL_PROBE = (128, 2048, 2048)  # rows, columns in, columns out of the measured product
+PREFILL_PROFILE_MAX_AGE_S = 7 * 24 * 3600
+
+
+def _probe_weight(bits: int, group: int) -> BlockWeight:
+    rows, k, n = PREFILL_PROBE
+    rng = np.random.default_rng(0)
+    top = {4: 16, 6: 64, 8: 256}[bits]
+    codes = rng.integers(0, top, size=(n, k)) - (128 if bits == 8 else 0)
+    scales = (rng.random((n, k // group), dtype=np.float32) * 0.01).astype(np.float32)
+    zeros = -(scales * (top // 2)).astype(np.float32) if bits == 4 else np.zeros_like(scales)
+    return BlockWeight(codes.astype(np.int16 if bits == 8 else np.uint8), scales, zeros, bits, group,
+                       32 if bits == 6 else 0)
+
+
+def measure_prefill_ratio(bits: int, group: int, rounds: int = 3) -> float:
+    """Seconds of a ``PREFILL_PROBE`` product on the kernel over seconds of the same product on a
+    bf16 copy of the weight through torch (oneDNN), min over interleaved rounds after a warm-up."""
+    layer = QLinear([QPart.from_block(_probe_weight(bits, group))])
+    dense, _ = layer.dense()
+    x = torch.randn(PREFILL_PROBE[0], PREFILL_PROBE[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    best = {"kernel": float("inf"), "dense": float("inf")}
+    for r in range(rounds + 1):
+        for path, fn in (("kernel", lambda: layer.rowwise(x)), ("dense", lambda: dense(x))):
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if r:
+                best[path] = min(best[path], dt)
+    return best["kernel"] / best["dense"]
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_ratios() -> dict[tuple[int, int], float]:
+    """Per code format (bits, group): the kernel's time over the bf16 copy's on a prefill-sized
+    product (``measure_prefill_ratio``), measured once per machine, build and thread count and
+    kept for a week in ``<cache>/kernels/prefill.json``."""
+    path = cache_dir() / "kernels" / "prefill.json"
+    key = f"{build_key()}-torch{torch.__version__}-t{torch.get_num_threads()}"
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    entry = stored.get(key) if isinstance(stored, dict) else None
+    if isinstance(entry, dict) and time.time() - entry.get("time", 0) < PREFILL_PROFILE_MAX_AGE_S:
+        try:
+            return {tuple(int(v) for v in k.split("/")): float(r) for k, r in entry["ratios"].items()}
+        except (KeyError, ValueError, AttributeError):
+            pass
+    ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits in BITS for group in GROUPS}
+    stored = stored if isinstance(stored, dict) else {}
+    stored[key] = {"time": time.time(), "ratios": {f"{b}/{g}": round(r, 4) for (b, g), r in ratios.items()}}
+    try:
+        atomic_write(path, json.dumps(stored, indent=1))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return ratios
+
+
+def prefill_on_dense(parts) -> bool:
+    """Whether a forward of more than ``DENSE_MIN_ROWS`` rows over these parts runs on the bf16 copy
+    (faster there: e.g. AMX bf16 tiles) or on the kernel (int8 dot products faster than bf16 ones:
+    e.g. a Zen 4 with AVX512-VNNI and no AMX; no bf16 copy is then built).  Decided from measured
+    ratios (``prefill_ratios``), weighted by the parts' sizes; ``LEAPDECODE_PREFILL`` overrides."""
+    forced = os.environ.get(PREFILL_ENV, "").strip().lower()
+    if forced in ("kernel", "dense"):
+        return forced == "dense"
+    ratios = prefill_ratios()
+    size = sum(p.out_features * p.in_features for p in parts)
+    return sum(p.out_features * p.in_features * ratios.get((p.bits, p.group), 1.0) for p in parts) > size
+
+
 # --------------------------------------------------------------------------- the layer
 _THREAD = threading.local()  # each thread's work buffer for the kernel (reused across calls)
 
@@ -376,8 +452,9 @@ class QLinear(nn.Module):
         self.out_fp32 = bool(out_fp32)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._dense: tuple[nn.Module, torch.Tensor | None] | None = None
+        self._on_dense: bool | None = None  # prefill_on_dense(parts), decided on the first large forward
         # the kernel's work buffer (kernels/qgemm.cpp ld_work_bytes): quantized rows, scales, sums
-        self._work = max(MAX_ROWS * (self.in_features + 8 * (self.in_features // p.group)) for p in parts)
+        self._work = max(MAX_ROWS * (self.in_features + 16 * (self.in_features // p.group)) for p in parts)
         self._call_args: list[tuple] | None = None  # _calls(), built on first use
 
     def dense(self) -> tuple[nn.Module, torch.Tensor | None]:
@@ -392,6 +469,11 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x, rowwise=False)
 
+    def _prefill_dense(self) -> bool:
+        if self._on_dense is None:
+            self._on_dense = prefill_on_dense(self.parts)
+        return self._on_dense
+
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` on the batch-invariant kernel whatever the number of rows (never the bf16
         prefill copy): the rows of several sequences side by side (``native.rowwise_linear``)."""
@@ -404,7 +486,8 @@ class QLinear(nn.Module):
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         m = x2.shape[0]
-        if m > DENSE_MIN_ROWS and not self.out_fp32 and not rowwise:  # the head keeps fp32 logits: always the kernel
+        if m > DENSE_MIN_ROWS and not self.out_fp32 and not rowwise and self._prefill_dense():
+            # (the head keeps fp32 logits: always the kernel)
             layer, bias = self.dense()
             y = layer(x2)
             if bias is not None:

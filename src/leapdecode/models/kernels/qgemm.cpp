@@ -5,10 +5,13 @@
 // Activations: each row's bf16 values are quantized per group of G columns to int8,
 // xq = round(x / dx), dx = max|x| / 127 (as llama.cpp quantizes activations to Q8 blocks).
 // Then, per row m, column n and group g, in this order:
-//   dot  = sum_k c[n, k] * xq[m, k]            (exact int32: vpdpbusd, any order gives the same)
+//   dot  = sum_k v[n, k] * xq[m, k]            (v = the code's value, c - offset: exact int32
+//                                                with vpdpbusd on the stored codes, any order)
 //   a    = dx[m, g] * float(dot)                b = dx[m, g] * float(sum_k xq[m, k])
 //   acc  = fma(s[n, g], a, acc);  acc = fma(z[n, g], b, acc)
 //   y[m, n] = acc (+ bias[n]) rounded to bf16 or kept fp32.
+// (Scale mode 3, where every z is +0, leaves the second FMA out: acc + (+-0) is acc, since acc,
+// started at +0, is never -0 unless a product underflows below half the smallest subnormal.)
 //
 // Batch invariance: every output element goes through the same operations whatever the number
 // of rows M and the thread count (rows never share accumulators; the integer dot products are
@@ -42,14 +45,17 @@
 #endif
 
 #define MAX_ROWS 64  // rows handled per pass (more rows: several passes, same arithmetic)
-// column units (16 columns each) per block.  One: each thread then streams one unit's codes and
-// scales at a time.  Measured on an AMD EPYC (Zen 4, 2 threads; scripts/qlinear_rows.py, all linear
-// layers of qwen2.5-coder-1.5b): 4 units 40.8 ms at 1 row, 2 units 38.3, 1 unit 28.6, and 1 unit
-// faster at 2-16 rows too (more concurrent streams than the prefetchers follow).  An output's
-// operations do not depend on it, so neither do the results.
-#define MAX_NV 1
+// Each thread works on one 16-column unit at a time (it then streams one unit's codes and scales:
+// measured on an AMD EPYC, Zen 4, 2 threads, all linear layers of qwen2.5-coder-1.5b at 1 row,
+// blocks of 4 units 40.8 ms, 2 units 38.3, 1 unit 28.6: fewer streams than the prefetchers follow).
 #ifndef FEW_ROWS
 #define FEW_ROWS 8  // at most this many rows (<= 64): unit_rows, each block of 4 rows decoding the weights again
+#endif
+#ifndef MANY_RB
+#define MANY_RB 4  // rows a register block of the many-row path (unit_many), groups of 32
+#endif
+#ifndef MANY_RB16
+#define MANY_RB16 8  // ... groups of 16 (half the dot products a group: more rows in flight)
 #endif
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
@@ -134,27 +140,79 @@ struct Act {
     int8_t* q;
     float* dx;
     int32_t* isum;
+    float* bx;  // dx * (float)isum: the offset term's factor, computed once per row and group
+    int32_t* ncorr;  // -offset * isum: where the integer dot product of the codes' values starts
 };
 
-static void quantize_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, int group, const Act& act) {
-    const int64_t ng = K / group;
-    for (int64_t m = 0; m < rows; ++m)
-        for (int64_t g = 0; g < ng; ++g) {
-            const uint16_t* xp = x + m * ldx + g * group;
-            float amax = 0.f;
-            for (int k = 0; k < group; ++k) amax = fmaxf(amax, fabsf(bf16_to_f32(xp[k])));
-            const float dx = amax / 127.0f;
-            int32_t sum = 0;
-            int8_t* qp = act.q + m * K + g * group;
-            for (int k = 0; k < group; ++k) {
-                int v = dx > 0.f ? (int)nearbyintf(bf16_to_f32(xp[k]) / dx) : 0;
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                qp[k] = (int8_t)v;
-                sum += v;
-            }
-            act.dx[m * ng + g] = dx;
-            act.isum[m * ng + g] = sum;
+static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo, int32_t* isumo, float* bxo) {
+    float amax = 0.f;
+    for (int k = 0; k < group; ++k) amax = fmaxf(amax, fabsf(bf16_to_f32(xp[k])));
+    const float dx = amax / 127.0f;
+    int32_t sum = 0;
+    for (int k = 0; k < group; ++k) {
+        int v = dx > 0.f ? (int)nearbyintf(bf16_to_f32(xp[k]) / dx) : 0;
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        qp[k] = (int8_t)v;
+        sum += v;
+    }
+    *dxo = dx;
+    *isumo = sum;
+    *bxo = dx * (float)sum;
+}
+
+#if LD_SIMD
+// quantize_group with AVX-512: the same values (max is exact in any order, division and
+// round-to-nearest-even are IEEE operations, the integer sum is exact)
+static inline __m512 bf16x16_to_f32(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp, float* dxo, int32_t* isumo,
+                                       float* bxo) {
+    const __m512 v0 = bf16x16_to_f32(xp);
+    const __m512 v1 = group == 32 ? bf16x16_to_f32(xp + 16) : _mm512_setzero_ps();
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    if (!(amax <= 3.0e38f)) {  // inf or NaN in the group: the scalar rules (never in a sound model)
+        quantize_group(xp, group, qp, dxo, isumo, bxo);
+        return;
+    }
+    const float dx = amax / 127.0f;
+    int32_t sum = 0;
+    if (dx > 0.f) {
+        const __m512 d = _mm512_set1_ps(dx), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+        const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(v0, d), rounding), lo), hi));
+        _mm_storeu_si128((__m128i*)qp, _mm512_cvtepi32_epi8(q0));
+        if (group == 32) {
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(v1, d), rounding), lo), hi));
+            _mm_storeu_si128((__m128i*)(qp + 16), _mm512_cvtepi32_epi8(q1));
+            q0 = _mm512_add_epi32(q0, q1);
         }
+        sum = _mm512_reduce_add_epi32(q0);
+    } else {
+        memset(qp, 0, group);
+    }
+    *dxo = dx;
+    *isumo = sum;
+    *bxo = dx * (float)sum;
+}
+#endif
+
+static void quantize_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, int group, int off,
+                          const Act& act, int nthreads) {
+    const int64_t ng = K / group;
+    const int64_t n = rows * ng;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n >= 512)
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t m = i / ng, g = i % ng;
+        const uint16_t* xp = x + m * ldx + g * group;
+#if LD_SIMD
+        quantize_group_simd(xp, group, act.q + m * K + g * group, act.dx + i, act.isum + i, act.bx + i);
+#else
+        quantize_group(xp, group, act.q + m * K + g * group, act.dx + i, act.isum + i, act.bx + i);
+#endif
+        act.ncorr[i] = -off * act.isum[i];
+    }
 }
 
 static inline void store_row(float* acc16, const float* bias, void* y, int64_t ldy, int64_t m, int64_t n0, int out_fp32) {
@@ -182,13 +240,13 @@ static void block_generic(int64_t rows, const Act& act, int64_t K, const uint8_t
                 for (int e = 0; e < 64; ++e) dot[e / 4] += code_at(blk, bits, group, q, e) * (int32_t)xq[4 * q + e % 4];
             const int32_t isum = act.isum[m * ng + g];
             const float dx = act.dx[m * ng + g];
-            const float b = dx * (float)isum;
+            const float b = act.bx[m * ng + g];
             float s[16], z[16];
             scales_at(sc, u, g, ng, s, z);
             for (int j = 0; j < 16; ++j) {
                 const float a = dx * (float)(dot[j] - off * isum);
                 acc[j] = fmaf(s[j], a, acc[j]);
-                acc[j] = fmaf(z[j], b, acc[j]);
+                if (sc.mode != 3) acc[j] = fmaf(z[j], b, acc[j]);
             }
         }
         store_row(acc, bias, y, ldy, m, u * 16, out_fp32);
@@ -241,77 +299,6 @@ static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i
     }
 }
 
-template <int NV, int RB>
-static inline void rows_simd(const Act& act, int64_t K, int64_t ng, int64_t g, int group, int off, int64_t m0,
-                             const __m512i (*w)[8], const __m512* s, const __m512* z, __m512 (*acc)[NV]) {
-    __m512i dot[RB][NV];
-    for (int r = 0; r < RB; ++r)
-        for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
-    for (int q = 0; q < group / 4; ++q) {
-        __m512i xb[RB];
-        for (int r = 0; r < RB; ++r) {
-            int32_t four;
-            memcpy(&four, act.q + (m0 + r) * K + g * group + 4 * q, 4);
-            xb[r] = _mm512_set1_epi32(four);
-        }
-        for (int v = 0; v < NV; ++v) {
-            const __m512i wv = w[v][q];
-            for (int r = 0; r < RB; ++r) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv, xb[r]);
-        }
-    }
-    for (int r = 0; r < RB; ++r) {
-        const int32_t isum = act.isum[(m0 + r) * ng + g];
-        const float dx = act.dx[(m0 + r) * ng + g];
-        const __m512 dxv = _mm512_set1_ps(dx), bv = _mm512_set1_ps(dx * (float)isum);
-        const __m512i corr = _mm512_set1_epi32(off * isum);
-        for (int v = 0; v < NV; ++v) {
-            const __m512 a = _mm512_mul_ps(dxv, _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v], corr)));
-            acc[m0 + r][v] = _mm512_fmadd_ps(s[v], a, acc[m0 + r][v]);
-            acc[m0 + r][v] = _mm512_fmadd_ps(z[v], bv, acc[m0 + r][v]);
-        }
-    }
-}
-
-template <int NV>
-static void block_simd(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int bits,
-                       int offset, int group, int64_t u0, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    const int64_t ng = K / group;
-    const int64_t ub = unit_bytes(bits, group);
-    const int off = code_offset(bits, offset);
-    __m512 acc[MAX_ROWS][NV];
-    __m512i w[NV][8];  // group <= 32: at most 8 quads
-    for (int64_t m = 0; m < rows; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; ++g) {
-        __m512 s[NV], z[NV];
-        for (int v = 0; v < NV; ++v) {
-            const int64_t u = u0 + v;
-            if (g + PREFETCH_GROUPS < ng) {  // the unit's codes a few groups ahead (several streams a thread)
-                const char* ahead = (const char*)(codes + (u * ng + g + PREFETCH_GROUPS) * ub);
-                for (int64_t off = 0; off < ub; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-            }
-            decode_block(codes + (u * ng + g) * ub, bits, group, w[v]);
-            scales_simd(sc, u, g, ng, s[v], z[v]);
-        }
-        // rows in blocks of up to 4 (independent chains sharing the weight registers); a row's
-        // own operations are the same whatever block it falls in
-        int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) rows_simd<NV, 4>(act, K, ng, g, group, off, m, w, s, z, acc);
-        switch (rows - m) {
-            case 3: rows_simd<NV, 3>(act, K, ng, g, group, off, m, w, s, z, acc); break;
-            case 2: rows_simd<NV, 2>(act, K, ng, g, group, off, m, w, s, z, acc); break;
-            case 1: rows_simd<NV, 1>(act, K, ng, g, group, off, m, w, s, z, acc); break;
-            default: break;
-        }
-    }
-    alignas(64) float tmp[16];
-    for (int64_t m = 0; m < rows; ++m)
-        for (int v = 0; v < NV; ++v) {
-            _mm512_store_ps(tmp, acc[m][v]);
-            store_row(tmp, bias, y, ldy, m, (u0 + v) * 16, out_fp32);
-        }
-}
-
 // A unit's rows m0 .. m0 + RB - 1 (RB <= 4) with everything known at compile time (code width,
 // group, scale mode) and the accumulators in registers for the whole row of groups: the few-row
 // path (decoding steps and small trees), where block_simd's memory-resident accumulators and
@@ -322,18 +309,19 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
                       int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
     constexpr int Q = GROUP / 4;
     constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
-    const int off = BITS == 4 ? 0 : BITS == 6 ? offset : 128;
     const int64_t ng = K / GROUP;
     const uint8_t* blk = codes + u * ng * UB;
     const uint8_t* end = blk + ng * UB;
     const int8_t* xr[RB];
     const float* dxr[RB];
-    const int32_t* isr[RB];
+    const float* bxr[RB];
+    const int32_t* ncr[RB];
     __m512 acc[RB];
     for (int r = 0; r < RB; ++r) {
         xr[r] = act.q + (m0 + r) * K;
         dxr[r] = act.dx + (m0 + r) * ng;
-        isr[r] = act.isum + (m0 + r) * ng;
+        bxr[r] = act.bx + (m0 + r) * ng;
+        ncr[r] = act.ncorr + (m0 + r) * ng;
         acc[r] = _mm512_setzero_ps();
     }
     const int64_t gps = SMODE >= 2 ? sc.gps : 1;
@@ -371,7 +359,7 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
                            : _mm512_setzero_ps();
         }
         __m512i dot[RB];
-        for (int r = 0; r < RB; ++r) dot[r] = _mm512_setzero_si512();
+        for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncr[r][g]);
         for (int q = 0; q < Q; ++q)
             for (int r = 0; r < RB; ++r) {
                 int32_t four;
@@ -379,11 +367,9 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w[q], _mm512_set1_epi32(four));
             }
         for (int r = 0; r < RB; ++r) {
-            const int32_t isum = isr[r][g];
-            const float dx = dxr[r][g];
-            const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], _mm512_set1_epi32(off * isum))));
+            const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dxr[r][g]), _mm512_cvtepi32_ps(dot[r]));
             acc[r] = _mm512_fmadd_ps(s, a, acc[r]);
-            acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)isum), acc[r]);
+            if (SMODE != 3) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(bxr[r][g]), acc[r]);
         }
     }
     alignas(64) float tmp[16];
@@ -391,6 +377,104 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
         _mm512_store_ps(tmp, acc[r]);
         store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
     }
+}
+
+// A unit's rows 0 .. rows - 1 (any number up to MAX_ROWS), the many-row path (prefill chunks,
+// large batches): each (unit, group) block is decoded once for all the rows, its scales and
+// offsets too, and each row then costs the group's vpdpbusd and its epilogue alone (the
+// accumulators live in memory, rows in register blocks of RB).  Everything known at compile time
+// as in unit_rows, and each output goes through exactly unit_rows' operations in the same order.
+// (Both start a row's integer dot product at -offset * isum, so the codes' offset costs no
+// instruction, and take the offset term's factor dx * isum from quantize_rows.)
+template <int BITS, int SMODE, int RB, int Q>
+static inline void many_block(const int8_t* x, int64_t K, int64_t ng, const float* dx, const int32_t* ncorr,
+                              const float* bx, const __m512i* w, __m512 s, __m512 z, __m512* acc) {
+    __m512i dot[RB];
+    for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncorr[r * ng]);
+    for (int q = 0; q < Q; ++q)
+        for (int r = 0; r < RB; ++r) {
+            int32_t four;
+            memcpy(&four, x + r * K + 4 * q, 4);
+            dot[r] = _mm512_dpbusd_epi32(dot[r], w[q], _mm512_set1_epi32(four));
+        }
+    for (int r = 0; r < RB; ++r) {
+        const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dx[r * ng]), _mm512_cvtepi32_ps(dot[r]));
+        acc[r] = _mm512_fmadd_ps(s, a, acc[r]);
+        if (SMODE != 3) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(bx[r * ng]), acc[r]);
+    }
+}
+
+template <int BITS, int GROUP, int SMODE>
+static void unit_many(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
+                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
+    constexpr int Q = GROUP / 4;
+    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
+    constexpr int RB = GROUP == 16 ? MANY_RB16 : MANY_RB;
+    const int64_t ng = K / GROUP;
+    const uint8_t* blk = codes + u * ng * UB;
+    alignas(64) __m512 acc[MAX_ROWS];
+    for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
+    const int64_t gps = SMODE >= 2 ? sc.gps : 1;
+    const int64_t nsup = ng / gps;
+    const uint16_t* dsp = SMODE >= 2 ? sc.dsup + u * nsup * 16 : nullptr;
+    const uint16_t* zsp = SMODE == 2 ? sc.zsup + u * nsup * 16 : nullptr;
+    __m512 dsv = _mm512_setzero_ps(), zsv = _mm512_setzero_ps();
+    int64_t gi = 0;
+    for (int64_t g = 0; g < ng; ++g, blk += UB) {
+        __m512i w[Q];
+        decode_block(blk, BITS, GROUP, w);
+        const int64_t i = (u * ng + g) * 16;
+        __m512 s, z;
+        if (SMODE == 0) {
+            s = _mm512_loadu_ps((const float*)sc.s + i);
+            z = _mm512_loadu_ps((const float*)sc.z + i);
+        } else if (SMODE == 1) {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.s + i)));
+            z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.z + i)));
+        } else {
+            if (gi == 0) {
+                dsv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dsp));
+                dsp += 16;
+                if (SMODE == 2) {
+                    zsv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)zsp));
+                    zsp += 16;
+                }
+            }
+            if (++gi == gps) gi = 0;
+            s = _mm512_mul_ps(dsv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.s + i)))));
+            z = SMODE == 2 ? _mm512_mul_ps(zsv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.z + i)))))
+                           : _mm512_setzero_ps();
+        }
+        const int8_t* x = act.q + g * GROUP;
+        const float* dx = act.dx + g;
+        const int32_t* nc = act.ncorr + g;
+        const float* bx = act.bx + g;
+        int64_t m = 0;
+        for (; m + RB <= rows; m += RB)
+            many_block<BITS, SMODE, RB, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
+        for (; m < rows; ++m)
+            many_block<BITS, SMODE, 1, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
+    }
+    alignas(64) float tmp[16];
+    for (int64_t m = 0; m < rows; ++m) {
+        _mm512_store_ps(tmp, acc[m]);
+        store_row(tmp, bias, y, ldy, m, u * 16, out_fp32);
+    }
+}
+
+typedef void (*UnitManyFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int, int64_t, const float*,
+                           void*, int64_t, int);
+
+template <int BITS, int GROUP>
+static UnitManyFn unit_many_fn(int smode) {
+    return smode == 0 ? unit_many<BITS, GROUP, 0> : smode == 1 ? unit_many<BITS, GROUP, 1>
+         : smode == 2 ? unit_many<BITS, GROUP, 2> : unit_many<BITS, GROUP, 3>;
+}
+
+static UnitManyFn select_unit_many(int bits, int group, int smode) {
+    if (group == 16) return bits == 4 ? unit_many_fn<4, 16>(smode) : bits == 6 ? unit_many_fn<6, 16>(smode)
+                                                                    : unit_many_fn<8, 16>(smode);
+    return bits == 4 ? unit_many_fn<4, 32>(smode) : bits == 6 ? unit_many_fn<6, 32>(smode) : unit_many_fn<8, 32>(smode);
 }
 
 typedef void (*UnitRowsFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int, int64_t, const float*,
@@ -422,7 +506,7 @@ static UnitRowsFn select_unit_rows(int bits, int group, int smode, int rb) {
 #endif
 
 // bytes of the work buffer ld_qgemm needs for K columns in groups of `group`
-extern "C" int64_t ld_work_bytes(int64_t K, int group) { return MAX_ROWS * (K + 8 * (K / group)); }
+extern "C" int64_t ld_work_bytes(int64_t K, int group) { return MAX_ROWS * (K + 16 * (K / group)); }
 
 // y[M, N] (row stride ldy; bf16 or fp32) = x[M, K] (bf16, row stride ldx) @ W.T (+ bias)
 // returns 0, or a negative error code for an unsupported shape/format
@@ -443,10 +527,12 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
     act.q = (int8_t*)work;
     act.dx = (float*)((char*)work + MAX_ROWS * K);
     act.isum = (int32_t*)((char*)work + MAX_ROWS * K + 4 * MAX_ROWS * ng);
+    act.bx = (float*)((char*)work + MAX_ROWS * K + 8 * MAX_ROWS * ng);
+    act.ncorr = (int32_t*)((char*)work + MAX_ROWS * K + 12 * MAX_ROWS * ng);
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
         const int64_t rows = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
         void* yr = out_fp32 ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
-        quantize_rows(x + r0 * ldx, ldx, rows, K, group, act);
+        quantize_rows(x + r0 * ldx, ldx, rows, K, group, code_offset(bits, offset), act, nthreads);
 #if LD_SIMD
         if (rows <= FEW_ROWS) {  // each unit's rows in blocks of up to 4, accumulators in registers
             const int nb = (int)((rows + 3) / 4);
@@ -457,18 +543,9 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
                 for (int b = 0; b < nb; ++b) fn[b](4 * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
             continue;
         }
-        const int64_t blocks = (units + MAX_NV - 1) / MAX_NV;
+        const UnitManyFn many = select_unit_many(bits, group, smode);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t u0 = b * MAX_NV;
-            const int nv = units - u0 < MAX_NV ? (int)(units - u0) : MAX_NV;
-            switch (nv) {
-                case 4: block_simd<4>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
-                case 3: block_simd<3>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
-                case 2: block_simd<2>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
-                default: block_simd<1>(rows, act, K, codes, sc, bits, offset, group, u0, bias, yr, ldy, out_fp32); break;
-            }
-        }
+        for (int64_t u = 0; u < units; ++u) many(rows, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
 #else
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t u = 0; u < units; ++u)
