@@ -50,10 +50,12 @@ ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention 
 SOURCES = (SOURCE, ATTENTION_SOURCE)  # compiled into one shared library
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
-# Forwards of more rows than this (prefill chunks) run a bf16 copy of the dequantized weights
-# through oneDNN (compute-bound work: AMX / AVX512-BF16 GEMMs beat a weight-only kernel there).
 # Forwards of up to this many rows (decoding, tree verification: NativeCausalLM's
-# INVARIANT_MAX_TOKENS is the same 64) stay on the batch-invariant kernel.
+# INVARIANT_MAX_TOKENS is the same 64) run on the batch-invariant kernel.  Larger ones (prefill
+# chunks) run, layer by layer, on the kernel or on a bf16 copy of the dequantized weights through
+# oneDNN, whichever measured faster for the layer's code formats (``prefill_on_dense``): AMX bf16
+# tiles beat int8 dot products; on a Zen 4 (AVX512-VNNI, no AMX) the kernel wins for 4-bit groups of
+# 32 and loses for 6-bit groups of 16.
 DENSE_MIN_ROWS = 64
 BITS = (4, 6, 8)
 GROUPS = (16, 32)
