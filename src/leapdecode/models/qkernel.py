@@ -283,7 +283,7 @@ def _probe_weight(bits: int, group: int) -> BlockWeight:
                        32 if bits == 6 else 0)
 
 
-def measure_prefill_ratio(bits: int, group: int, rounds: int = 3) -> float:
+def measure_prefill_ratio(bits: int, group: int, rounds: int = 5) -> float:
     """Seconds of a ``PREFILL_PROBE`` product on the kernel over seconds of the same product on a
     bf16 copy of the weight through torch (oneDNN), min over interleaved rounds after a warm-up."""
     layer = QLinear([QPart.from_block(_probe_weight(bits, group))])
