@@ -26,7 +26,7 @@ import pytest
 
 import leapdecode
 from leapdecode import ModelRunner
-from leapdecode.core.batch import PROBE_FIRST, PROBE_ROWS, SpeculationScheduler
+from leapdecode.core.batch import PROBE_FIRST, PROBE_ROWS, LoadGuard, Outcome, SpeculationScheduler
 from leapdecode.core.cost_model import BatchCost, VerifyCost
 from leapdecode.core.generate import Generation
 from leapdecode.core.proposer import Proposer
@@ -175,6 +175,52 @@ def test_seeded_sequences_are_planned_by_the_cost_like_greedy_ones():
     assert caps[1] == [0, 0]
 
 
+def drive(guard: LoadGuard, rates: dict[str, float], decoding: int, iterations: int) -> dict[str, int]:
+    """Run ``iterations`` through ``guard`` at one load, each arm committing ``rates[arm]`` tokens
+    per second (one token per sequence and iteration); returns how often each arm ran."""
+    runs = {"spec": 0, "plain": 0}
+    for _ in range(iterations):
+        arm = guard.arm(decoding)
+        runs[arm] += 1
+        guard.record(decoding, arm, decoding, decoding / rates[arm])
+    return runs
+
+
+def test_load_guard_runs_the_arm_that_measures_faster_and_keeps_checking_the_other():
+    window, explore = LoadGuard.WINDOW, LoadGuard.EXPLORE
+    guard = LoadGuard()
+    runs = drive(guard, {"spec": 100.0, "plain": 80.0}, decoding=8, iterations=400)
+    assert runs["spec"] > runs["plain"] >= 400 // (window * explore) * window // 2, runs
+    assert runs["plain"] <= 400 / explore + 2 * window, runs
+    assert guard.rate(LoadGuard.level(8), "spec") == pytest.approx(100.0)
+    # at another load level plain decoding wins: the guard learns that level on its own
+    runs = drive(guard, {"spec": 70.0, "plain": 80.0}, decoding=16, iterations=400)
+    assert runs["plain"] > runs["spec"] and runs["spec"] <= 400 / explore + 2 * window, runs
+    assert drive(guard, {"spec": 100.0, "plain": 80.0}, decoding=8, iterations=80)["spec"] >= 48
+    # the text drifts at level 8: plain becomes faster, and the guard follows within some windows
+    drive(guard, {"spec": 50.0, "plain": 80.0}, decoding=8, iterations=200)
+    assert drive(guard, {"spec": 50.0, "plain": 80.0}, decoding=8, iterations=200)["plain"] >= 140
+    assert [LoadGuard.level(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_the_guards_plain_arm_plans_no_draft_and_brings_no_reprobe_nearer():
+    gens = [fake_gen() for _ in range(4)]
+    sched = scheduler_with(row=1e-5)
+    for g in gens:
+        teach(sched, g, 8, 8)
+    assert sched.plan(gens) == [8, 8, 8, 8]  # the guard's first window is the plan's
+    sched.guard._state(LoadGuard.level(4)).update(arm="plain", left=3)
+    assert sched.plan(gens) == [0, 0, 0, 0]
+    outcomes = [Outcome(output=SimpleNamespace(tokens=[5], finished=False), drafted=0) for _ in gens]
+    sched.record(gens, outcomes, None)
+    assert all(sched.stats_for(g).plain_run == 0 for g in gens)
+    assert sched.counters["guard_plain_iterations"] == 1
+    assert sched.guard.rate(LoadGuard.level(4), "plain") > 0.0
+    # without the guard the plan stands alone
+    sched.guard = None
+    assert sched.plan(gens) == [8, 8, 8, 8]
+
+
 def test_bad_speculation_mode_is_a_typed_error(q4):
     with pytest.raises(InvalidParameterError, match="speculation"):
         Engine(new_runner(q4), speculation="always")
@@ -239,6 +285,7 @@ def run_oracles(model, goods, n=48, cost=None, **engine_kwargs):
     if cost is not None and engine.scheduler is not None:  # and no host time either: no clock decides
         sched = engine.scheduler
         sched._host = lambda st, seconds: SpeculationScheduler._host(sched, st, 0.0)
+        sched.guard = None  # nor the load guard's measured throughput
     try:
         async def go():
             return await asyncio.gather(*(collect_job_events(engine, [s]) for s in specs))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -223,6 +223,78 @@ def _depth(p: float, threshold: float, budget: int) -> int:
     return min(budget, int(math.log(threshold) / math.log(p) + 1e-9))
 
 
+class LoadGuard:
+    """Measured throughput of the scheduler's plans against plain batched decoding, per load level.
+
+    The scheduler's plan rests on a cost model (a linear batched-forward cost, each proposer's
+    measured time, a chain model of acceptance); where the model is wrong, speculation can lose to
+    plain decoding, which issue 14 forbids ("batched speculation never below plain batched
+    decoding").  So the choice between the two is also made on what they measurably did: a
+    two-armed bandit per load level (the number of decoding sequences, in powers of two: 1, 2,
+    3-4, 5-8, ...).  An arm holds for ``WINDOW`` iterations; every ``EXPLORE``-th window of a level
+    runs the arm that is behind, so a changed load or text is noticed; the better arm is the one
+    with more committed tokens per wall second (sums over its windows, discounted by ``DISCOUNT`` a
+    window).  Iterations that carry a prompt chunk are not counted (their time is prefill's).
+    Which arm runs changes no text: greedy output is the same with any tree or none, and seeded
+    sampling draws by position (drafter-invariant)."""
+
+    WINDOW = 8
+    EXPLORE = 5
+    DISCOUNT = 0.85
+
+    def __init__(self) -> None:
+        self._levels: dict[int, dict] = {}
+
+    @staticmethod
+    def level(decoding: int) -> int:
+        return max(decoding - 1, 0).bit_length()
+
+    def _state(self, level: int) -> dict:
+        st = self._levels.get(level)
+        if st is None:
+            st = self._levels[level] = {"arm": "spec", "left": 0, "windows": 0,
+                                        "tokens": {"spec": 0.0, "plain": 0.0}, "seconds": {"spec": 0.0, "plain": 0.0}}
+        return st
+
+    def rate(self, level: int, arm: str) -> float | None:
+        """Measured committed tokens per second of ``arm`` at ``level`` (None: not measured yet)."""
+        st = self._levels.get(level)
+        if st is None or st["seconds"][arm] <= 0.0:
+            return None
+        return st["tokens"][arm] / st["seconds"][arm]
+
+    def arm(self, decoding: int) -> str:
+        """"spec" (the scheduler's plan) or "plain" (no draft at all) for the next iteration."""
+        level = self.level(decoding)
+        st = self._state(level)
+        if st["left"] <= 0:
+            st["windows"] += 1
+            for a in ("spec", "plain"):  # discount the old windows: loads and texts drift
+                st["tokens"][a] *= self.DISCOUNT
+                st["seconds"][a] *= self.DISCOUNT
+            spec, plain = self.rate(level, "spec"), self.rate(level, "plain")
+            if spec is None or plain is None:
+                st["arm"] = "spec" if spec is None else "plain"
+            else:
+                better = "spec" if spec >= plain else "plain"
+                worse = "plain" if better == "spec" else "spec"
+                st["arm"] = worse if st["windows"] % self.EXPLORE == 0 else better
+            st["left"] = self.WINDOW
+        return st["arm"]
+
+    def record(self, decoding: int, arm: str, tokens: int, seconds: float) -> None:
+        st = self._state(self.level(decoding))
+        st["left"] -= 1
+        if seconds > 0.0:
+            st["tokens"][arm] += tokens
+            st["seconds"][arm] += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        return {f"level{lv}": {a: (None if self.rate(lv, a) is None else round(self.rate(lv, a), 2))
+                               for a in ("spec", "plain")} | {"arm": st["arm"]}
+                for lv, st in sorted(self._levels.items())}
+
+
 class SpeculationScheduler:
     """Per-step draft tree sizes for a batch, from measured costs (TETRIS's objective,
     "speculation that helps at batch 1 must not hurt throughput at batch 8").
@@ -245,6 +317,10 @@ class SpeculationScheduler:
     ``MIN_ROW_ACCEPT`` is never verified, however cheap rows look.  When no speculation's
     expected gain pays for its rows and its proposer, the whole step is plain batched decoding.
 
+    On top of the plan, ``LoadGuard`` (``guard=True``, the default) compares what the plans measurably
+    committed per second with plain batched decoding at the same load level, and runs plain
+    iterations where those win.
+
     A generation gated off is re-probed with ``PROBE_ROWS`` nodes after ``PROBE_FIRST`` of its own
     plain steps, then after twice as many each time the probe does not bring it back: so it
     returns when its text turns repetitive (code, lists, a quoted passage).
@@ -257,8 +333,13 @@ class SpeculationScheduler:
     POOL_DISCOUNT = 0.97
     HOST_DISCOUNT = 0.9
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, guard: bool = True) -> None:
         self.runner = runner
+        # measured throughput of the plans against plain decoding, per load level (None: plans alone)
+        self.guard: LoadGuard | None = LoadGuard() if guard else None
+        self._arm: str | None = None  # the guard's arm for the planned iteration
+        self._decoding = 0
+        self._t_plan = 0.0
         self._seqs: dict[int, tuple[Generation, SequenceStats]] = {}
         # pooled per-step acceptance a / (a + a miss) of the recent speculative steps (a step-weighted
         # mean, so a few long accepted chains do not make every sequence look good): the prior of a
@@ -267,7 +348,7 @@ class SpeculationScheduler:
         self._plain_host: float | None = None  # per sequence, a plain decoding step's host seconds
         self._spec_extra: float | None = None  # pooled: a speculative step's extra host seconds
         self.counters = {"iterations": 0, "decode_steps": 0, "speculative_steps": 0, "draft_rows": 0,
-                         "probes": 0, "plain_iterations": 0}
+                         "probes": 0, "plain_iterations": 0, "guard_plain_iterations": 0}
 
     # ------------------------------------------------------------------ state
     def stats_for(self, gen: Generation) -> SequenceStats:
@@ -296,6 +377,8 @@ class SpeculationScheduler:
         """Draft-tree caps for one ``step_batch`` over ``gens`` (None: not speculating).  Pure:
         what a plan gave a generation is remembered, and counted by ``record`` only if its step
         ran."""
+        self._t_plan = time.perf_counter()
+        self._arm = None
         caps: list[int | None] = [None] * len(gens)
         spec = [i for i, g in enumerate(gens) if g.proposer is not None and not g.finished and g.tree_budget > 0]
         for i in spec:
@@ -304,6 +387,12 @@ class SpeculationScheduler:
             return caps
         decoding = sum(1 for g in gens if g.decoding)
         prefilling = [g for g in gens if g.prefilling]
+        if self.guard is not None and decoding and not prefilling:
+            self._arm, self._decoding = self.guard.arm(decoding), decoding
+            if self._arm == "plain":  # plain batched decoding measures better at this load now
+                for i in spec:
+                    caps[i] = 0
+                return caps
         items = decoding + (1 if prefilling else 0)
         prefill_rows = min(len(prefilling[0].prompt_ids) - 1, 256) - 1 if prefilling else 0
         host0 = (self._plain_host or 0.0) * decoding
@@ -385,12 +474,19 @@ class SpeculationScheduler:
                 st.gap = min(st.gap * 2, PROBE_MAX) if st.planned == "probe" else PROBE_FIRST
             else:
                 self._host(None, o.host_s)
-                st.plain_run += 1
+                if self._arm != "plain":  # the guard's plain iterations do not bring a re-probe nearer
+                    st.plain_run += 1
         for g in gens:
             if g.finished:
                 self.forget(g)
         if not any_spec:
             self.counters["plain_iterations"] += 1
+        if self._arm is not None:
+            if self._arm == "plain":
+                self.counters["guard_plain_iterations"] += 1
+            tokens = sum(len(o.output.tokens) for o in outcomes if o.drafted is not None and o.output is not None)
+            self.guard.record(self._decoding, self._arm, tokens, time.perf_counter() - self._t_plan)
+            self._arm = None
 
     def _host(self, st: SequenceStats | None, seconds: float) -> None:
         """A plain step's host seconds (``st`` None), or the extra seconds of ``st``'s speculative step."""
