@@ -1,12 +1,16 @@
 """Batched speculation against plain batched decoding (issue 14, section 2).
 
-For each concurrency (``--clients``, default 1, 4, 8, 16) and each server method (``--methods``,
-default vanilla = plain batched decoding, and auto = batched speculation with load-adaptive
-trees), starts ``leapdecode serve --method M --max-batch 16`` and runs ``scripts/loadtest.py``'s
-load (streaming clients, no early hang-ups, a warm-up with the same load first), then prints the
-total generated tokens/s and the mean batch size per cell, and each method's ratio to vanilla.
+One ``leapdecode serve --method M --max-batch 16`` per server method (``--methods``, default
+vanilla = plain batched decoding, and auto = batched speculation with load-adaptive trees), all
+started at once and idle while another is under load.  For each concurrency (``--clients``, default
+1, 4, 8, 16), ``--rounds`` rounds: in each round every server gets the same load in turn
+(``scripts/loadtest.py``'s streaming clients, no early hang-ups, the same request seed for every
+server in a round, the order reversed every other round), a short warm-up then ``--duration``
+measured seconds.  So a drift of the machine's speed over minutes (other tenants) hits every
+method alike.  Prints per cell the generated tokens/s over all rounds (sums of tokens over sums of
+seconds), the mean batch size, and each method's ratio to the first.
 
-    python scripts/batched_speculation.py -m smollm2-135m --duration 20 --warmup 10
+    python scripts/batched_speculation.py -m smollm2-135m --rounds 3 --duration 10
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loadtest import run_loadtest  # noqa: E402
+from loadtest import run_loadtest, start_server, stop_server  # noqa: E402
 
 
 def main() -> None:
@@ -28,26 +32,45 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="smollm2-135m")
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--methods", default="vanilla,auto")
-    ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per method, round and cell")
+    ap.add_argument("--warmup", type=float, default=4.0, help="seconds of the same load before each measured window "
+                    "(the first window of each server: twice as long)")
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
-    rows: dict[tuple[str, int], dict] = {}
-    for c in clients:
+    servers = {}
+    try:
         for m in methods:
-            s = run_loadtest(model=args.model, clients=c, duration=args.duration, warmup=args.warmup,
-                             max_tokens=args.max_tokens, disconnect_prob=0.0, max_queue=64, check_solo=False,
-                             server_args=["--method", m, "--max-batch", "16"])
-            rows[(m, c)] = s
-            print(f"{m:8s} clients {c:2d}: {s['tokens_per_s']} tok/s, mean batch {s['mean_batch_size']}, "
-                  f"completed {s['completed']}, p50 latency {s['latency_p50_s']} s", file=sys.stderr, flush=True)
+            servers[m] = start_server(args.model, 64, ["--method", m, "--max-batch", "16"])
+        totals = {(m, c): [0.0, 0.0, []] for m in methods for c in clients}  # tokens, seconds, mean batches
+        first = set()
+        for c in clients:
+            for r in range(args.rounds):
+                for m in (methods if r % 2 == 0 else methods[::-1]):
+                    warm = args.warmup * (1 if m in first else 2)
+                    first.add(m)
+                    s = run_loadtest(url=servers[m][1], clients=c, duration=args.duration, warmup=warm,
+                                     max_tokens=args.max_tokens, disconnect_prob=0.0, check_solo=False, seed=r)
+                    t = totals[(m, c)]
+                    t[0] += s["generated_tokens"] or 0
+                    t[1] += s["elapsed_s"]
+                    t[2].append(s["mean_batch_size"] or 0.0)
+                    print(f"{m:8s} clients {c:2d} round {r}: {s['tokens_per_s']} tok/s, mean batch "
+                          f"{s['mean_batch_size']}, completed {s['completed']}", file=sys.stderr, flush=True)
+    finally:
+        for proc, _, log in servers.values():
+            stop_server(proc)
+            os.unlink(log)
+    rows = {k: {"tokens_per_s": round(v[0] / v[1], 2) if v[1] else 0.0,
+                "mean_batch_size": round(sum(v[2]) / len(v[2]), 2) if v[2] else None} for k, v in totals.items()}
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
     print(f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, commit {rev}, {os.cpu_count()} CPUs")
-    print(f"model {args.model}, max_tokens drawn from [{args.max_tokens // 4}, {args.max_tokens}], "
-          f"{args.warmup:g} s warm-up + {args.duration:g} s measured per cell, server --max-batch 16")
+    print(f"model {args.model}, max_tokens drawn from [{args.max_tokens // 4}, {args.max_tokens}], {args.rounds} "
+          f"rounds of {args.warmup:g} s warm-up + {args.duration:g} s measured per method and cell, "
+          f"servers --max-batch 16")
     print("| clients | " + " | ".join(f"{m} tok/s (mean batch)" for m in methods)
           + "".join(f" | {m} / {methods[0]}" for m in methods[1:]) + " |")
     print("|---" * (1 + len(methods) + len(methods) - 1) + "|")

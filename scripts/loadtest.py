@@ -300,7 +300,7 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
                                 - before.get("leapdecode_generated_tokens_total", 0)) if after else None,
         "tokens_per_s": round((after.get("leapdecode_generated_tokens_total", 0)
                                - before.get("leapdecode_generated_tokens_total", 0)) / elapsed, 2) if after else None,
-        "mean_batch_size": after.get("leapdecode_mean_batch_size"),
+        "mean_batch_size": window_mean_batch(before, after),
         "server_cancelled_disconnect": int(cancelled(after, "disconnect") - cancelled(before, "disconnect"))
         if after else None,
         "server_cancelled_timeout": int(cancelled(after, "timeout") - cancelled(before, "timeout")) if after else None,
@@ -315,6 +315,16 @@ async def run_async(url: str, model_id: str | None, clients: int, duration: floa
         "solo_mismatches": len(mismatches),
         "solo_mismatch_samples": mismatches[:5],
     }
+
+
+def window_mean_batch(before: dict, after: dict) -> float | None:
+    """Generations stepped per engine iteration during the measured window (the server's gauge is
+    a mean since its start: taken apart with the iteration counts before and after)."""
+    steps0, steps1 = before.get("leapdecode_engine_steps_total"), after.get("leapdecode_engine_steps_total")
+    m0, m1 = before.get("leapdecode_mean_batch_size"), after.get("leapdecode_mean_batch_size")
+    if None in (steps0, steps1, m0, m1) or steps1 <= steps0:
+        return m1
+    return round((m1 * steps1 - m0 * steps0) / (steps1 - steps0), 3)
 
 
 def check(summary: dict, rss_slack_mb: float = 50.0) -> list[str]:

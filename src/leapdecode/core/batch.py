@@ -232,14 +232,16 @@ class LoadGuard:
     decoding").  So the choice between the two is also made on what they measurably did: a
     two-armed bandit per load level (the number of decoding sequences, in powers of two: 1, 2,
     3-4, 5-8, ...).  An arm holds for ``WINDOW`` iterations; every ``EXPLORE``-th window of a level
-    runs the arm that is behind, so a changed load or text is noticed; the better arm is the one
+    runs the arm that is behind, for ``PROBE_WINDOW`` iterations (about a tenth of the iterations),
+    so a changed load or text is noticed at a small cost; the better arm is the one
     with more committed tokens per wall second (sums over its windows, discounted by ``DISCOUNT`` a
     window).  Iterations that carry a prompt chunk are not counted (their time is prefill's).
     Which arm runs changes no text: greedy output is the same with any tree or none, and seeded
     sampling draws by position (drafter-invariant)."""
 
     WINDOW = 8
-    EXPLORE = 5
+    PROBE_WINDOW = 4
+    EXPLORE = 6
     DISCOUNT = 0.85
 
     def __init__(self) -> None:
@@ -278,7 +280,10 @@ class LoadGuard:
             else:
                 better = "spec" if spec >= plain else "plain"
                 worse = "plain" if better == "spec" else "spec"
-                st["arm"] = worse if st["windows"] % self.EXPLORE == 0 else better
+                if st["windows"] % self.EXPLORE == 0:
+                    st["arm"], st["left"] = worse, self.PROBE_WINDOW
+                    return worse
+                st["arm"] = better
             st["left"] = self.WINDOW
         return st["arm"]
 
