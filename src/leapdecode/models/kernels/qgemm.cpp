@@ -299,44 +299,24 @@ static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i
     }
 }
 
-// A unit's rows m0 .. m0 + RB - 1 (RB <= 4) with everything known at compile time (code width,
-// group, scale mode) and the accumulators in registers for the whole row of groups: the few-row
-// path (decoding steps and small trees), where block_simd's memory-resident accumulators and
-// run-time loop bounds were the critical path.  Each output goes through exactly block_simd's
-// operations in the same order, so the bits are the same (tests compare the two).
-template <int BITS, int GROUP, int SMODE, int RB>
-static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
-                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    constexpr int Q = GROUP / 4;
-    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
-    const int64_t ng = K / GROUP;
-    const uint8_t* blk = codes + u * ng * UB;
-    const uint8_t* end = blk + ng * UB;
-    const int8_t* xr[RB];
-    const float* dxr[RB];
-    const float* bxr[RB];
-    const int32_t* ncr[RB];
-    __m512 acc[RB];
-    for (int r = 0; r < RB; ++r) {
-        xr[r] = act.q + (m0 + r) * K;
-        dxr[r] = act.dx + (m0 + r) * ng;
-        bxr[r] = act.bx + (m0 + r) * ng;
-        ncr[r] = act.ncorr + (m0 + r) * ng;
-        acc[r] = _mm512_setzero_ps();
-    }
-    const int64_t gps = SMODE >= 2 ? sc.gps : 1;
-    const int64_t nsup = ng / gps;
-    const uint16_t* dsp = SMODE >= 2 ? sc.dsup + u * nsup * 16 : nullptr;
-    const uint16_t* zsp = SMODE == 2 ? sc.zsup + u * nsup * 16 : nullptr;
+// The scales and offsets of one unit's groups in order (g = 0, 1, ...), for a scale mode known at
+// compile time; the K-quant modes read each super-block's fp16 factors once.
+template <int SMODE>
+struct ScaleWalk {
+    const Scales& sc;
+    const int64_t u, ng, gps;
+    const uint16_t* dsp;
+    const uint16_t* zsp;
     __m512 dsv = _mm512_setzero_ps(), zsv = _mm512_setzero_ps();
     int64_t gi = 0;  // group within the super-block
-    for (int64_t g = 0; g < ng; ++g, blk += UB) {
-        if (blk + PREFETCH_GROUPS * UB < end)
-            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
-        __m512i w[Q];
-        decode_block(blk, BITS, GROUP, w);
+
+    ScaleWalk(const Scales& sc_, int64_t u_, int64_t ng_)
+        : sc(sc_), u(u_), ng(ng_), gps(SMODE >= 2 ? sc_.gps : 1),
+          dsp(SMODE >= 2 ? sc_.dsup + u_ * (ng_ / gps) * 16 : nullptr),
+          zsp(SMODE == 2 ? sc_.zsup + u_ * (ng_ / gps) * 16 : nullptr) {}
+
+    inline void next(int64_t g, __m512& s, __m512& z) {
         const int64_t i = (u * ng + g) * 16;
-        __m512 s, z;
         if (SMODE == 0) {
             s = _mm512_loadu_ps((const float*)sc.s + i);
             z = _mm512_loadu_ps((const float*)sc.z + i);
@@ -358,6 +338,42 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
             z = SMODE == 2 ? _mm512_mul_ps(zsv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.z + i)))))
                            : _mm512_setzero_ps();
         }
+    }
+};
+
+// A unit's rows m0 .. m0 + RB - 1 (RB <= 4) with everything known at compile time (code width,
+// group, scale mode) and the accumulators in registers for the whole row of groups: the few-row
+// path (decoding steps and small trees), where memory-resident accumulators and run-time loop
+// bounds were the critical path.  Each output goes through exactly unit_many's (and the portable
+// path's) operations in the same order, so the bits are the same (tests compare them).
+template <int BITS, int GROUP, int SMODE, int RB>
+static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
+                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
+    constexpr int Q = GROUP / 4;
+    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
+    const int64_t ng = K / GROUP;
+    const uint8_t* blk = codes + u * ng * UB;
+    const uint8_t* end = blk + ng * UB;
+    const int8_t* xr[RB];
+    const float* dxr[RB];
+    const float* bxr[RB];
+    const int32_t* ncr[RB];
+    __m512 acc[RB];
+    for (int r = 0; r < RB; ++r) {
+        xr[r] = act.q + (m0 + r) * K;
+        dxr[r] = act.dx + (m0 + r) * ng;
+        bxr[r] = act.bx + (m0 + r) * ng;
+        ncr[r] = act.ncorr + (m0 + r) * ng;
+        acc[r] = _mm512_setzero_ps();
+    }
+    ScaleWalk<SMODE> scales(sc, u, ng);
+    for (int64_t g = 0; g < ng; ++g, blk += UB) {
+        if (blk + PREFETCH_GROUPS * UB < end)
+            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
+        __m512i w[Q];
+        decode_block(blk, BITS, GROUP, w);
+        __m512 s, z;
+        scales.next(g, s, z);
         __m512i dot[RB];
         for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncr[r][g]);
         for (int q = 0; q < Q; ++q)
@@ -414,37 +430,12 @@ static void unit_many(int64_t rows, const Act& act, int64_t K, const uint8_t* co
     const uint8_t* blk = codes + u * ng * UB;
     alignas(64) __m512 acc[MAX_ROWS];
     for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
-    const int64_t gps = SMODE >= 2 ? sc.gps : 1;
-    const int64_t nsup = ng / gps;
-    const uint16_t* dsp = SMODE >= 2 ? sc.dsup + u * nsup * 16 : nullptr;
-    const uint16_t* zsp = SMODE == 2 ? sc.zsup + u * nsup * 16 : nullptr;
-    __m512 dsv = _mm512_setzero_ps(), zsv = _mm512_setzero_ps();
-    int64_t gi = 0;
+    ScaleWalk<SMODE> scales(sc, u, ng);
     for (int64_t g = 0; g < ng; ++g, blk += UB) {
         __m512i w[Q];
         decode_block(blk, BITS, GROUP, w);
-        const int64_t i = (u * ng + g) * 16;
         __m512 s, z;
-        if (SMODE == 0) {
-            s = _mm512_loadu_ps((const float*)sc.s + i);
-            z = _mm512_loadu_ps((const float*)sc.z + i);
-        } else if (SMODE == 1) {
-            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.s + i)));
-            z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.z + i)));
-        } else {
-            if (gi == 0) {
-                dsv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dsp));
-                dsp += 16;
-                if (SMODE == 2) {
-                    zsv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)zsp));
-                    zsp += 16;
-                }
-            }
-            if (++gi == gps) gi = 0;
-            s = _mm512_mul_ps(dsv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.s + i)))));
-            z = SMODE == 2 ? _mm512_mul_ps(zsv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.z + i)))))
-                           : _mm512_setzero_ps();
-        }
+        scales.next(g, s, z);
         const int8_t* x = act.q + g * GROUP;
         const float* dx = act.dx + g;
         const int32_t* nc = act.ncorr + g;
