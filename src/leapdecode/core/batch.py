@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -293,11 +293,6 @@ class LoadGuard:
         if seconds > 0.0:
             st["tokens"][arm] += tokens
             st["seconds"][arm] += seconds
-
-    def snapshot(self) -> dict[str, Any]:
-        return {f"level{lv}": {a: (None if self.rate(lv, a) is None else round(self.rate(lv, a), 2))
-                               for a in ("spec", "plain")} | {"arm": st["arm"]}
-                for lv, st in sorted(self._levels.items())}
 
 
 class SpeculationScheduler:
