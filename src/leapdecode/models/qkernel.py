@@ -455,8 +455,7 @@ class QLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._dense: tuple[nn.Module, torch.Tensor | None] | None = None
         self._on_dense: bool | None = None  # prefill_on_dense(parts), decided on the first large forward
-        # the kernel's work buffer (kernels/qgemm.cpp ld_work_bytes): quantized rows, scales, sums
-        self._work = max(MAX_ROWS * (self.in_features + 16 * (self.in_features // p.group)) for p in parts)
+        self._work: int | None = None  # bytes of the kernel's work buffer (ld_work_bytes), asked on first use
         self._call_args: list[tuple] | None = None  # _calls(), built on first use
 
     def dense(self) -> tuple[nn.Module, torch.Tensor | None]:
@@ -500,7 +499,9 @@ class QLinear(nn.Module):
         y = torch.empty(m, self.padded_features, dtype=torch.float32 if self.out_fp32 else torch.bfloat16)
         esize = y.element_size()
         threads = torch.get_num_threads()
-        work = _work_buffer(self._work).data_ptr()  # the kernel's quantized activations
+        if self._work is None:  # the kernel's quantized rows, scales and sums
+            self._work = max(lib.ld_work_bytes(self.in_features, p.group) for p in self.parts)
+        work = _work_buffer(self._work).data_ptr()
         xp, yp, k = x2.data_ptr(), y.data_ptr(), self.in_features
         for weights, n, bias, n0 in self._calls():
             rc = lib.ld_qgemm(xp, m, k, k, *weights, n, bias, yp + esize * n0, self.padded_features,

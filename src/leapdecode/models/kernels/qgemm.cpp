@@ -254,23 +254,6 @@ static void block_generic(int64_t rows, const Act& act, int64_t K, const uint8_t
 }
 
 #if LD_SIMD
-static inline void scales_simd(const Scales& sc, int64_t u, int64_t g, int64_t ng, __m512& s, __m512& z) {
-    const int64_t i = (u * ng + g) * 16;
-    if (sc.mode == 0) {
-        s = _mm512_loadu_ps((const float*)sc.s + i);
-        z = _mm512_loadu_ps((const float*)sc.z + i);
-    } else if (sc.mode == 1) {
-        s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.s + i)));
-        z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc.z + i)));
-    } else {
-        const int64_t nsup = ng / sc.gps, si = (u * nsup + g / sc.gps) * 16;
-        s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc.dsup + si))),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.s + i)))));
-        z = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc.zsup + si))),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)sc.z + i)))));
-    }
-}
-
 // the G/4 quad vectors of one (unit, group) block as unsigned bytes
 static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i* out) {
     const int quads = group / 4;
@@ -341,69 +324,13 @@ struct ScaleWalk {
     }
 };
 
-// A unit's rows m0 .. m0 + RB - 1 (RB <= 4) with everything known at compile time (code width,
-// group, scale mode) and the accumulators in registers for the whole row of groups: the few-row
-// path (decoding steps and small trees), where memory-resident accumulators and run-time loop
-// bounds were the critical path.  Each output goes through exactly unit_many's (and the portable
-// path's) operations in the same order, so the bits are the same (tests compare them).
-template <int BITS, int GROUP, int SMODE, int RB>
-static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
-                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    constexpr int Q = GROUP / 4;
-    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
-    const int64_t ng = K / GROUP;
-    const uint8_t* blk = codes + u * ng * UB;
-    const uint8_t* end = blk + ng * UB;
-    const int8_t* xr[RB];
-    const float* dxr[RB];
-    const float* bxr[RB];
-    const int32_t* ncr[RB];
-    __m512 acc[RB];
-    for (int r = 0; r < RB; ++r) {
-        xr[r] = act.q + (m0 + r) * K;
-        dxr[r] = act.dx + (m0 + r) * ng;
-        bxr[r] = act.bx + (m0 + r) * ng;
-        ncr[r] = act.ncorr + (m0 + r) * ng;
-        acc[r] = _mm512_setzero_ps();
-    }
-    ScaleWalk<SMODE> scales(sc, u, ng);
-    for (int64_t g = 0; g < ng; ++g, blk += UB) {
-        if (blk + PREFETCH_GROUPS * UB < end)
-            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
-        __m512i w[Q];
-        decode_block(blk, BITS, GROUP, w);
-        __m512 s, z;
-        scales.next(g, s, z);
-        __m512i dot[RB];
-        for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncr[r][g]);
-        for (int q = 0; q < Q; ++q)
-            for (int r = 0; r < RB; ++r) {
-                int32_t four;
-                memcpy(&four, xr[r] + g * GROUP + 4 * q, 4);
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w[q], _mm512_set1_epi32(four));
-            }
-        for (int r = 0; r < RB; ++r) {
-            const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dxr[r][g]), _mm512_cvtepi32_ps(dot[r]));
-            acc[r] = _mm512_fmadd_ps(s, a, acc[r]);
-            if (SMODE != 3) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(bxr[r][g]), acc[r]);
-        }
-    }
-    alignas(64) float tmp[16];
-    for (int r = 0; r < RB; ++r) {
-        _mm512_store_ps(tmp, acc[r]);
-        store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
-    }
-}
-
-// A unit's rows 0 .. rows - 1 (any number up to MAX_ROWS), the many-row path (prefill chunks,
-// large batches): each (unit, group) block is decoded once for all the rows, its scales and
-// offsets too, and each row then costs the group's vpdpbusd and its epilogue alone (the
-// accumulators live in memory, rows in register blocks of RB).  Everything known at compile time
-// as in unit_rows, and each output goes through exactly unit_rows' operations in the same order.
-// (Both start a row's integer dot product at -offset * isum, so the codes' offset costs no
-// instruction, and take the offset term's factor dx * isum from quantize_rows.)
+// One group of RB rows against one unit's decoded group w (scales s, offsets z): the rows' integer
+// dot products, started at -offset * isum (so the codes' offset costs no instruction), then the
+// documented epilogue into acc[0 .. RB-1], with the offset term's factor dx * isum from
+// quantize_rows.  Rows are K apart in x and ng apart in dx, ncorr, bx.  Both row paths call it, so
+// every output goes through the same operations.
 template <int BITS, int SMODE, int RB, int Q>
-static inline void many_block(const int8_t* x, int64_t K, int64_t ng, const float* dx, const int32_t* ncorr,
+__attribute__((always_inline)) static inline void rows_group(const int8_t* x, int64_t K, int64_t ng, const float* dx, const int32_t* ncorr,
                               const float* bx, const __m512i* w, __m512 s, __m512 z, __m512* acc) {
     __m512i dot[RB];
     for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncorr[r * ng]);
@@ -420,6 +347,47 @@ static inline void many_block(const int8_t* x, int64_t K, int64_t ng, const floa
     }
 }
 
+// A unit's rows m0 .. m0 + RB - 1 (RB <= 4) with everything known at compile time (code width,
+// group, scale mode) and the accumulators in registers for the whole row of groups: the few-row
+// path (decoding steps and small trees), where memory-resident accumulators and run-time loop
+// bounds were the critical path.  Each output goes through exactly unit_many's (and the portable
+// path's) operations in the same order, so the bits are the same (tests compare them).
+template <int BITS, int GROUP, int SMODE, int RB>
+static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
+                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
+    constexpr int Q = GROUP / 4;
+    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
+    const int64_t ng = K / GROUP;
+    const uint8_t* blk = codes + u * ng * UB;
+    const uint8_t* end = blk + ng * UB;
+    const int8_t* x = act.q + m0 * K;
+    const float* dx = act.dx + m0 * ng;
+    const float* bx = act.bx + m0 * ng;
+    const int32_t* nc = act.ncorr + m0 * ng;
+    __m512 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+    ScaleWalk<SMODE> scales(sc, u, ng);
+    for (int64_t g = 0; g < ng; ++g, blk += UB) {
+        if (blk + PREFETCH_GROUPS * UB < end)
+            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
+        __m512i w[Q];
+        decode_block(blk, BITS, GROUP, w);
+        __m512 s, z;
+        scales.next(g, s, z);
+        rows_group<BITS, SMODE, RB, Q>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, w, s, z, acc);
+    }
+    alignas(64) float tmp[16];
+    for (int r = 0; r < RB; ++r) {
+        _mm512_store_ps(tmp, acc[r]);
+        store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
+    }
+}
+
+// A unit's rows 0 .. rows - 1 (any number up to MAX_ROWS), the many-row path (prefill chunks,
+// large batches): each (unit, group) block is decoded once for all the rows, its scales and
+// offsets too, and each row then costs the group's vpdpbusd and its epilogue alone (the
+// accumulators live in memory, rows in register blocks of RB).  Everything known at compile time
+// as in unit_rows, and each group of rows through the same rows_group.
 template <int BITS, int GROUP, int SMODE>
 static void unit_many(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
                       int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
@@ -442,9 +410,9 @@ static void unit_many(int64_t rows, const Act& act, int64_t K, const uint8_t* co
         const float* bx = act.bx + g;
         int64_t m = 0;
         for (; m + RB <= rows; m += RB)
-            many_block<BITS, SMODE, RB, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
+            rows_group<BITS, SMODE, RB, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
         for (; m < rows; ++m)
-            many_block<BITS, SMODE, 1, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
+            rows_group<BITS, SMODE, 1, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
     }
     alignas(64) float tmp[16];
     for (int64_t m = 0; m < rows; ++m) {
