@@ -1,4 +1,4 @@
-"""Time one EAGLE head forward of qwen2.5-coder-1.5b's trained head (1 row, 200 keys of context),
+"""Time one EAGLE (or EAGLE-3) head forward of qwen2.5-coder-1.5b's trained head (1 row, 200 keys of context),
 in its float weights and on the int8 kernel, with a torch profiler table of each
 (docs/benchmarks.md section 20).
 
@@ -11,7 +11,7 @@ from leapdecode.proposers.heads.store import load_head
 from leapdecode.proposers.heads.common import int8_copy
 import leapdecode
 t = leapdecode.load("qwen2.5-coder-1.5b")
-head = load_head(("eagle",), t, None)[0]
+head = load_head(("eagle3", "eagle"), t, None)[0]  # the store's or the bundled head
 print(type(head), next(head.parameters()).dtype)
 h8 = int8_copy(head)
 H = 1536
