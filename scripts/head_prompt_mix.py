@@ -12,7 +12,12 @@ rebuilt the same anywhere (fixed seed):
   with `ast`, nothing imported): "write this function", "explain this code", "write tests";
 - arithmetic word problems from templates with random names and numbers, asked step by step;
 - HumanEval's prompts, except the held-apart ones (`bench.workloads.held_apart`), as plain
-  completions and as chat requests.
+  completions and as chat requests;
+- general chat over everyday and academic topics (a list written here, not drawn from any
+  benchmark): writing, role play, reasoning, explanation and short questions, plus two-round
+  tasks whose source text the target writes itself in the first round (a German paragraph then
+  translated into English, a news-style report then summarised, a text then mined for names,
+  dates and numbers).
 
 `head_gpu.py` adds Magpie-style prompts written by the target itself. Nothing here is drawn from
 Spec-Bench or from HumanEval's held-apart problems, on which acceptance is reported.
@@ -50,6 +55,58 @@ CODE_TEMPLATES = [
 NAMES = ["Ava", "Ben", "Carla", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kofi", "Lena",
          "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
 ITEMS = ["apples", "books", "stickers", "marbles", "pencils", "cookies", "stamps", "shells", "cards", "eggs"]
+
+
+TOPICS = [
+    "photosynthesis", "the French Revolution", "household budgeting", "climate change", "the stock market",
+    "sleep", "job interviews", "learning a new language", "the water cycle", "black holes", "vaccines",
+    "the Roman Empire", "healthy breakfasts", "time management", "electric cars", "volcanoes",
+    "the immune system", "solar power", "a wedding toast", "a week in Japan", "remote work", "chess",
+    "the printing press", "honey bees", "inflation", "marathon training", "urban gardening", "jazz",
+    "the Moon landing", "plate tectonics", "social media and teenagers", "recycling", "the Renaissance",
+    "antibiotics", "coffee", "public libraries", "earthquakes", "the human heart", "meditation",
+    "the Silk Road", "3D printing", "rainforests", "a small bakery", "interest rates", "dinosaurs",
+    "the Olympic Games", "football tactics", "opera", "nuclear fusion", "ancient Egypt", "wind turbines",
+    "starting a podcast", "adopting a dog", "first aid", "the Great Depression", "quantum computers",
+    "coral reefs", "a road trip across Canada", "impressionist painting", "the Internet's history",
+    "minimum wage", "composting", "migratory birds", "the Cold War", "smartphones and attention",
+    "a science fair project", "volunteering", "tea ceremonies", "mountain climbing", "supply chains",
+    "the periodic table", "democracy in ancient Athens", "city traffic", "fast fashion", "sourdough bread",
+    "the solar system", "a mystery novel", "negotiating a salary", "friendship", "the Industrial Revolution",
+]
+GENERAL = [
+    "Write a short blog post about {t}.",
+    "Compose a short poem about {t}.",
+    "Write a friendly email to a colleague that mentions {t}.",
+    "Act as a teacher and explain {t} to a curious twelve-year-old.",
+    "Pretend you are a tour guide or an expert on {t}. Greet a visitor and tell them what matters most.",
+    "What are the main arguments for and against {t}? Reason step by step, then conclude.",
+    "Explain {t} in detail.",
+    "Give five surprising facts about {t}.",
+    "Answer briefly: why does {t} matter?",
+    "What is the history of {t}, in a few paragraphs?",
+    "What are common misconceptions about {t}?",
+]
+TWO_ROUND = [
+    ("Write a short paragraph about {t} in German.", "Translate the following German text into English.\n\n{a}"),
+    ("Write a short news report about a recent event involving {t}.",
+     "Summarize the following article in three sentences.\n\n{a}"),
+    ("Write a short text about {t} that mentions several people, places, dates and numbers.",
+     "Extract every name, place, date and number from the text below as a JSON object.\n\n{a}"),
+]
+
+
+def general_items(rng: random.Random, n: int) -> list[dict]:
+    """``n`` general chat prompts: topics x templates, a quarter of them two-round tasks."""
+    out = []
+    for i in range(n):
+        t = rng.choice(TOPICS)
+        if i % 4 == 3:
+            first, then = rng.choice(TWO_ROUND)
+            out.append({"chat": first.format(t=t), "then": then})
+        else:
+            out.append({"chat": rng.choice(GENERAL).format(t=t)})
+    return out
 
 
 def math_problem(rng: random.Random) -> str:
@@ -116,7 +173,7 @@ def humaneval_items() -> list[dict]:
     return out
 
 
-def build(seed: int, math_n: int, code_n: int) -> list[dict]:
+def build(seed: int, math_n: int, code_n: int, general_n: int = 0) -> list[dict]:
     rng = random.Random(seed)
     items: list[dict] = []
     for i, p in enumerate(paragraphs()):
@@ -133,6 +190,7 @@ def build(seed: int, math_n: int, code_n: int) -> list[dict]:
         items.append({"chat": CODE_TEMPLATES[i % len(CODE_TEMPLATES)].format(sig=sig, doc=doc)})
     items += [{"chat": math_problem(rng)} for _ in range(math_n)]
     items += humaneval_items()
+    items += general_items(rng, general_n)
     rng.shuffle(items)
     return items
 
@@ -142,9 +200,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="gzipped JSONL of prompts")
     ap.add_argument("--math", type=int, default=600, help="arithmetic word problems (default: %(default)s)")
     ap.add_argument("--code", type=int, default=1200, help="stdlib function prompts (default: %(default)s)")
+    ap.add_argument("--general", type=int, default=0,
+                    help="general chat prompts over everyday topics (default: %(default)s; the bundled head's "
+                         "run had none)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    items = build(a.seed, a.math, a.code)
+    items = build(a.seed, a.math, a.code, a.general)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_name(a.out.name + ".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:

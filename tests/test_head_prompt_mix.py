@@ -32,6 +32,11 @@ def items(mix):
     return mix.build(seed=3, math_n=40, code_n=60)
 
 
+@pytest.fixture(scope="module")
+def with_general(mix):
+    return mix.build(seed=3, math_n=40, code_n=60, general_n=80)
+
+
 def _text(item: dict) -> str:
     return item.get("chat") or item.get("prompt") or ""
 
@@ -60,6 +65,17 @@ def test_every_kind_is_present_and_follow_ups_are_translations(items):
         assert "Translate the following text into" in it["chat"]
         assert "{a}" in it["then"] and "English" in it["then"]
     assert all(set(it) <= {"chat", "prompt", "then"} and len(_text(it)) > 10 for it in items)
+
+
+def test_general_prompts_cover_topics_and_two_round_tasks(mix, items, with_general):
+    extra = [it for it in with_general if it not in items]
+    assert len(extra) == 80
+    assert len({t for t in mix.TOPICS if any(t in it["chat"] for it in extra)}) > 20
+    two = [it for it in extra if "then" in it]
+    assert len(two) == 20 and all("{a}" in it["then"] for it in two)
+    assert {it["then"] for it in two} == {then for _, then in mix.TWO_ROUND}  # (seeded: every kind drawn)
+    # the default mix (what the bundled head's run used) has none of them
+    assert not any(any(t in it.get("chat", "") for t in ("Compose a short poem", "tour guide")) for it in items)
 
 
 def test_same_seed_same_mix_other_seed_other_order(mix, items):
