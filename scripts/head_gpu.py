@@ -27,6 +27,10 @@ sequence's token ids, for later runs).  `scripts/head_from_gpu.py` turns them in
 head (manifest, fingerprint, validation) on the machine that runs the target.
 
     python scripts/head_gpu.py --gguf-parts .gpu --prompts .gpu/prompts.jsonl.gz --minutes 7 --out $OUT
+
+A later run can go on from a head (`--init`, e.g. the bundled one) and reuse an earlier run's
+sequences (`--tokens`, their held-apart sequences stay held apart), spending its minutes on new
+prompts (`head_prompt_mix.py --general N`) and training.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from leapdecode.heads_train import eagle_loss, ttt_outputs  # noqa: E402
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, default_layers  # noqa: E402
+from leapdecode.proposers.heads.store import read_head  # noqa: E402
 
 MARK = "\u2063PLACEHOLDER\u2063"
 
@@ -193,6 +198,12 @@ def main() -> int:
     ap.add_argument("--prompts", type=Path, required=True, help="gzipped JSONL from head_prompt_mix.py")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--kind", choices=["eagle3", "eagle"], default="eagle3")
+    ap.add_argument("--init", type=Path,
+                    help="start from this head directory (e.g. the bundled one) instead of random weights; its "
+                         "kind and config are kept")
+    ap.add_argument("--tokens", type=Path, action="append", default=[],
+                    help="tokens.npz of an earlier run: its sequences join the training data without being "
+                         "generated again (repeatable)")
     ap.add_argument("--intermediate", type=int, default=768, help="the head's MLP width (default: %(default)s)")
     ap.add_argument("--minutes", type=float, default=7.0, help="wall-clock budget of the whole run")
     ap.add_argument("--gen-until", type=float, default=0.45,
@@ -212,6 +223,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
+    init = read_head(a.init)[0] if a.init else None
+    if init is not None:
+        a.kind = init.kind
     t0 = time.time()
     deadline = t0 + a.minutes * 60
     a.out.mkdir(parents=True, exist_ok=True)
@@ -284,20 +298,36 @@ def main() -> int:
         seq_kinds += ["then" for r in ans2 if r]
     generated = sum(len(s) for s in seqs) - sum(len(p) for p, r in zip(prompts, answers) if r)
     timings["generate_s"] = round(time.time() - t, 1)
+    reused = 0
+    for path in a.tokens:  # an earlier run's sequences (its held-apart ones stay held apart below)
+        z = np.load(path)
+        ends = np.cumsum(z["lengths"])
+        old = [z["tokens"][e - n : e].tolist() for e, n in zip(ends, z["lengths"])]
+        seqs += old
+        seq_kinds += [f"earlier {k}" for k in z["kinds"].tolist()]
+        reused += len(old)
     log(f"generated {len(seqs)} answers ({generated} tokens) in {timings['generate_s']} s "
         f"({generated / max(timings['generate_s'], 1e-9):.0f} tokens/s)")
 
     # ---- features
-    layers = default_layers(cfg.num_hidden_layers) if a.kind == "eagle3" else None
+    layers = None if a.kind != "eagle3" else (
+        list(init.config["layers"]) if init is not None else default_layers(cfg.num_hidden_layers))
     t = time.time()
     data = features(model, seqs, layers, batch_tokens=16384)
     timings["features_s"] = round(time.time() - t, 1)
     n_tok = sum(len(s) for s in seqs)
     log(f"features of {len(seqs)} sequences, {n_tok} tokens in {timings['features_s']} s")
     rng = random.Random(0)
-    idx = list(range(len(seqs)))
+    idx = list(range(len(seqs) - reused))  # this run's sequences, then the earlier runs'
     rng.shuffle(idx)
-    held, train = idx[: a.heldout], idx[a.heldout:]
+    held = idx[: a.heldout]
+    start = len(seqs) - reused
+    for path in a.tokens:
+        z = np.load(path)
+        held += [start + int(i) for i in z["heldout"]]  # never trained on, here either
+        start += len(z["lengths"])
+    held_set = set(held)
+    train = [i for i in range(len(seqs)) if i not in held_set]
     np.savez_compressed(a.out / "tokens.npz", tokens=np.concatenate([np.array(s, dtype=np.int32) for s in seqs]),
                         lengths=np.array([len(s) for s in seqs], dtype=np.int32),
                         kinds=np.array(seq_kinds), heldout=np.array(held, dtype=np.int32))
@@ -309,6 +339,8 @@ def main() -> int:
     else:
         head = EagleHead(cfg.hidden_size, cfg.num_attention_heads, a.intermediate, float(cfg.rope_theta if hasattr(
             cfg, "rope_theta") else cfg.rope_parameters["rope_theta"]), cfg.rms_norm_eps)
+    if init is not None:
+        head = init
     head = head.float().to(a.device).train()
     weight = model.lm_head.weight[: a.train_vocab].detach().float()
     embed = model.model.embed_tokens
@@ -323,10 +355,12 @@ def main() -> int:
     warm = 60
     step, losses, last_save = 0, [], time.time()
     meta = {"kind": a.kind, "config": head.config, "target_sha256": a.sha256, "gguf": gguf.name,
-            "data": {"prompts_file": len(items), "magpie": len(magpie), "sequences": len(seqs),
+            "init": str(a.init) if a.init else None,
+            "data": {"prompts_file": len(items), "magpie": len(magpie), "sequences": len(seqs), "reused": reused,
                      "tokens": n_tok, "generated_tokens": generated,
                      "by_kind": {k: seq_kinds.count(k) for k in sorted(set(seq_kinds))}, "heldout": len(held)},
-            "recipe": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+            "recipe": {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
+                       for k, v in vars(a).items()},
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device}
 
     def accuracy() -> list[float]:

@@ -97,16 +97,11 @@ TWO_ROUND = [
 
 
 def general_items(rng: random.Random, n: int) -> list[dict]:
-    """``n`` general chat prompts: topics x templates, a quarter of them two-round tasks."""
-    out = []
-    for i in range(n):
-        t = rng.choice(TOPICS)
-        if i % 4 == 3:
-            first, then = rng.choice(TWO_ROUND)
-            out.append({"chat": first.format(t=t), "then": then})
-        else:
-            out.append({"chat": rng.choice(GENERAL).format(t=t)})
-    return out
+    """Up to ``n`` distinct general chat prompts (topics x templates, the two-round tasks among them),
+    a seeded sample of all the combinations."""
+    combos = [{"chat": g.format(t=t)} for t in TOPICS for g in GENERAL]
+    combos += [{"chat": first.format(t=t), "then": then} for t in TOPICS for first, then in TWO_ROUND]
+    return rng.sample(combos, min(n, len(combos)))
 
 
 def math_problem(rng: random.Random) -> str:
@@ -173,10 +168,11 @@ def humaneval_items() -> list[dict]:
     return out
 
 
-def build(seed: int, math_n: int, code_n: int, general_n: int = 0) -> list[dict]:
+def build(seed: int, math_n: int, code_n: int, general_n: int = 0, docs_n: int | None = None,
+          humaneval: bool = True) -> list[dict]:
     rng = random.Random(seed)
     items: list[dict] = []
-    for i, p in enumerate(paragraphs()):
+    for i, p in enumerate(paragraphs()[:docs_n]):
         for t in rng.sample(range(len(TEMPLATES)), 2):
             tpl = TEMPLATES[t]
             item = {"chat": tpl.format(p=p)}
@@ -189,7 +185,8 @@ def build(seed: int, math_n: int, code_n: int, general_n: int = 0) -> list[dict]
     for i, (sig, doc) in enumerate(funcs[:code_n]):
         items.append({"chat": CODE_TEMPLATES[i % len(CODE_TEMPLATES)].format(sig=sig, doc=doc)})
     items += [{"chat": math_problem(rng)} for _ in range(math_n)]
-    items += humaneval_items()
+    if humaneval:
+        items += humaneval_items()
     items += general_items(rng, general_n)
     rng.shuffle(items)
     return items
@@ -200,12 +197,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="gzipped JSONL of prompts")
     ap.add_argument("--math", type=int, default=600, help="arithmetic word problems (default: %(default)s)")
     ap.add_argument("--code", type=int, default=1200, help="stdlib function prompts (default: %(default)s)")
+    ap.add_argument("--docs", type=int, default=None,
+                    help="documentation paragraphs, two prompts each (default: all of them)")
+    ap.add_argument("--no-humaneval", action="store_true", help="leave out HumanEval's (trained-on) prompts")
     ap.add_argument("--general", type=int, default=0,
-                    help="general chat prompts over everyday topics (default: %(default)s; the bundled head's "
-                         "run had none)")
+                    help="general chat prompts over everyday topics, at most one per topic and template "
+                         "(1,120 combinations; default: %(default)s, the bundled head's run had none)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    items = build(a.seed, a.math, a.code, a.general)
+    items = build(a.seed, a.math, a.code, a.general, a.docs, not a.no_humaneval)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_name(a.out.name + ".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:

@@ -71,9 +71,12 @@ def test_general_prompts_cover_topics_and_two_round_tasks(mix, items, with_gener
     extra = [it for it in with_general if it not in items]
     assert len(extra) == 80
     assert len({t for t in mix.TOPICS if any(t in it["chat"] for it in extra)}) > 20
+    assert len({it["chat"] for it in extra}) == 80  # distinct
     two = [it for it in extra if "then" in it]
-    assert len(two) == 20 and all("{a}" in it["then"] for it in two)
-    assert {it["then"] for it in two} == {then for _, then in mix.TWO_ROUND}  # (seeded: every kind drawn)
+    assert two and all("{a}" in it["then"] for it in two)
+    everything = mix.general_items(__import__("random").Random(0), 10**6)
+    assert len(everything) == len(mix.TOPICS) * (len(mix.GENERAL) + len(mix.TWO_ROUND))
+    assert {it["then"] for it in everything if "then" in it} == {then for _, then in mix.TWO_ROUND}
     # the default mix (what the bundled head's run used) has none of them
     assert not any(any(t in it.get("chat", "") for t in ("Compose a short poem", "tour guide")) for it in items)
 
