@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))

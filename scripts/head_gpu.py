@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import io
 import json
 import math
 import os
@@ -51,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from leapdecode.heads_train import eagle_loss, ttt_outputs  # noqa: E402
+from leapdecode.heads_train import eagle_loss, optimizer_step, ttt_outputs  # noqa: E402
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, default_layers  # noqa: E402
 from leapdecode.proposers.heads.store import read_head  # noqa: E402
 
@@ -410,13 +409,8 @@ def main() -> int:
                 toks = torch.tensor(seqs[k][sl], device=a.device)
                 loss = loss + eagle_loss(head, f[sl].float(), toks, lab[sl], weight, embed, generator=gen,
                                          ttt_steps=a.ttt_steps, states=st[sl].float() if st is not None else None)
-        loss = loss / a.batch
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        losses.append(optimizer_step(head, opt, loss / a.batch))
         step += 1
-        losses.append(float(loss.detach()))
         if step % 100 == 0:
             log(f"step {step}: loss {np.mean(losses[-100:]):.4f}, lr {lr:.2e}, {time.time() - t_train:.0f} s")
         if time.time() - last_save > a.save_every:

@@ -380,6 +380,16 @@ def ttt_outputs(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, steps: in
 
 
 # ------------------------------------------------------------------ training
+def optimizer_step(head: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
+    """One optimizer step on ``loss`` with the gradient norm clipped at 1 (every head's recipe, also
+    scripts/head_gpu.py's); returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
 def _save_torch(path: Path, obj: Any) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -485,13 +495,8 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
                                          ttt_steps=recipe.ttt_steps, states=states)
             else:
                 loss = loss + eagle_loss(head, feats[sl], toks[sl], labels[sl], weight, embed, generator=g)
-        loss = loss / recipe.batch
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        losses.append(optimizer_step(head, opt, loss / recipe.batch))
         step += 1
-        losses.append(float(loss.detach()))
         trained_s = base_trained + time.perf_counter() - t_loop
         advance()
         if time.perf_counter() - last_ckpt >= recipe.checkpoint_minutes * 60.0:
