@@ -214,6 +214,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=768)
     ap.add_argument("--seq-len", type=int, default=512, help="training window (tokens)")
     ap.add_argument("--batch", type=int, default=16, help="windows per step")
+    ap.add_argument("--pack", type=int, default=8,
+                    help="windows side by side in one call of the head (block-diagonal attention; default: %(default)s)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--train-vocab", type=int, default=32768)
@@ -399,16 +401,24 @@ def main() -> int:
         for grp in opt.param_groups:
             grp["lr"] = lr
         loss = torch.zeros((), device=a.device)
+        picks = [train[int(i)] for i in nprng.choice(len(train), size=a.batch, p=p_seq)]
         with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16):
-            for i in nprng.choice(len(train), size=a.batch, p=p_seq):
-                k = train[int(i)]
-                f, lab, st = data[k]
-                n = f.shape[0]
-                s = int(nprng.integers(0, max(1, n - a.seq_len + 1)))
-                sl = slice(s, s + a.seq_len)
-                toks = torch.tensor(seqs[k][sl], device=a.device)
-                loss = loss + eagle_loss(head, f[sl].float(), toks, lab[sl], weight, embed, generator=gen,
-                                         ttt_steps=a.ttt_steps, states=st[sl].float() if st is not None else None)
+            for c in range(0, a.batch, a.pack):  # `pack` windows side by side in one call (segments)
+                fs, ts, ls, ss, seg = [], [], [], [], []
+                for w, k in enumerate(picks[c : c + a.pack]):
+                    f, lab, st = data[k]
+                    s = int(nprng.integers(0, max(1, f.shape[0] - a.seq_len + 1)))
+                    sl = slice(s, s + a.seq_len)
+                    fs.append(f[sl])
+                    ts.append(torch.tensor(seqs[k][sl], device=a.device))
+                    ls.append(lab[sl])
+                    ss.append(st[sl] if st is not None else None)
+                    seg.append(torch.full((fs[-1].shape[0],), w, device=a.device))
+                part = eagle_loss(head, torch.cat(fs).float(), torch.cat(ts), torch.cat(ls), weight, embed,
+                                  generator=gen, ttt_steps=a.ttt_steps,
+                                  states=torch.cat(ss).float() if ss[0] is not None else None,
+                                  segments=torch.cat(seg))
+                loss = loss + part * len(fs)
         losses.append(optimizer_step(head, opt, loss / a.batch))
         step += 1
         if step % 100 == 0:

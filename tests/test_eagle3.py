@@ -23,7 +23,7 @@ from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import HeadMismatchError, InvalidParameterError
-from leapdecode.heads_train import ttt_outputs
+from leapdecode.heads_train import eagle_loss, ttt_outputs
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, EagleProposer, default_layers
@@ -132,6 +132,42 @@ def test_training_time_test_planted_mask_error_is_caught(tiny, monkeypatch):
     with torch.no_grad():
         want = _chain_by_decoding(head, inp, emb, 3, steps)
     assert not torch.allclose(outs[1][3], want[1], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("cls", [Eagle3Head, EagleHead])
+def test_windows_side_by_side_equal_separate_windows(tiny, cls):
+    """``segments``: several training windows in one call (scripts/head_gpu.py) give each window's
+    own outputs, and with windows of equal length the mean of their separate losses; leaving the
+    segments out (windows attend to each other, rows train on the next window's labels) does not."""
+    model = tiny(seed=0)
+    head = random_head(cls, model, std=0.2)
+    n, w, steps = 3, 9, 3
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(n * w, 64, generator=g)
+    toks = torch.randint(0, 200, (n * w,), generator=g)
+    labels = torch.randint(0, 200, (n * w,), generator=g)
+    weight = torch.randn(200, 64, generator=g)
+    states = torch.randn(n * w, 64 * len(head.config.get("layers", [])), generator=g) if cls is Eagle3Head else None
+    seg = torch.arange(n).repeat_interleave(w)
+    embed = model.model.embed
+    with torch.no_grad():
+        emb = torch.cat([embed(toks).float(), torch.zeros(steps, 64)])
+        outs = ttt_outputs(head, feats, emb, steps, seg)
+        for i in range(n):
+            sl = slice(i * w, (i + 1) * w)
+            own = ttt_outputs(head, feats[sl], torch.cat([embed(toks[sl]).float(), torch.zeros(steps, 64)]), steps)
+            for j in range(steps):
+                # rows whose next token is in the window (the last ones read the next window's first token)
+                    assert torch.allclose(outs[j][sl][: w - 1 - j], own[j][: w - 1 - j], rtol=1e-4, atol=1e-5), (i, j)
+
+        def loss(sl=slice(None), segments=None):
+            return eagle_loss(head, feats[sl], toks[sl], labels[sl], weight, embed, noise=0.0, ttt_steps=steps,
+                              states=None if states is None else states[sl], segments=segments)
+
+        separate = torch.stack([loss(slice(i * w, (i + 1) * w)) for i in range(n)]).mean()
+        side_by_side = loss(segments=seg)
+        assert torch.allclose(side_by_side, separate, rtol=1e-4), (side_by_side, separate)
+        assert not torch.allclose(loss(), separate, rtol=1e-3)
 
 
 # ============================================================================ 3. identity and sampling

@@ -327,11 +327,14 @@ def hydra_loss(head: HydraHeads, feats: torch.Tensor, tokens: torch.Tensor, labe
 def eagle_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
                weight: torch.Tensor, embed: torch.nn.Embedding, noise: float = 0.1,
                generator: torch.Generator | None = None, ttt_steps: int = 1,
-               states: torch.Tensor | None = None) -> torch.Tensor:
+               states: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
     """EAGLE at ``t``: ``(f_t, x_{t+1}) -> f_{t+1}`` (smooth L1) and the target's greedy token after
     ``t + 1`` (cross-entropy, weight 0.1).  EAGLE-3 (an ``Eagle3Head``, ``states``: the fused layers'
     hidden states): the fused feature in, the token loss alone, over ``ttt_steps`` unrolled steps
-    of training-time test (module docstring)."""
+    of training-time test (module docstring).  ``segments`` (non-decreasing window ids, one per
+    row): several windows side by side in one call, none attending to another, positions counted
+    from each window's start, and no row trained on a label from the next window; with windows of
+    equal length the loss is the mean of their separate losses (tests/test_eagle3.py)."""
     t = feats.shape[0] - 1
     if t < 1:
         return feats.sum() * 0.0
@@ -347,28 +350,48 @@ def eagle_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, label
     with torch.no_grad():
         emb = embed(tokens.to(embed.weight.device)).float()
         emb = torch.cat([emb, emb.new_zeros(max(ttt_steps, 1), emb.shape[-1])])  # rows past the end: masked out
-    outs = ttt_outputs(head, inp, emb, min(max(ttt_steps, 1), t))
-    ce = _ce(_logits(head.readout(outs[0]), weight), labels[1 : t + 1])
-    loss = ce if v3 else F.smooth_l1_loss(outs[0], feats[1 : t + 1]) + 0.1 * ce
+    outs = ttt_outputs(head, inp, emb, min(max(ttt_steps, 1), t), None if segments is None else segments[:t])
+
+    def targets(j: int, m: int) -> torch.Tensor:  # rows 0 .. m - 1: the label j + 1 tokens on, -100 across windows
+        lab = labels[1 + j : 1 + j + m]
+        if segments is None:
+            return lab
+        return torch.where(segments[1 + j : 1 + j + m] == segments[:m], lab, torch.full_like(lab, -100))
+
+    lab0 = targets(0, t)
+    ce = _ce(_logits(head.readout(outs[0]), weight), lab0)
+    if v3:
+        loss = ce
+    else:
+        keep = lab0 != -100
+        loss = F.smooth_l1_loss(outs[0][keep], feats[1 : t + 1][keep]) + 0.1 * ce
     for j in range(1, len(outs)):
         m = t - j  # rows 0 .. m - 1 have a label j tokens further on
-        loss = loss + (0.8 ** j) * _ce(_logits(head.readout(outs[j][:m]), weight), labels[1 + j : 1 + j + m])
+        loss = loss + (0.8 ** j) * _ce(_logits(head.readout(outs[j][:m]), weight), targets(j, m))
     return loss
 
 
-def ttt_outputs(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def ttt_outputs(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, steps: int,
+                segments: torch.Tensor | None = None) -> list[torch.Tensor]:
     """EAGLE-3's training-time test: the head's outputs ``[t, H]`` of ``steps`` unrolled steps over
     ``t = len(inp)`` rows.  Step 0 row ``i`` reads ``(inp[i], emb[i + 1])`` at position ``i`` and sees
     rows ``<= i``; step ``j`` row ``i`` reads ``(step j - 1's output at row i, emb[i + 1 + j])`` at
     position ``i + j`` and sees step 0's rows ``<= i`` and its own row of steps ``1 .. j``: what
     decoding computes for a chain of ``j`` drafted tokens after the decided row ``i``.  ``emb``:
-    at least ``t + steps`` rows (those past the text are padding whose outputs carry no loss)."""
+    at least ``t + steps`` rows (those past the text are padding whose outputs carry no loss).
+    ``segments`` (``[t]``, non-decreasing): rows of different windows see nothing of each other and
+    positions restart at each window's first row, so each window's outputs are its own call's."""
     t = inp.shape[0]
     dev = inp.device
     rows = torch.arange(t, device=dev)
-    out, k, v = head(inp, emb[1 : t + 1], rows)
-    outs, ks, vs = [out], [k], [v]
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    first = None
+    if segments is not None:
+        causal = causal & (segments[:, None] == segments[None, :])
+        rows = rows - torch.searchsorted(segments, segments)  # position within the window
+        first = causal
+    out, k, v = head(inp, emb[1 : t + 1], rows, mask=first)
+    outs, ks, vs = [out], [k], [v]
     eye = torch.eye(t, dtype=torch.bool, device=dev)
     for j in range(1, steps):
         mask = torch.cat([causal] + [eye] * j, 1)  # the exact context up to the row, then its own drafted rows
