@@ -6,7 +6,7 @@ held-apart prompts and on Spec-Bench dev prompts (docs/benchmarks.md section 27)
 
 Each prompt is continued greedily (vanilla), the whole sequence runs once through the target with
 hidden states (`heads_train.sequence_features`, the proposers' path), and the head's unrolled
-outputs (`heads_train.ttt_outputs`, what decoding computes for a chain) are scored against the
+outputs (`heads_train.chain_hits` over `ttt_outputs`, what decoding computes for a chain) are scored against the
 target's greedy tokens over the generated part only. This separates what the head predicts from
 what a tree and the cost model make of it.
 """
@@ -18,7 +18,7 @@ import torch
 import leapdecode
 from leapdecode.bench.workloads import load_workload
 from leapdecode.core.generate import encode_prompt
-from leapdecode.heads_train import sequence_features, ttt_outputs
+from leapdecode.heads_train import chain_hits, sequence_features
 from leapdecode.proposers.heads.store import load_head
 
 
@@ -46,12 +46,10 @@ def main() -> None:
             with torch.no_grad():
                 emb = t.model.embed(torch.tensor(seq)).float()
                 emb = torch.cat([emb, emb.new_zeros(a.steps, emb.shape[-1])])
-                outs = ttt_outputs(head, head.fuse_states(states[0].float()[:m]), emb, a.steps)
-                for j, o in enumerate(outs):
-                    pred = (head.readout(o[: m - j]) @ weight.T).argmax(-1)
-                    ok = (pred == labels[1 + j : 1 + m])[len(ids) - 1 :]
-                    hits[j] += int(ok.sum())
-                    cnt[j] += ok.numel()
+                inp = head.fuse_states(states[0].float()[:m])
+                for j, (h, c) in enumerate(chain_hits(head, inp, emb, labels, weight, a.steps, skip=len(ids) - 1)):
+                    hits[j] += h
+                    cnt[j] += c
         print(f"{name}: {len(qs)} prompts, top-1 per step {[round(h / c, 3) for h, c in zip(hits, cnt)]}, "
               f"scored tokens {cnt}", flush=True)
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import leapdecode  # noqa: E402
 from leapdecode.bench.workloads import held_apart  # noqa: E402
-from leapdecode.heads_train import humaneval_prompts, validate  # noqa: E402
+from leapdecode.heads_train import Recipe, humaneval_prompts, validate  # noqa: E402
 from leapdecode.proposers.heads import KINDS, install, save_head  # noqa: E402
 from leapdecode.proposers.heads.common import fingerprint  # noqa: E402
 
@@ -34,8 +34,9 @@ def main() -> int:
     ap.add_argument("--run", type=Path, required=True, help="head_gpu.py's output folder")
     ap.add_argument("--out", type=Path, required=True, help="the head directory to write")
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--val-prompts", type=int, default=8)
-    ap.add_argument("--val-tokens", type=int, default=64)
+    defaults = Recipe(kind="eagle3")  # validated as train-head validates
+    ap.add_argument("--val-prompts", type=int, default=defaults.val_prompts)
+    ap.add_argument("--val-tokens", type=int, default=defaults.val_tokens)
     ap.add_argument("--install", action="store_true", help="also copy it into the model cache's head store")
     ap.add_argument("--command", default=None, help="the GPU command to record in the manifest")
     a = ap.parse_args()
@@ -52,7 +53,8 @@ def main() -> int:
     head.load_state_dict({k: v.float() for k, v in state.items()})
     head.eval()
     tok = target.tokenizer
-    heldout = [tok.encode(p)[-256:] for i, p in enumerate(humaneval_prompts()) if held_apart(i)][: a.val_prompts]
+    heldout = [tok.encode(p)[-defaults.prompt_tokens :] for i, p in enumerate(humaneval_prompts())
+               if held_apart(i)][: a.val_prompts]
     recipe = meta["recipe"]
     manifest = {
         "target": {"name": target.name, "fingerprint": fingerprint(target)},

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from leapdecode.heads_train import eagle_loss, optimizer_step, ttt_outputs  # noqa: E402
+from leapdecode.heads_train import chain_hits, eagle_loss, optimizer_step  # noqa: E402
+from leapdecode.models.registry import DEFAULT_MODEL, get_entry  # noqa: E402
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, default_layers  # noqa: E402
 from leapdecode.proposers.heads.store import read_head  # noqa: E402
 
@@ -92,7 +93,7 @@ def chat_ids(tok, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def generate(model, tok, prompts: list[list[int]], new_tokens: int, batch: int, deadline: float,
+def generate(model, prompts: list[list[int]], new_tokens: int, batch: int, deadline: float,
              eos: list[int], pad: int, sample: bool = False) -> list[list[int] | None]:
     """Each prompt's continuation (greedy unless ``sample``), cut after the first end token; None for
     prompts the deadline left out.  Batches of similar length, left-padded."""
@@ -129,10 +130,8 @@ def features(model, seqs: list[list[int]], layers: list[int] | None, batch_token
     s = 0
     checked = False
     while s < len(order):
-        width = len(seqs[order[s]])
         e = s
         while e < len(order) and len(seqs[order[e]]) * (e - s + 1) <= batch_tokens:
-            width = len(seqs[order[e]])
             e += 1
         e = max(e, s + 1)
         g = order[s:e]
@@ -164,7 +163,7 @@ def features(model, seqs: list[list[int]], layers: list[int] | None, batch_token
     return res
 
 
-def save_head(out: Path, head: torch.nn.Module, meta: dict, max_bytes: int = 15_000_000) -> None:
+def save_split_head(out: Path, head: torch.nn.Module, meta: dict, max_bytes: int = 15_000_000) -> None:
     from safetensors.torch import save_file
 
     groups: list[dict] = [{}]
@@ -192,8 +191,8 @@ def main() -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--gguf", type=Path, help="the target's GGUF")
     src.add_argument("--gguf-parts", type=Path, help="a folder of part* files that concatenate to the GGUF")
-    ap.add_argument("--sha256", default="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                    help="the GGUF's sha256 ('' to skip the check; default: qwen2.5-coder-1.5b's)")
+    ap.add_argument("--sha256", default=get_entry(DEFAULT_MODEL).sha256,
+                    help=f"the GGUF's sha256 ('' to skip the check; default: {DEFAULT_MODEL}'s, from the registry)")
     ap.add_argument("--prompts", type=Path, required=True, help="gzipped JSONL from head_prompt_mix.py")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--kind", choices=["eagle3", "eagle"], default="eagle3")
@@ -264,7 +263,7 @@ def main() -> int:
     magpie: list[str] = []
     if a.magpie:
         prefix = tok.encode(user_prefix(tok), add_special_tokens=False)
-        qs = generate(model, tok, [prefix] * a.magpie, 160, a.gen_batch * 2, gen_deadline, eos, pad, sample=True)
+        qs = generate(model, [prefix] * a.magpie, 160, a.gen_batch * 2, gen_deadline, eos, pad, sample=True)
         seen = set()
         for q in qs:
             if q and q[-1] in eos:  # a finished request
@@ -288,27 +287,28 @@ def main() -> int:
         kinds.append("magpie")
         follow.append(None)
     t = time.time()
-    answers = generate(model, tok, prompts, a.gen_tokens, a.gen_batch, gen_deadline, eos, pad)
+    answers = generate(model, prompts, a.gen_tokens, a.gen_batch, gen_deadline, eos, pad)
     seqs = [p + r for p, r in zip(prompts, answers) if r]
     seq_kinds = [k for k, r in zip(kinds, answers) if r]
     second = [chat_ids(tok, f.format(a=tok.decode(r, skip_special_tokens=True).strip()))[-a.prompt_tokens:]
               for f, r in zip(follow, answers) if f and r]
     if second:
-        ans2 = generate(model, tok, second, a.gen_tokens, a.gen_batch, gen_deadline + 30, eos, pad)
+        ans2 = generate(model, second, a.gen_tokens, a.gen_batch, gen_deadline + 30, eos, pad)
         seqs += [p + r for p, r in zip(second, ans2) if r]
         seq_kinds += ["then" for r in ans2 if r]
     generated = sum(len(s) for s in seqs) - sum(len(p) for p, r in zip(prompts, answers) if r)
     timings["generate_s"] = round(time.time() - t, 1)
-    reused = 0
-    for path in a.tokens:  # an earlier run's sequences (its held-apart ones stay held apart below)
-        z = np.load(path)
-        ends = np.cumsum(z["lengths"])
-        old = [z["tokens"][e - n : e].tolist() for e, n in zip(ends, z["lengths"])]
-        seqs += old
-        seq_kinds += [f"earlier {k}" for k in z["kinds"].tolist()]
-        reused += len(old)
     log(f"generated {len(seqs)} answers ({generated} tokens) in {timings['generate_s']} s "
         f"({generated / max(timings['generate_s'], 1e-9):.0f} tokens/s)")
+    fresh = len(seqs)  # this run's sequences; the earlier runs' follow
+    earlier_held: list[int] = []
+    for path in a.tokens:  # an earlier run's sequences; its held-apart ones stay held apart
+        z = np.load(path)
+        earlier_held += [len(seqs) + int(i) for i in z["heldout"]]
+        ends = np.cumsum(z["lengths"])
+        seqs += [z["tokens"][e - n : e].tolist() for e, n in zip(ends, z["lengths"])]
+        seq_kinds += [f"earlier {k}" for k in z["kinds"].tolist()]
+    reused = len(seqs) - fresh
 
     # ---- features
     layers = None if a.kind != "eagle3" else (
@@ -319,14 +319,9 @@ def main() -> int:
     n_tok = sum(len(s) for s in seqs)
     log(f"features of {len(seqs)} sequences, {n_tok} tokens in {timings['features_s']} s")
     rng = random.Random(0)
-    idx = list(range(len(seqs) - reused))  # this run's sequences, then the earlier runs'
+    idx = list(range(fresh))
     rng.shuffle(idx)
-    held = idx[: a.heldout]
-    start = len(seqs) - reused
-    for path in a.tokens:
-        z = np.load(path)
-        held += [start + int(i) for i in z["heldout"]]  # never trained on, here either
-        start += len(z["lengths"])
+    held = idx[: a.heldout] + earlier_held  # never trained on
     held_set = set(held)
     train = [i for i in range(len(seqs)) if i not in held_set]
     np.savez_compressed(a.out / "tokens.npz", tokens=np.concatenate([np.array(s, dtype=np.int32) for s in seqs]),
@@ -334,14 +329,12 @@ def main() -> int:
                         kinds=np.array(seq_kinds), heldout=np.array(held, dtype=np.int32))
 
     # ---- the head
-    if a.kind == "eagle3":
-        head = Eagle3Head(cfg.hidden_size, cfg.num_attention_heads, a.intermediate, float(cfg.rope_theta if hasattr(
-            cfg, "rope_theta") else cfg.rope_parameters["rope_theta"]), cfg.rms_norm_eps, layers)
-    else:
-        head = EagleHead(cfg.hidden_size, cfg.num_attention_heads, a.intermediate, float(cfg.rope_theta if hasattr(
-            cfg, "rope_theta") else cfg.rope_parameters["rope_theta"]), cfg.rms_norm_eps)
     if init is not None:
         head = init
+    else:
+        theta = float(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+        common = (cfg.hidden_size, cfg.num_attention_heads, a.intermediate, theta, cfg.rms_norm_eps)
+        head = Eagle3Head(*common, layers) if a.kind == "eagle3" else EagleHead(*common)
     head = head.float().to(a.device).train()
     weight = model.lm_head.weight[: a.train_vocab].detach().float()
     embed = model.model.embed_tokens
@@ -378,12 +371,9 @@ def main() -> int:
                 inp = head.fuse_states(st[:m].float()) if a.kind == "eagle3" else f[:m].float()
                 emb = embed(toks).float()
                 emb = torch.cat([emb, emb.new_zeros(a.ttt_steps, emb.shape[-1])])
-                outs = ttt_outputs(head, inp, emb, a.ttt_steps)
-                for j, o in enumerate(outs):
-                    r = m - j
-                    pred = torch.nn.functional.linear(head.readout(o[:r]).float(), weight).argmax(-1)
-                    hits[j] += int((pred == lab[1 + j : 1 + j + r]).sum())
-                    cnt[j] += r
+                for j, (h, c) in enumerate(chain_hits(head, inp, emb, lab, weight, a.ttt_steps)):
+                    hits[j] += h
+                    cnt[j] += c
         head.train()
         return [round(h / max(c, 1), 4) for h, c in zip(hits, cnt)]
 
@@ -393,7 +383,7 @@ def main() -> int:
                     window_tokens=step * a.batch * a.seq_len)
         if final:
             meta["heldout_top1"] = accuracy()
-        save_head(a.out, head, meta)
+        save_split_head(a.out, head, meta)
 
     while time.time() < train_end:
         frac = (time.time() - t_train) / total

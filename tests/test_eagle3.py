@@ -23,7 +23,7 @@ from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import HeadMismatchError, InvalidParameterError
-from leapdecode.heads_train import eagle_loss, ttt_outputs
+from leapdecode.heads_train import chain_hits, eagle_loss, ttt_outputs
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, EagleProposer, default_layers
@@ -132,6 +132,26 @@ def test_training_time_test_planted_mask_error_is_caught(tiny, monkeypatch):
     with torch.no_grad():
         want = _chain_by_decoding(head, inp, emb, 3, steps)
     assert not torch.allclose(outs[1][3], want[1], rtol=1e-3, atol=1e-3)
+
+
+def test_chain_hits_scores_each_unrolled_step(tiny):
+    """scripts/head_accuracy.py and head_gpu.py's top-1: labels that are the head's own first-step
+    predictions score every row of step 0; one changed label, one hit fewer; ``skip`` leaves rows out."""
+    model = tiny(seed=0)
+    head = random_head(Eagle3Head, model, std=0.2)
+    t, steps = 12, 3
+    g = torch.Generator().manual_seed(2)
+    inp, emb = torch.randn(t, 64, generator=g), torch.randn(t + steps + 1, 64, generator=g)
+    weight = torch.randn(50, 64, generator=g)
+    with torch.no_grad():
+        first = (head.readout(ttt_outputs(head, inp, emb, steps)[0]) @ weight.T).argmax(-1)
+        labels = torch.cat([torch.tensor([0]), first])
+        res = chain_hits(head, inp, emb, labels, weight, steps)
+        assert [c for _, c in res] == [t - j for j in range(steps)]
+        assert res[0] == (t, t)
+        labels[5] = (labels[5] + 1) % 50
+        assert chain_hits(head, inp, emb, labels, weight, steps)[0] == (t - 1, t)
+        assert chain_hits(head, inp, emb, labels, weight, steps, skip=5)[0] == (t - 5, t - 5)
 
 
 @pytest.mark.parametrize("cls", [Eagle3Head, EagleHead])

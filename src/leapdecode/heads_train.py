@@ -362,7 +362,9 @@ def eagle_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, label
     ce = _ce(_logits(head.readout(outs[0]), weight), lab0)
     if v3:
         loss = ce
-    else:
+    elif segments is None:
+        loss = F.smooth_l1_loss(outs[0], feats[1 : t + 1]) + 0.1 * ce
+    else:  # not the rows whose next feature is in the next window
         keep = lab0 != -100
         loss = F.smooth_l1_loss(outs[0][keep], feats[1 : t + 1][keep]) + 0.1 * ce
     for j in range(1, len(outs)):
@@ -400,6 +402,20 @@ def ttt_outputs(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, steps: in
         ks.append(k)
         vs.append(v)
     return outs
+
+
+def chain_hits(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+               steps: int, skip: int = 0) -> list[tuple[int, int]]:
+    """Teacher-forced top-1 of each unrolled step of ``ttt_outputs(head, inp, emb, steps)`` (the
+    first, second, ... drafted token of a chain): per step ``j``, (hits, rows) over rows ``>= skip``
+    whose prediction through ``weight`` equals ``labels[1 + j + row]``."""
+    m = inp.shape[0]
+    res = []
+    for j, out in enumerate(ttt_outputs(head, inp, emb, steps)):
+        pred = _logits(head.readout(out[: m - j]).float(), weight).argmax(-1)
+        ok = (pred == labels[1 + j : 1 + m])[skip:]
+        res.append((int(ok.sum()), ok.numel()))
+    return res
 
 
 # ------------------------------------------------------------------ training
