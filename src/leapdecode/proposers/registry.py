@@ -180,7 +180,8 @@ class HydraConfig(MethodConfig):
 class EagleConfig(MethodConfig):
     method = "eagle"
     head: str | None = option(None, "trained head directory, or a directory of them (default: the store's "
-                                    "eagle head for the target; `leapdecode train-head`)")
+                                    "eagle3 or eagle head for the target, else a bundled one; "
+                                    "`leapdecode train-head`)")
     top_k: int = option(4, "children expanded per node of the draft tree", low=1)
     beam: int = option(4, "nodes expanded per tree level", low=1)
     max_depth: int = option(6, "deepest draft tree level", low=1)
