@@ -35,6 +35,88 @@ def test_verify_cost_interpolates_and_is_monotone():
         VerifyCost([1, 2], [0.1])
 
 
+def test_a_fixed_profile_ignores_observations():
+    cost = VerifyCost([1, 8], [0.1, 0.2])
+    for _ in range(20):
+        cost.observe(4, 1.0)
+    assert cost.observations == 0 and cost(4) == pytest.approx(cost.profile(4))
+
+
+def test_online_correction_learns_a_misstated_ratio_and_follows_the_machine():
+    """A probe that mis-stated 4 tokens as 1.6x one token's while the forwards that follow take
+    1.3x: the learned curve comes to the observed ratio; a machine that gets 20% slower moves
+    every size by about that much and keeps the ratio; the curve stays monotone."""
+    cost = VerifyCost([1, 4, 8, 16], [0.10, 0.16, 0.24, 0.40], learn=True)
+    truth = {1: 0.10, 2: 0.11, 4: 0.13, 5: 0.15}
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.choice(list(truth))
+        cost.observe(n, truth[n] * rng.uniform(0.97, 1.03))
+    assert cost(4) / cost(1) == pytest.approx(1.3, rel=0.05)
+    assert cost(1) == pytest.approx(0.10, rel=0.05)
+    assert cost(3) == pytest.approx(0.12, rel=0.08)  # between learned sizes: interpolated
+    assert cost(8) / cost(5) == pytest.approx(cost.profile(8) / cost.profile(5), rel=0.01)  # beyond: held flat
+    for _ in range(200):  # the machine slows down by 20%
+        n = rng.choice(list(truth))
+        cost.observe(n, 1.2 * truth[n])
+    assert cost(1) == pytest.approx(0.12, rel=0.05) and cost(4) / cost(1) == pytest.approx(1.3, rel=0.05)
+    assert all(cost(n) <= cost(n + 1) for n in range(80))
+    assert cost(100) > cost(64) > 0
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        before = cost(4)
+        cost.observe(4, bad)
+        assert cost(4) == before
+
+
+def test_probe_ratios_come_from_within_a_round(monkeypatch):
+    """A burst of load that hit one size in one round (the 4-token forward 3x slower once), or a
+    quiet moment that favoured one (the 1-token forward 0.7x once), does not move the ratios: each
+    round's ratios are taken within the round and the median kept (a minimum per size would pair
+    the quiet 1-token time with ordinary ones: 4 tokens at 1.86x one token's)."""
+    from leapdecode.core import cost_model
+
+    clock = {"t": 0.0, "calls": 0}
+    base = {1: 0.010, 4: 0.013, 8: 0.020}
+
+    class FakeCache:
+        def room(self):
+            return 100
+
+        max_pending = 64
+
+        def rollback(self):
+            pass
+
+    class FakeModel:
+        def forward(self, tokens, cache, parents=None):
+            n = tokens.shape[1]
+            clock["calls"] += 1
+            c = clock["calls"]
+            # round 1 (calls 4-6, after the warm-up): 4 tokens 3x slower; round 2: 1 token 0.7x
+            factor = 3.0 if (n == 4 and c == 5) else 0.7 if (n == 1 and c == 7) else 1.0
+            clock["t"] += base[n] * factor
+
+    loaded = type("L", (), {"model": FakeModel(), "device": torch.device("cpu")})()
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock["t"])
+    cost = cost_model.measure_verify_cost(loaded, FakeCache(), sizes=(1, 4, 8), repeats=5)
+    assert cost.learn
+    assert [t / cost.seconds[0] for t in cost.seconds] == pytest.approx([1.0, 1.3, 2.0])
+
+
+def test_the_generation_loop_teaches_a_learning_profile(tiny, fresh_runner):
+    """Every decoding step of a cost-aware greedy generation is timed into the runner's learning
+    profile (one observation per target forward); the greedy tokens stay vanilla's."""
+    model = tiny(seed=0)
+    prompt = "the cat sat on the mat the cat sat on the"
+    want = leapdecode.generate(model, prompt, max_new_tokens=24, method="vanilla")
+    cost = VerifyCost([1, 8, 32], [1.0, 1.2, 2.0], learn=True)
+    runner = fresh_runner(model, verify_cost=cost)
+    got = leapdecode.generate(runner, prompt, max_new_tokens=24, method="pld")
+    assert got.tokens == want.tokens
+    assert cost.observations == got.stats["target_forwards"] > 0
+    assert cost(1) < 0.5  # a tiny model's forward takes milliseconds, not the profile's second
+
+
 def test_measure_verify_cost_leaves_the_cache_as_it_was(tiny):
     model = tiny(seed=0)
     cache = model.model.new_cache(max_len=128)

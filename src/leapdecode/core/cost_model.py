@@ -23,6 +23,7 @@ import bisect
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -34,9 +35,24 @@ PROBE_SIZES = (1, 4, 8, 16, 24, 32)
 
 
 class VerifyCost:
-    """Seconds of one target forward of ``n`` tokens, interpolated from measured points."""
+    """Seconds of one target forward of ``n`` tokens, interpolated from measured points.
 
-    def __init__(self, sizes: list[int], seconds: list[float], contended: bool = False) -> None:
+    With ``learn=True`` (the profiles ``verify_cost_for`` hands out) the curve is also corrected
+    online from the forwards the generation loop times (``observe``): one probe is a few seconds
+    on a machine whose speed drifts by 10-25% within minutes, and a probe that caught a quiet
+    moment for one size and a busy one for another mis-states the ratios that tree sizes are
+    chosen from (measured: 1.63x for 4 tokens against 1.35x in the forwards that followed).
+    The correction is a log-linear model, ``seconds(n) = profile(n) * exp(level + dev(n))``:
+    ``level`` follows the machine's current speed (every observation moves it), ``dev(n)`` is
+    the size's own steady deviation from the probe (observations of that size, with the level
+    taken out), interpolated between observed sizes and held flat beyond them."""
+
+    LEVEL_RATE = 0.1  # weight of one forward in the speed level
+    DEV_RATE = 0.05  # least weight of one forward in its size's deviation (1/count before that)
+    MIN_COUNT = 3  # observations of a size before its deviation is used
+    LEARN_ROWS = 64  # sizes learned and tabulated (beyond: the profile's slope, scaled)
+
+    def __init__(self, sizes: list[int], seconds: list[float], contended: bool = False, learn: bool = False) -> None:
         if len(sizes) != len(seconds) or not sizes:
             raise ValueError("need one time per size")
         self.sizes = list(sizes)
@@ -44,8 +60,14 @@ class VerifyCost:
         self.contended = bool(contended)
         # a forward of more tokens never costs less: monotone, so noise cannot favour big trees
         self.seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]
+        self.learn = bool(learn)
+        self.observations = 0
+        self._level = 0.0
+        self._dev: dict[int, list[float]] = {}  # size -> [mean log deviation from the level, count]
+        self._table: list[float] | None = None  # corrected seconds of sizes 0 .. LEARN_ROWS
 
-    def __call__(self, n: int) -> float:
+    def profile(self, n: int) -> float:
+        """The probe's curve alone (no online correction)."""
         s, t = self.sizes, self.seconds
         if n <= s[0]:
             return t[0]
@@ -56,17 +78,72 @@ class VerifyCost:
         w = (n - s[i - 1]) / (s[i] - s[i - 1])
         return t[i - 1] + w * (t[i] - t[i - 1])
 
+    def __call__(self, n: int) -> float:
+        if not self.observations:
+            return self.profile(n)
+        table = self._table if self._table is not None else self._tabulate()
+        top = self.LEARN_ROWS
+        if n <= top:
+            return table[max(n, 0)]
+        return table[top] * self.profile(n) / self.profile(top)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A measured forward of ``n`` tokens (ignored unless ``learn``)."""
+        if not self.learn or not (seconds > 0.0 and math.isfinite(seconds)) or not 1 <= n <= self.LEARN_ROWS:
+            return
+        r = math.log(seconds / self.profile(n))
+        d = self._dev.get(n)
+        self._level += self.LEVEL_RATE * (r - self._deviation(n) - self._level)
+        resid = r - self._level
+        if d is None:
+            self._dev[n] = [resid, 1.0]
+        else:
+            d[1] += 1.0
+            d[0] += max(1.0 / d[1], self.DEV_RATE) * (resid - d[0])
+        self.observations += 1
+        self._table = None
+
+    def _deviation(self, n: int) -> float:
+        """dev(n): the size's own where it has enough observations, else interpolated between the
+        nearest sizes that have, or the nearest one's beyond them (0 while none has)."""
+        known = sorted(k for k, (_, c) in self._dev.items() if c >= self.MIN_COUNT)
+        if not known:
+            return 0.0
+        i = bisect.bisect_left(known, n)
+        if i < len(known) and known[i] == n:
+            return self._dev[n][0]
+        if i == 0:
+            return self._dev[known[0]][0]
+        if i == len(known):
+            return self._dev[known[-1]][0]
+        lo, hi = known[i - 1], known[i]
+        w = (n - lo) / (hi - lo)
+        return (1 - w) * self._dev[lo][0] + w * self._dev[hi][0]
+
+    def _tabulate(self) -> list[float]:
+        table, best = [], 0.0
+        for n in range(self.LEARN_ROWS + 1):
+            best = max(best, self.profile(n) * math.exp(self._level + self._deviation(max(n, 1))))
+            table.append(best)  # monotone, as the profile
+        self._table = table
+        return table
+
     def relative(self) -> dict[int, float]:
-        return {n: round(t / self.seconds[0], 3) for n, t in zip(self.sizes, self.seconds)}
+        """The cost of each probe size relative to one token's (online corrections included)."""
+        one = self(1)
+        return {n: round(self(n) / one, 3) for n in self.sizes}
 
 
 CONTENDED_SHARE = 0.5  # below this share of its threads' CPU time a probe counts as contended
 
 
-def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, repeats: int = 2) -> VerifyCost:
+def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, repeats: int = 5) -> VerifyCost:
     """Time target forwards of each size as pending nodes on ``cache``, rolled back after: one
     untimed round that warms the kernels for every shape, then ``repeats`` rounds over all sizes
-    (interleaved, so a burst of load elsewhere hits one round, not one size), min per size.
+    (interleaved, so a burst of load elsewhere hits one round, not one size).  A size's time is
+    the median over the rounds of its ratio to the same round's smallest size, times the smallest
+    size's fastest time: the ratios are what tree sizes are chosen from, and a ratio taken within
+    one round does not mix a quiet moment with a busy one.
 
     On the CPU the probe also compares the process's CPU time with the wall time its threads had:
     below ``CONTENDED_SHARE`` other processes held the cores, and the result is marked
@@ -74,10 +151,11 @@ def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, rep
     model = loaded.model
     sizes = tuple(n for n in sizes if n <= min(cache.room(), cache.max_pending)) or (1,)
     device = loaded.device
-    best = [float("inf")] * len(sizes)
+    rounds: list[list[float]] = []
     wall = cpu = 0.0
     for r in range(repeats + 1):
-        for i, n in enumerate(sizes):
+        times = []
+        for n in sizes:
             tokens = torch.zeros(1, n, dtype=torch.long, device=device)
             parents = [-1] + [(j - 1) // 2 for j in range(1, n)]  # a binary tree: the masked path
             synchronize(device)
@@ -85,12 +163,17 @@ def measure_verify_cost(loaded, cache, sizes: tuple[int, ...] = PROBE_SIZES, rep
             model.forward(tokens, cache, parents=parents)
             synchronize(device)
             dt = time.perf_counter() - t0
+            times.append(dt)
             if r:
-                best[i] = min(best[i], dt)
                 wall, cpu = wall + dt, cpu + process_seconds() - c0
             cache.rollback()
+        if r:
+            rounds.append(times)
+    base = min(t[0] for t in rounds)
+    seconds = [base * statistics.median(t[i] / t[0] for t in rounds) for i in range(len(sizes))]
     share = cpu / (wall * torch.get_num_threads()) if wall > 0 else 1.0
-    return VerifyCost(list(sizes), best, contended=device.type == "cpu" and share < CONTENDED_SHARE)
+    return VerifyCost(list(sizes), seconds, contended=device.type == "cpu" and share < CONTENDED_SHARE,
+                      learn=True)
 
 
 def process_seconds() -> float:
@@ -154,7 +237,7 @@ def _load_profile(key: str) -> VerifyCost | None:
         contended = bool(entry.get("contended", False)) if entry else False
         max_age = CONTENDED_MAX_AGE_S if contended else PROFILE_MAX_AGE_S
         if entry and time.time() - entry["measured_at"] < max_age:
-            return VerifyCost(entry["sizes"], entry["seconds"], contended)
+            return VerifyCost(entry["sizes"], entry["seconds"], contended, learn=True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no profile, or an unreadable one: measure again
     return None

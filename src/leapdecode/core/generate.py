@@ -24,6 +24,7 @@ import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
 from .constraint import Constraint, RowMasks, extend_forced, prune_tree, unprune
+from .cost_model import synchronize
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy, PolicyState
@@ -378,7 +379,15 @@ class Generation:
             work = self.next_forward()
             if isinstance(work, StepOutput):
                 return work
-            return self.finish_forward(work, work.run(self.model.model, self.cache))
+            cost = self.ctx.verify_cost if work.tree is not None else None
+            if cost is None or not cost.learn:
+                return self.finish_forward(work, work.run(self.model.model, self.cache))
+            # the measured profile learns from every step's forward (greedy tree sizes follow it)
+            t0 = time.perf_counter()
+            logits = work.run(self.model.model, self.cache)
+            synchronize(logits.device)
+            cost.observe(work.tokens.numel(), time.perf_counter() - t0)
+            return self.finish_forward(work, logits)
         except BaseException:
             self._release()
             raise
