@@ -63,6 +63,26 @@ def test_without_a_head_the_arms_are_unchanged(tiny):
     assert set(res.stats["auto_arms"]) <= {"sam", "none"}
 
 
+def test_the_none_arm_only_where_chains_are_not_sized_by_cost(tiny, fresh_runner):
+    """Greedy with a cost profile: the automaton drafts nothing where nothing is worth its rows, so
+    auto never spends a step on ``none``; sampling (no clock may steer it) keeps the arm."""
+    from leapdecode.core.cost_model import VerifyCost
+
+    model = tiny(seed=0)
+    ids = model.tokenizer.encode("the cat sat on the mat the cat")
+    steep = VerifyCost([1, 2, 8], [1.0, 1.9, 8.0])  # a draft row costs nearly a forward: sam rarely drafts
+    runner = fresh_runner(model, verify_cost=steep)
+    res = leapdecode.generate(runner, prompt_ids=ids, method="auto", max_new_tokens=40)
+    assert res.tokens == vanilla(model, ids, max_new_tokens=40).tokens
+    assert set(res.stats["auto_arms"]) == {"sam"}
+    used = set()
+    for seed in range(6):
+        out = leapdecode.generate(fresh_runner(model), prompt_ids=ids, method="auto", max_new_tokens=40,
+                                  temperature=1.0, seed=seed)
+        used |= set(out.stats["auto_arms"])
+    assert "none" in used
+
+
 def test_auto_uses_the_stored_head_greedy_exact(tiny, eagle_run):
     model = tiny(seed=0)  # the same weights as no_eos: the head's fingerprint matches
     install(eagle_run, model)

@@ -201,6 +201,7 @@ def hardware_name(device: torch.device) -> str:
     return name
 
 
+PROBE_VERSION = 2  # how profiles are measured (2: ratios within rounds, median of 5); older ones are measured again
 PROFILE_MAX_AGE_S = 7 * 24 * 3600  # a stored profile older than this is measured again
 CONTENDED_MAX_AGE_S = 600  # ... and one measured while other processes held the cores, after this
 
@@ -221,7 +222,7 @@ def _profile_key(loaded) -> str | None:
 
     if any(isinstance(m, QLinear) for m in getattr(loaded.model, "modules", list)()):
         fmt += f"/qgemm-{build_key()}"  # a changed kernel is measured again
-    return "|".join(map(str, (Path(path).resolve(), stamp, loaded.dtype, fmt, loaded.backend,
+    return "|".join(map(str, (f"probe{PROBE_VERSION}", Path(path).resolve(), stamp, loaded.dtype, fmt, loaded.backend,
                               hardware_name(loaded.device), torch.get_num_threads(), torch.__version__)))
 
 

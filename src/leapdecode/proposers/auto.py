@@ -162,8 +162,12 @@ class AutoProposer(Proposer):
     def _arms_for(self, match_len: int) -> list[str]:
         """SAM Decoding's rule: past ``sam_only_match`` matched tokens the automaton's draft is
         used alone (a long match is cheap and rarely wrong); below it the bandit decides,
-        trying the arm the match length suggests first."""
+        trying the arm the match length suggests first.  Where the automaton sizes its chains by
+        cost (greedy with a measured profile) it drafts nothing when nothing is worth its rows, so
+        the ``none`` arm is left out: it could only take steps away from chains worth drafting."""
         arms = self.bandit.arms
+        if self.sam.sizes_by_cost:
+            arms = [a for a in arms if a != "none"]
         if match_len >= self.sam_only_match:
             return ["sam"]
         if match_len >= MATCH_BUCKETS[2]:

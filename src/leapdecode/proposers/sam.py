@@ -282,6 +282,12 @@ class SuffixAutomatonProposer(Proposer):
         self._nodes += len(tree)
         return tree
 
+    @property
+    def sizes_by_cost(self) -> bool:
+        """This generation's chains are cut by learned acceptance and measured cost (greedy with a
+        profile): a chain not worth its rows is not drafted at all."""
+        return self._use_costs
+
     def worth_drafting(self, match_len: int, length: int, fixed_s: float = 0.0) -> int:
         """Greedy: how many tokens of a ``length``-token continuation of a ``match_len``-token
         match are worth verifying (expected tokens per second, see ``core/cost_model.py``);
