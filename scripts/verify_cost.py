@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", help="auto, sdpa or invariant")
     ap.add_argument("--context", type=int, default=200, help="committed tokens before the tree")
     ap.add_argument("--sizes", default="1,2,4,8,12,16,24,32")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     model = leapdecode.load(a.model, dtype=a.dtype, weights=a.weights, attention=a.attention)
     cache = model.model.new_cache(max_len=a.context + 64)

@@ -1,0 +1,96 @@
+"""The decoding phase alone: seconds after the prefill, per method, on one workload's prompts.
+
+``leapdecode bench`` reports tokens/s including each prompt's prefill, which is the same work for
+every method; on short outputs after long prompts (JSON extraction: a third of vanilla's time is
+prefill) that hides what a change to drafting or tree sizing did.  This script runs the bench's
+prompts (first turns as asked, second turns with vanilla's answer as history, as the bench does),
+every method on its own runner (as the bench's runners: each learns its own costs and
+statistics), interleaved per prompt, checks that each method's greedy tokens equal vanilla's, and
+prints per method: decoding seconds (wall minus prefill), its speedup over vanilla's, prefill
+seconds, target forwards and verified draft rows.
+
+    python scripts/decode_phase.py --categories extraction --json-object --methods auto,sam,pld
+    python scripts/decode_phase.py --workload humaneval-heldout --methods auto,eagle --max-new-tokens 128
+    python scripts/decode_phase.py --categories extraction --json-object --methods pld,pld:cost_aware=false
+
+A method row takes options as in the bench: ``METHOD:KEY=VALUE[:KEY=VALUE...]`` (values in JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import leapdecode
+from leapdecode.bench.suite import encode_turn
+from leapdecode.bench.workloads import load_workload, select
+from leapdecode.core.runner import ModelRunner
+
+
+def parse_row(row: str) -> tuple[str, dict]:
+    name, *pairs = row.split(":")
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return name, options
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--workload", default=None, help="as the bench's --workload (default: Spec-Bench dev)")
+    ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    ap.add_argument("--limit", type=int, default=None, help="questions, sampled as the bench does")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-object", action="store_true", help="constrain every output to a JSON object")
+    ap.add_argument("--methods", default="auto,sam,pld", help="comma-separated method rows (vanilla is the reference)")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    a = ap.parse_args()
+
+    model = leapdecode.load(a.model)
+    questions, _ = load_workload(a.workload)
+    categories = a.categories.split(",") if a.categories else None
+    questions = select(questions, a.limit, categories, a.seed)
+    if a.json_object:  # as the bench: a workload's own schemas (SchemaStore) stay
+        for q in questions:
+            q.meta.setdefault("json_schema", {"type": "object"})
+    rows = ["vanilla"] + [r for r in a.methods.split(",") if r and r != "vanilla"]
+    runners = {r: ModelRunner(model, prefix_cache_bytes=0) for r in rows}
+    totals = {r: {"decode": 0.0, "prefill": 0.0, "forwards": 0, "rows": 0} for r in rows}
+    tokens = 0
+    for q in questions:
+        history: list[dict] = []
+        schema = {"json_schema": q.meta["json_schema"]} if "json_schema" in q.meta else {}
+        for turn in q.turns:
+            ids = encode_turn(model, q, history, turn)
+            reference = None
+            for row in rows:
+                name, options = parse_row(row)
+                res = leapdecode.generate(runners[row], prompt_ids=ids, max_new_tokens=a.max_new_tokens,
+                                          method=name, options=options or None, **schema)
+                if reference is None:
+                    reference = res
+                    tokens += len(res.tokens)
+                elif res.tokens != reference.tokens:
+                    raise SystemExit(f"{row} gave other tokens than vanilla on question {q.question_id}")
+                st, t = res.stats, totals[row]
+                t["decode"] += st["wall_s"] - st["prefill_s"]
+                t["prefill"] += st["prefill_s"]
+                t["forwards"] += st["target_forwards"]
+                t["rows"] += st["tree_rows"]
+            print(f"question {q.question_id}: {len(reference.tokens)} tokens", flush=True)
+            history += [{"role": "user", "content": turn}, {"role": "assistant", "content": reference.text}]
+    base = totals["vanilla"]["decode"]
+    print(f"\n{a.model}, {tokens} tokens (every method: vanilla's)\n")
+    print("| method | decoding s | speedup | prefill s | forwards | draft rows |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row, t in totals.items():
+        print(f"| {row} | {t['decode']:.2f} | {base / t['decode']:.2f}x | {t['prefill']:.2f} | {t['forwards']} | {t['rows']} |")
+
+
+if __name__ == "__main__":
+    main()
