@@ -103,10 +103,15 @@ class VerifyCost:
         self.observations += 1
         self._table = None
 
-    def _deviation(self, n: int) -> float:
+    def _known(self) -> list[int]:
+        """The sizes with enough observations for their own deviation, ascending."""
+        return sorted(k for k, (_, c) in self._dev.items() if c >= self.MIN_COUNT)
+
+    def _deviation(self, n: int, known: list[int] | None = None) -> float:
         """dev(n): the size's own where it has enough observations, else interpolated between the
-        nearest sizes that have, or the nearest one's beyond them (0 while none has)."""
-        known = sorted(k for k, (_, c) in self._dev.items() if c >= self.MIN_COUNT)
+        nearest sizes that have (``known``), or the nearest one's beyond them (0 while none has)."""
+        if known is None:
+            known = self._known()
         if not known:
             return 0.0
         i = bisect.bisect_left(known, n)
@@ -121,9 +126,9 @@ class VerifyCost:
         return (1 - w) * self._dev[lo][0] + w * self._dev[hi][0]
 
     def _tabulate(self) -> list[float]:
-        table, best = [], 0.0
+        table, best, known = [], 0.0, self._known()
         for n in range(self.LEARN_ROWS + 1):
-            best = max(best, self.profile(n) * math.exp(self._level + self._deviation(max(n, 1))))
+            best = max(best, self.profile(n) * math.exp(self._level + self._deviation(max(n, 1), known)))
             table.append(best)  # monotone, as the profile
         self._table = table
         return table
