@@ -335,12 +335,16 @@ PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabcabc", "Hello,
 
 
 def _divergences(lm, prompts) -> list:
+    """(method, prompt, first differing token) wherever sam or pld departs from vanilla.  Fixed
+    tree shapes (``cost_aware=False``): cost-aware chains follow the measured verification costs,
+    which the loop keeps learning from its own steps, so their trees (and whether a non-invariant
+    kernel flips a token in them) would depend on the machine's timings."""
     out = []
     for prompt in prompts:
         vanilla = leapdecode.generate(lm, prompt, max_new_tokens=40, method="vanilla")
         assert 0 < len(vanilla.tokens) <= 40
         for method in ("sam", "pld"):
-            got = leapdecode.generate(lm, prompt, max_new_tokens=40, method=method)
+            got = leapdecode.generate(lm, prompt, max_new_tokens=40, method=method, options={"cost_aware": False})
             if got.tokens != vanilla.tokens:
                 first = next(i for i, (a, b) in enumerate(zip(got.tokens, vanilla.tokens)) if a != b)
                 out.append((method, prompt, first))
@@ -362,8 +366,8 @@ def test_load_weights_generates_and_speculation_is_lossless(weights, monkeypatch
 
 @pytest.mark.xfail(strict=True, reason=(
     "with CPU scaled_dot_product_attention (not batch invariant) a bf16 model's tree verification "
-    "can flip a greedy token: here pld on 'abcabcabcabc' (int4) departs from vanilla at token 34, "
-    "sam and pld on 'aaaa bbbb aaaa bbbb' (int8) at token 14"))
+    "can flip a greedy token: here sam and pld (fixed trees) on 'aaaa bbbb aaaa bbbb' (int8) depart "
+    "from vanilla at token 14"))
 def test_speculation_is_lossless_with_stock_attention():
     found = [d for w in ("int4", "int8")
              for d in _divergences(load("tiny-random", weights=w, attention="sdpa"), PROMPTS)]
