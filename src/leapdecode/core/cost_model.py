@@ -212,9 +212,10 @@ CONTENDED_MAX_AGE_S = 600  # ... and one measured while other processes held the
 
 
 def _profile_key(loaded) -> str | None:
-    """What a measured profile depends on: the model file, dtype, weight format (and the block
-    kernel's build), attention mode, backend and the machine (processor or GPU, torch threads, torch version).  None for a model
-    with no file (built in-process)."""
+    """What a measured profile depends on: how it was measured (``PROBE_VERSION``), the model file,
+    dtype, weight format (and the block kernel's build), attention mode, backend and the machine
+    (processor or GPU, torch threads, torch version).  None for a model with no file (built
+    in-process)."""
     path = getattr(loaded, "path", None)
     if path is None:
         return None
