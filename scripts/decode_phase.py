@@ -13,30 +13,18 @@ seconds, target forwards and verified draft rows.
     python scripts/decode_phase.py --workload humaneval-heldout --methods auto,eagle --max-new-tokens 128
     python scripts/decode_phase.py --categories extraction --json-object --methods pld,pld:cost_aware=false
 
-A method row takes options as in the bench: ``METHOD:KEY=VALUE[:KEY=VALUE...]`` (values in JSON).
+A method row takes options as in the bench: ``METHOD:KEY=VALUE[:KEY=VALUE...]`` (``split_method_row``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import leapdecode
+from leapdecode.bench.runners import split_method_row
 from leapdecode.bench.suite import encode_turn
 from leapdecode.bench.workloads import load_workload, select
 from leapdecode.core.runner import ModelRunner
-
-
-def parse_row(row: str) -> tuple[str, dict]:
-    name, *pairs = row.split(":")
-    options = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return name, options
 
 
 def main() -> None:
@@ -50,6 +38,8 @@ def main() -> None:
     ap.add_argument("--methods", default="auto,sam,pld", help="comma-separated method rows (vanilla is the reference)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     a = ap.parse_args()
+    rows = ["vanilla"] + [r for r in a.methods.split(",") if r and r != "vanilla"]
+    specs = {r: split_method_row(r) for r in rows}  # an unknown method or option fails here, before the model loads
 
     model = leapdecode.load(a.model)
     questions, _ = load_workload(a.workload)
@@ -58,7 +48,6 @@ def main() -> None:
     if a.json_object:  # as the bench: a workload's own schemas (SchemaStore) stay
         for q in questions:
             q.meta.setdefault("json_schema", {"type": "object"})
-    rows = ["vanilla"] + [r for r in a.methods.split(",") if r and r != "vanilla"]
     runners = {r: ModelRunner(model, prefix_cache_bytes=0) for r in rows}
     totals = {r: {"decode": 0.0, "prefill": 0.0, "forwards": 0, "rows": 0} for r in rows}
     tokens = 0
@@ -69,7 +58,7 @@ def main() -> None:
             ids = encode_turn(model, q, history, turn)
             reference = None
             for row in rows:
-                name, options = parse_row(row)
+                name, options = specs[row]
                 res = leapdecode.generate(runners[row], prompt_ids=ids, max_new_tokens=a.max_new_tokens,
                                           method=name, options=options or None, **schema)
                 if reference is None:
