@@ -30,13 +30,42 @@ torch.set_num_threads(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")))
 _SHARED_MODELS: list = []  # every model ``_tiny`` built: their runners' memory is cleared before each test
 
 
+class RowInvariantLinear(torch.nn.Module):
+    """``x @ weight.T`` as an elementwise product summed over the input dimension: every output
+    element is reduced on its own, in the same order, whatever other rows share the call (one
+    intra-op thread, as the suite runs), so a token's result does not depend on how many tokens
+    share its forward.  fp32 ``F.linear`` (MKL) changes its blocking with the row count and is
+    not batch invariant: it moves logits by ~1e-7, enough to flip a seeded draw that falls that
+    close to a boundary of the sampling distribution's CDF (it happened: new token 9 of one
+    test_sampling_same_seed case, uniform 0.8229840 against a CDF step at 0.8229835)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight  # shared with the layer it replaces (a tied head stays tied)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(-2) * self.weight).sum(-1)
+
+
+def make_batch_invariant(model) -> None:
+    """Turn a float native decoder into a batch-invariant one, like the default int4 path: the
+    invariant attention and ``RowInvariantLinear`` layers (weights shared, not copied)."""
+    model.attention = "invariant"
+    for block in model.layers:
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            setattr(block, name, RowInvariantLinear(getattr(block, name).weight))
+    model.lm_head = RowInvariantLinear(model.lm_head.weight)
+
+
 @functools.lru_cache(maxsize=None)
 def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0, layers: int = 2,
-          hidden: int = 64):
+          hidden: int = 64, invariant: bool = False):
     """A tiny random ``LoadedModel`` (fp32, CPU, vocab 259, max_seq_len 2048).
 
     ``copy`` distinguishes otherwise identical objects; ``noise > 0`` adds Gaussian
-    noise of that std to every weight (a draft that is close to, but not, the target).
+    noise of that std to every weight (a draft that is close to, but not, the target);
+    ``invariant``: batch-invariant (``make_batch_invariant``; the same weights, another object),
+    for tests that compare speculative methods with vanilla bit for bit on many random cases.
     """
     from leapdecode.models.tiny import tiny_loaded
 
@@ -47,13 +76,16 @@ def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0,
         with torch.no_grad():
             for p in lm.model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * noise)
+    if invariant:
+        make_batch_invariant(lm.model)
     _SHARED_MODELS.append(lm)
     return lm
 
 
 @pytest.fixture(scope="session")
 def tiny():
-    """``tiny(seed=0, copy=0, noise=0.0, noise_seed=0, layers=2, hidden=64)`` -> cached LoadedModel."""
+    """``tiny(seed=0, copy=0, noise=0.0, noise_seed=0, layers=2, hidden=64, invariant=False)`` ->
+    cached LoadedModel."""
     return _tiny
 
 
