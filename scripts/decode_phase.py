@@ -7,7 +7,8 @@ prompts (first turns as asked, second turns with vanilla's answer as history, as
 every method on its own runner (as the bench's runners: each learns its own costs and
 statistics), interleaved per prompt, checks that each method's greedy tokens equal vanilla's, and
 prints per method: decoding seconds (wall minus prefill), its speedup over vanilla's, prefill
-seconds, target forwards and verified draft rows.
+seconds, target forwards, verified draft rows, and where the decoding seconds went (drafting, the
+forwards with their verification, the grammar's share).
 
     python scripts/decode_phase.py --categories extraction --json-object --methods auto,sam,pld
     python scripts/decode_phase.py --workload humaneval-heldout --methods auto,eagle --max-new-tokens 128
@@ -49,7 +50,8 @@ def main() -> None:
         for q in questions:
             q.meta.setdefault("json_schema", {"type": "object"})
     runners = {r: ModelRunner(model, prefix_cache_bytes=0) for r in rows}
-    totals = {r: {"decode": 0.0, "prefill": 0.0, "forwards": 0, "rows": 0} for r in rows}
+    totals = {r: {"decode": 0.0, "prefill": 0.0, "forwards": 0, "rows": 0, "draft": 0.0, "verify": 0.0,
+                  "constraint": 0.0} for r in rows}
     tokens = 0
     for q in questions:
         history: list[dict] = []
@@ -71,14 +73,20 @@ def main() -> None:
                 t["prefill"] += st["prefill_s"]
                 t["forwards"] += st["target_forwards"]
                 t["rows"] += st["tree_rows"]
+                t["draft"] += st["draft_s"]
+                t["verify"] += st["verify_s"]
+                t["constraint"] += st.get("constraint_s", 0.0)
             print(f"question {q.question_id}: {len(reference.tokens)} tokens", flush=True)
             history += [{"role": "user", "content": turn}, {"role": "assistant", "content": reference.text}]
     base = totals["vanilla"]["decode"]
     print(f"\n{a.model}, {tokens} tokens (every method: vanilla's)\n")
-    print("| method | decoding s | speedup | prefill s | forwards | draft rows |")
-    print("|---|---:|---:|---:|---:|---:|")
+    # of the decoding seconds: drafting (the step's planning: proposer, forced tokens, pruning), the
+    # forward and its verification, and the grammar's share of both (masks, pruning, pushes)
+    print("| method | decoding s | speedup | prefill s | forwards | draft rows | drafting s | forward+verify s | grammar s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row, t in totals.items():
-        print(f"| {row} | {t['decode']:.2f} | {base / t['decode']:.2f}x | {t['prefill']:.2f} | {t['forwards']} | {t['rows']} |")
+        print(f"| {row} | {t['decode']:.2f} | {base / t['decode']:.2f}x | {t['prefill']:.2f} | {t['forwards']} | {t['rows']} "
+              f"| {t['draft']:.2f} | {t['verify']:.2f} | {t['constraint']:.2f} |")
 
 
 if __name__ == "__main__":
