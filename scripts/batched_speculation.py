@@ -8,7 +8,9 @@ started at once and idle while another is under load.  For each concurrency (``-
 server in a round, the order reversed every other round), a short warm-up then ``--duration``
 measured seconds.  So a drift of the machine's speed over minutes (other tenants) hits every
 method alike.  Prints per cell the generated tokens/s over all rounds (sums of tokens over sums of
-seconds), the mean batch size, and each method's ratio to the first.
+seconds), the mean batch size, each method's ratio to the first, and the geometric mean of the
+per-round ratios (a round's methods ran back to back on the same load: a paired comparison) with
+its 95% confidence interval (Student's t over the rounds' log ratios; needs scipy, the dev extra).
 
     python scripts/batched_speculation.py -m smollm2-135m --rounds 3 --duration 10
 """
@@ -16,7 +18,9 @@ seconds), the mean batch size, and each method's ratio to the first.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -44,7 +48,7 @@ def main() -> None:
     try:
         for m in methods:
             servers[m] = start_server(args.model, 64, ["--method", m, "--max-batch", "16"])
-        totals = {(m, c): [0.0, 0.0, []] for m in methods for c in clients}  # tokens, seconds, mean batches
+        totals = {(m, c): [0.0, 0.0, [], []] for m in methods for c in clients}  # tokens, seconds, batches, tok/s
         first = set()
         for c in clients:
             for r in range(args.rounds):
@@ -57,6 +61,7 @@ def main() -> None:
                     t[0] += s["generated_tokens"] or 0
                     t[1] += s["elapsed_s"]
                     t[2].append(s["mean_batch_size"] or 0.0)
+                    t[3].append((s["generated_tokens"] or 0) / s["elapsed_s"] if s["elapsed_s"] else 0.0)
                     print(f"{m:8s} clients {c:2d} round {r}: {s['tokens_per_s']} tok/s, mean batch "
                           f"{s['mean_batch_size']}, completed {s['completed']}", file=sys.stderr, flush=True)
     finally:
@@ -72,13 +77,33 @@ def main() -> None:
           f"rounds of {args.warmup:g} s warm-up + {args.duration:g} s measured per method and cell, "
           f"servers --max-batch 16")
     print("| clients | " + " | ".join(f"{m} tok/s (mean batch)" for m in methods)
-          + "".join(f" | {m} / {methods[0]}" for m in methods[1:]) + " |")
-    print("|---" * (1 + len(methods) + len(methods) - 1) + "|")
+          + "".join(f" | {m} / {methods[0]} | per round: geo. mean [95% CI]" for m in methods[1:]) + " |")
+    print("|---" * (1 + len(methods) + 2 * (len(methods) - 1)) + "|")
     for c in clients:
         cells = [f"{rows[(m, c)]['tokens_per_s']} ({rows[(m, c)]['mean_batch_size']})" for m in methods]
         base = rows[(methods[0], c)]["tokens_per_s"] or 0
-        ratios = [f"{(rows[(m, c)]['tokens_per_s'] or 0) / base:.2f}x" if base else "n/a" for m in methods[1:]]
+        ratios = []
+        for m in methods[1:]:
+            ratios.append(f"{(rows[(m, c)]['tokens_per_s'] or 0) / base:.2f}x" if base else "n/a")
+            ratios.append(paired_ratio(totals[(m, c)][3], totals[(methods[0], c)][3]))
         print(f"| {c} | " + " | ".join(cells) + "".join(f" | {r}" for r in ratios) + " |")
+
+
+def paired_ratio(ours: list[float], base: list[float]) -> str:
+    """The geometric mean of the rounds' ratios ``ours[r] / base[r]`` and its 95% confidence interval
+    (t over the log ratios), as text; the interval needs two rounds and scipy."""
+    logs = [math.log(a / b) for a, b in zip(ours, base) if a > 0 and b > 0]
+    if not logs:
+        return "n/a"
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return f"{math.exp(mean):.3f}x"
+    try:
+        from scipy.stats import t as student_t
+    except ImportError:
+        return f"{math.exp(mean):.3f}x (no scipy: no interval)"
+    half = student_t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return f"{math.exp(mean):.3f}x [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]"
 
 
 if __name__ == "__main__":
