@@ -1,0 +1,120 @@
+"""How fast could the decoding phase be?  Ceilings of the speedup over vanilla, per workload.
+
+Runs vanilla (greedy; constrained with ``--json-object``) on the bench's prompts, as
+``scripts/decode_phase.py`` does, then replays each output against the target's verification cost
+profile (``ModelRunner.verify_cost``: a forward of n tokens costs ``cost(n)``; vanilla pays
+``cost(1)`` a token) and prints, in forward-cost units (host time, drafting and the grammar left
+out: these are upper bounds):
+
+* **copy oracle**: each step drafts the continuation of the longest suffix of the text (prompt and
+  output so far) that occurred before, most recent occurrence (what ``pld`` and ``sam`` copy), cut
+  to exactly the tokens the target then accepts: the best any copy drafter with perfect lengths
+  could do;
+* **perfect drafter**: knows the output and drafts, at every step, the number of its next tokens
+  that minimises the total cost (dynamic programming): the ceiling of any drafter on this machine's
+  verification costs.
+
+    python scripts/draft_ceiling.py --categories extraction --json-object
+    python scripts/draft_ceiling.py --workload humaneval-heldout --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+MAX_DRAFT = 32  # the most tokens a step may draft (the default tree budgets are 24-32)
+MAX_MATCH = 16  # the longest suffix the copy oracle looks for
+
+
+def copy_continuation_at(text: Sequence[int], max_match: int = MAX_MATCH) -> list[int]:
+    """The tokens after the most recent earlier occurrence of the longest suffix of ``text`` (up to
+    ``max_match`` tokens) that occurred before; [] without one."""
+    n_text = len(text)
+    for n in range(min(max_match, n_text - 1), 0, -1):
+        key = list(text[n_text - n:])
+        for start in range(n_text - n - 1, -1, -1):
+            if list(text[start:start + n]) == key:
+                return list(text[start + n:start + n + MAX_DRAFT])
+    return []
+
+
+def copy_oracle_cost(prompt: Sequence[int], output: Sequence[int], cost: Callable[[int], float]) -> float:
+    """Total verification cost of ``output`` when each step drafts the copy continuation's tokens that
+    match the output (none where it is wrong at once)."""
+    text, i, total = list(prompt), 0, 0.0
+    while i < len(output):
+        cont = copy_continuation_at(text)
+        a = 0
+        while a < len(cont) and i + a < len(output) and cont[a] == output[i + a]:
+            a += 1
+        total += cost(1 + a)
+        text += output[i:i + a + 1]
+        i += a + 1
+    return total
+
+
+def perfect_cost(n_tokens: int, cost: Callable[[int], float]) -> float:
+    """The least total cost of emitting ``n_tokens`` tokens in steps of 1 + a tokens (a drafted and
+    accepted, 0 <= a < MAX_DRAFT), a step costing ``cost(1 + a)``."""
+    best = [0.0] * (n_tokens + 1)
+    for i in range(n_tokens - 1, -1, -1):
+        best[i] = min(cost(1 + a) + best[min(n_tokens, i + a + 1)] for a in range(MAX_DRAFT))
+    return best[0]
+
+
+def main() -> None:
+    import leapdecode
+    from leapdecode.bench.suite import encode_turn
+    from leapdecode.bench.workloads import load_workload, select
+    from leapdecode.core.runner import ModelRunner
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--workload", default=None, help="as the bench's --workload (default: Spec-Bench dev)")
+    ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    ap.add_argument("--limit", type=int, default=None, help="questions, sampled as the bench does")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-object", action="store_true", help="constrain every output to a JSON object")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    a = ap.parse_args()
+
+    model = leapdecode.load(a.model)
+    questions, _ = load_workload(a.workload)
+    questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)
+    if a.json_object:
+        for q in questions:
+            q.meta.setdefault("json_schema", {"type": "object"})
+    runner = ModelRunner(model, prefix_cache_bytes=0)
+    outputs = []
+    for q in questions:
+        history: list[dict] = []
+        schema = {"json_schema": q.meta["json_schema"]} if "json_schema" in q.meta else {}
+        for turn in q.turns:
+            ids = encode_turn(model, q, history, turn)
+            res = leapdecode.generate(runner, prompt_ids=ids, max_new_tokens=a.max_new_tokens, method="vanilla",
+                                      **schema)
+            outputs.append((ids, res.tokens))
+            print(f"question {q.question_id}: {len(res.tokens)} tokens", flush=True)
+            history += [{"role": "user", "content": turn}, {"role": "assistant", "content": res.text}]
+    verify = runner.verify_cost(model.model.new_cache(max_len=1024))
+    rel = verify.relative()
+    unit = verify(1)
+
+    def cost(n: int) -> float:
+        return verify(n) / unit
+
+    n_tokens = sum(len(out) for _, out in outputs)
+    copy = sum(copy_oracle_cost(ids, out, cost) for ids, out in outputs)
+    perfect = sum(perfect_cost(len(out), cost) for _, out in outputs)
+    print(f"\n{a.model}, {len(outputs)} outputs, {n_tokens} tokens; verification cost relative to one token: "
+          + ", ".join(f"{n}: {v:.2f}" for n, v in sorted(rel.items())))
+    print("| decoding phase | cost (1-token forwards) | speedup ceiling |")
+    print("|---|---:|---:|")
+    print(f"| vanilla | {n_tokens:.1f} | 1.00x |")
+    print(f"| copy oracle | {copy:.1f} | {n_tokens / copy:.2f}x |")
+    print(f"| perfect drafter | {perfect:.1f} | {n_tokens / perfect:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""scripts/draft_ceiling.py's replays: the copy oracle drafts what an earlier occurrence continues
+and pays for exactly the accepted part; the perfect drafter's dynamic programme finds the cheapest
+split of an output into steps (checked against brute force on small cases)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+
+
+@pytest.fixture(scope="module")
+def ceiling():
+    spec = importlib.util.spec_from_file_location("draft_ceiling", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_copy_continuation_is_the_most_recent_longest_match(ceiling):
+    # suffix [1, 2] occurred twice: the later occurrence (followed by 7) wins over the earlier (5)
+    assert ceiling.copy_continuation_at([1, 2, 5, 1, 2, 7, 1, 2]) == [7, 1, 2]
+    # the longest suffix wins: [3, 1, 2] continues with 9 though [1, 2] alone would give 7
+    assert ceiling.copy_continuation_at([3, 1, 2, 9, 1, 2, 7, 3, 1, 2])[:1] == [9]
+    assert ceiling.copy_continuation_at([4, 5, 6]) == []
+
+
+def test_copy_oracle_pays_one_step_per_accepted_run(ceiling):
+    unit = lambda n: 1.0  # noqa: E731 (every forward costs one: the cost counts steps)
+    # the output repeats the prompt: after one plain step (nothing to copy from "9"), one step copies the rest
+    assert ceiling.copy_oracle_cost([1, 2, 3, 9], [1, 2, 3, 9], unit) == 2.0
+    # nothing ever repeats: one step per token
+    assert ceiling.copy_oracle_cost([100], [1, 2, 3, 4, 5], unit) == 5.0
+    # rows cost: the copied step of 4 tokens (3 drafted) costs cost(4)
+    assert ceiling.copy_oracle_cost([1, 2, 3, 9], [1, 2, 3, 9], lambda n: 1.0 + 0.5 * (n - 1)) == 1.0 + 2.5
+
+
+@functools.lru_cache(maxsize=None)
+def _brute(n: int, slope: float, max_draft: int) -> float:
+    if n == 0:
+        return 0.0
+    return min(1.0 + slope * a + _brute(max(n - a - 1, 0), slope, max_draft) for a in range(max_draft))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 40), slope=st.sampled_from([0.0, 0.1, 0.35, 1.0, 2.0]))
+def test_perfect_drafter_is_the_cheapest_split(ceiling, n, slope):
+    cost = lambda k: 1.0 + slope * (k - 1)  # noqa: E731
+    assert ceiling.perfect_cost(n, cost) == pytest.approx(_brute(n, slope, ceiling.MAX_DRAFT))
+    assert ceiling.perfect_cost(n, cost) <= n  # never worse than vanilla (a = 0 every step)
