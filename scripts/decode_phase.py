@@ -28,27 +28,38 @@ from leapdecode.bench.workloads import load_workload, select
 from leapdecode.core.runner import ModelRunner
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_parser(doc: str) -> argparse.ArgumentParser:
+    """The options that pick the model and the bench's prompts (shared with ``draft_ceiling.py``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--workload", default=None, help="as the bench's --workload (default: Spec-Bench dev)")
     ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
     ap.add_argument("--limit", type=int, default=None, help="questions, sampled as the bench does")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-object", action="store_true", help="constrain every output to a JSON object")
-    ap.add_argument("--methods", default="auto,sam,pld", help="comma-separated method rows (vanilla is the reference)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
+    return ap
+
+
+def workload_questions(a: argparse.Namespace) -> list:
+    """The bench's questions that ``workload_parser``'s options select."""
+    questions, _ = load_workload(a.workload)
+    questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)
+    if a.json_object:  # as the bench: a workload's own schemas (SchemaStore) stay
+        for q in questions:
+            q.meta.setdefault("json_schema", {"type": "object"})
+    return questions
+
+
+def main() -> None:
+    ap = workload_parser(__doc__)
+    ap.add_argument("--methods", default="auto,sam,pld", help="comma-separated method rows (vanilla is the reference)")
     a = ap.parse_args()
     rows = ["vanilla"] + [r for r in a.methods.split(",") if r and r != "vanilla"]
     specs = {r: split_method_row(r) for r in rows}  # an unknown method or option fails here, before the model loads
 
     model = leapdecode.load(a.model)
-    questions, _ = load_workload(a.workload)
-    categories = a.categories.split(",") if a.categories else None
-    questions = select(questions, a.limit, categories, a.seed)
-    if a.json_object:  # as the bench: a workload's own schemas (SchemaStore) stay
-        for q in questions:
-            q.meta.setdefault("json_schema", {"type": "object"})
+    questions = workload_questions(a)
     runners = {r: ModelRunner(model, prefix_cache_bytes=0) for r in rows}
     totals = {r: {"decode": 0.0, "prefill": 0.0, "forwards": 0, "rows": 0, "draft": 0.0, "verify": 0.0,
                   "constraint": 0.0} for r in rows}

@@ -20,8 +20,9 @@ out: these are upper bounds):
 
 from __future__ import annotations
 
-import argparse
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 MAX_DRAFT = 32  # the most tokens a step may draft (the default tree budgets are 24-32)
 MAX_MATCH = 16  # the longest suffix the copy oracle looks for
@@ -66,25 +67,14 @@ def perfect_cost(n_tokens: int, cost: Callable[[int], float]) -> float:
 def main() -> None:
     import leapdecode
     from leapdecode.bench.suite import encode_turn
-    from leapdecode.bench.workloads import load_workload, select
     from leapdecode.core.runner import ModelRunner
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--workload", default=None, help="as the bench's --workload (default: Spec-Bench dev)")
-    ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
-    ap.add_argument("--limit", type=int, default=None, help="questions, sampled as the bench does")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json-object", action="store_true", help="constrain every output to a JSON object")
-    ap.add_argument("--max-new-tokens", type=int, default=192)
-    a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode_phase import workload_parser, workload_questions
 
+    a = workload_parser(__doc__).parse_args()
     model = leapdecode.load(a.model)
-    questions, _ = load_workload(a.workload)
-    questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)
-    if a.json_object:
-        for q in questions:
-            q.meta.setdefault("json_schema", {"type": "object"})
+    questions = workload_questions(a)
     runner = ModelRunner(model, prefix_cache_bytes=0)
     outputs = []
     for q in questions:

@@ -137,6 +137,22 @@ def _no_bundled_heads(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(store, "bundled_root", lambda: empty)
 
 
+def load_script(name: str):
+    """``scripts/NAME.py`` as a module (the scripts are not a package); its own folder on the path,
+    for scripts that import a sibling."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "scripts"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 async def collect_job_events(engine, specs) -> list:
     """Submit one ``Job`` of ``specs`` to a server ``Engine`` and gather its typed events up to
     ``Ended`` (60 s per event at most)."""

@@ -5,22 +5,17 @@ split of an output into steps (checked against brute force on small cases)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ceiling():
-    spec = importlib.util.spec_from_file_location("draft_ceiling", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("draft_ceiling")
 
 
 def test_copy_continuation_is_the_most_recent_longest_match(ceiling):

@@ -5,7 +5,6 @@ an atomic gzipped JSONL."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,15 +15,14 @@ import pytest
 from leapdecode.bench.workloads import held_apart
 from leapdecode.heads_train import humaneval_prompts
 
+from conftest import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "head_prompt_mix.py"
 
 
 @pytest.fixture(scope="module")
 def mix():
-    spec = importlib.util.spec_from_file_location("head_prompt_mix", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("head_prompt_mix")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ broken server fails the test instead of hanging it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import re
@@ -38,9 +37,8 @@ from leapdecode.server.engine import (Delta, Ended, Engine, Failed, Finished, Ge
                                       build_runner)
 
 from conftest import collect_job_events  # noqa: E402
-from conftest import eventually, start_server
+from conftest import eventually, load_script, start_server
 
-ROOT = Path(__file__).resolve().parents[1]
 LONG = 1500  # max_tokens of a greedy generation (no EOS: 'Hello'/'Hi' run to the limit) far longer than any wait
 DRAFT = "tiny-random:1"
 
@@ -771,10 +769,7 @@ def test_metrics(server, client):
 
 # ---------------------------------------------------------------------------- the real CLI, a real model
 def _loadtest():
-    spec = importlib.util.spec_from_file_location("loadtest", ROOT / "scripts" / "loadtest.py")
-    lt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lt)
-    return lt
+    return load_script("loadtest")
 
 
 @pytest.mark.integration
