@@ -267,12 +267,13 @@ def _model_for(tiny, case):
 @pytest.mark.parametrize("seed_", [0, 1])
 def test_compared_targets_are_batch_invariant(tiny, seed_):
     """What the bitwise comparisons below rely on: the invariant tiny targets give a tree forward's
-    tokens the logits of the same tokens fed one at a time (prompts through both prefill routes);
-    the plain fp32 ones do not (MKL's ``F.linear`` and masked SDPA), which is why they are not used."""
+    tokens the logits of the same tokens fed one at a time (prompts through both prefill routes).
+    The plain fp32 ones did not on this project's machines (MKL's ``F.linear`` and masked SDPA: all
+    14 cases mismatched), which is why they are not used; that depends on the BLAS, so it is not
+    asserted."""
     from test_quant import _mismatches
 
     assert _mismatches(tiny(seed=seed_, invariant=True).model) == {}
-    assert _mismatches(tiny(seed=seed_).model) != {}
 
 
 @pytest.mark.parametrize("method", list(METHODS))
