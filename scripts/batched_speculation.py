@@ -61,7 +61,7 @@ def main() -> None:
                     t[0] += s["generated_tokens"] or 0
                     t[1] += s["elapsed_s"]
                     t[2].append(s["mean_batch_size"] or 0.0)
-                    t[3].append((s["generated_tokens"] or 0) / s["elapsed_s"] if s["elapsed_s"] else 0.0)
+                    t[3].append(s["tokens_per_s"] or 0.0)
                     print(f"{m:8s} clients {c:2d} round {r}: {s['tokens_per_s']} tok/s, mean batch "
                           f"{s['mean_batch_size']}, completed {s['completed']}", file=sys.stderr, flush=True)
     finally:

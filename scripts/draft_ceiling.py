@@ -24,33 +24,43 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from leapdecode.proposers.pld import NGramIndex
+
 MAX_DRAFT = 32  # the most tokens a step may draft (the default tree budgets are 24-32)
 MAX_MATCH = 16  # the longest suffix the copy oracle looks for
+
+
+def _match_continuation(index: NGramIndex) -> list[int]:
+    """The tokens after the most recent earlier occurrence of the longest suffix of ``index``'s text
+    that occurred before (pld's n-gram index); [] without one."""
+    text = index.text
+    for n in range(min(index.max_ngram, len(text) - 1), 0, -1):
+        positions = index.lookup(n)
+        if positions:
+            return text[positions[-1]:positions[-1] + MAX_DRAFT]
+    return []
 
 
 def copy_continuation_at(text: Sequence[int], max_match: int = MAX_MATCH) -> list[int]:
     """The tokens after the most recent earlier occurrence of the longest suffix of ``text`` (up to
     ``max_match`` tokens) that occurred before; [] without one."""
-    n_text = len(text)
-    for n in range(min(max_match, n_text - 1), 0, -1):
-        key = list(text[n_text - n:])
-        for start in range(n_text - n - 1, -1, -1):
-            if list(text[start:start + n]) == key:
-                return list(text[start + n:start + n + MAX_DRAFT])
-    return []
+    index = NGramIndex(max_match)
+    index.extend(text)
+    return _match_continuation(index)
 
 
 def copy_oracle_cost(prompt: Sequence[int], output: Sequence[int], cost: Callable[[int], float]) -> float:
     """Total verification cost of ``output`` when each step drafts the copy continuation's tokens that
     match the output (none where it is wrong at once)."""
-    text, i, total = list(prompt), 0, 0.0
+    index, i, total = NGramIndex(MAX_MATCH), 0, 0.0
+    index.extend(prompt)
     while i < len(output):
-        cont = copy_continuation_at(text)
+        cont = _match_continuation(index)
         a = 0
         while a < len(cont) and i + a < len(output) and cont[a] == output[i + a]:
             a += 1
         total += cost(1 + a)
-        text += output[i:i + a + 1]
+        index.extend(output[i:i + a + 1])
         i += a + 1
     return total
 

@@ -50,9 +50,11 @@ class RowInvariantLinear(torch.nn.Module):
 def make_batch_invariant(model) -> None:
     """Turn a float native decoder into a batch-invariant one, like the default int4 path: the
     invariant attention and ``RowInvariantLinear`` layers (weights shared, not copied)."""
+    from leapdecode.models.quant import BLOCK_LINEARS
+
     model.attention = "invariant"
     for block in model.layers:
-        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        for name in BLOCK_LINEARS:
             setattr(block, name, RowInvariantLinear(getattr(block, name).weight))
     model.lm_head = RowInvariantLinear(model.lm_head.weight)
 
