@@ -231,17 +231,22 @@ class LoadGuard:
     plain decoding, which issue 14 forbids ("batched speculation never below plain batched
     decoding").  So the choice between the two is also made on what they measurably did: a
     two-armed bandit per load level (the number of decoding sequences, in powers of two: 1, 2,
-    3-4, 5-8, ...).  An arm holds for ``WINDOW`` iterations; every ``EXPLORE``-th window of a level
-    runs the arm that is behind, for ``PROBE_WINDOW`` iterations (about a tenth of the iterations),
-    so a changed load or text is noticed at a small cost; the better arm is the one
-    with more committed tokens per wall second (sums over its windows, discounted by ``DISCOUNT`` a
-    window).  Iterations that carry a prompt chunk are not counted (their time is prefill's).
+    3-4, 5-8, ...).  An arm holds for ``WINDOW`` iterations; after ``EXPLORE`` windows a level
+    runs the arm that is behind for ``PROBE_WINDOW`` iterations, so a changed load or text is
+    noticed; each such look that leaves the same arm ahead doubles the windows until the next one
+    (up to ``EXPLORE_MAX``), and a change of leader brings the interval back to ``EXPLORE``: the
+    arm behind gets about a tenth of the iterations at first, about 2% once the order is settled.
+    The better arm is the one with more committed tokens per wall second (sums over its windows,
+    discounted by ``DISCOUNT`` a window).  Iterations that carry a prompt chunk are not counted
+    (their time is prefill's), but they follow the leader (``leader``): where plain decoding
+    measures faster, the decoding sequences of a prefill iteration do not draft either.
     Which arm runs changes no text: greedy output is the same with any tree or none, and seeded
     sampling draws by position (drafter-invariant)."""
 
     WINDOW = 8
     PROBE_WINDOW = 4
     EXPLORE = 6
+    EXPLORE_MAX = 24
     DISCOUNT = 0.85
 
     def __init__(self) -> None:
@@ -254,7 +259,8 @@ class LoadGuard:
     def _state(self, level: int) -> dict:
         st = self._levels.get(level)
         if st is None:
-            st = self._levels[level] = {"arm": "spec", "left": 0, "windows": 0,
+            st = self._levels[level] = {"arm": "spec", "left": 0, "since": 0, "every": self.EXPLORE,
+                                        "leader": None, "explored": False,
                                         "tokens": {"spec": 0.0, "plain": 0.0}, "seconds": {"spec": 0.0, "plain": 0.0}}
         return st
 
@@ -265,12 +271,17 @@ class LoadGuard:
             return None
         return st["tokens"][arm] / st["seconds"][arm]
 
+    def leader(self, decoding: int) -> str:
+        """The arm that measures faster at this load now ("spec" until both are measured)."""
+        level = self.level(decoding)
+        spec, plain = self.rate(level, "spec"), self.rate(level, "plain")
+        return "plain" if spec is not None and plain is not None and plain > spec else "spec"
+
     def arm(self, decoding: int) -> str:
         """"spec" (the scheduler's plan) or "plain" (no draft at all) for the next iteration."""
         level = self.level(decoding)
         st = self._state(level)
         if st["left"] <= 0:
-            st["windows"] += 1
             for a in ("spec", "plain"):  # discount the old windows: loads and texts drift
                 st["tokens"][a] *= self.DISCOUNT
                 st["seconds"][a] *= self.DISCOUNT
@@ -280,7 +291,14 @@ class LoadGuard:
             else:
                 better = "spec" if spec >= plain else "plain"
                 worse = "plain" if better == "spec" else "spec"
-                if st["windows"] % self.EXPLORE == 0:
+                if better != st["leader"]:  # a new leader: look at the other arm soon again
+                    st["every"], st["since"] = self.EXPLORE, 0
+                elif st["explored"]:  # the look at the arm behind left the order as it was
+                    st["every"] = min(2 * st["every"], self.EXPLORE_MAX)
+                st["leader"], st["explored"] = better, False
+                st["since"] += 1
+                if st["since"] >= st["every"]:
+                    st["since"], st["explored"] = 0, True
                     st["arm"], st["left"] = worse, self.PROBE_WINDOW
                     return worse
                 st["arm"] = better
@@ -338,6 +356,7 @@ class SpeculationScheduler:
         # measured throughput of the plans against plain decoding, per load level (None: plans alone)
         self.guard: LoadGuard | None = LoadGuard() if guard else None
         self._arm: str | None = None  # the guard's arm for the planned iteration
+        self._guard_plain = False
         self._decoding = 0
         self._t_plan = 0.0
         self._seqs: dict[int, tuple[Generation, SequenceStats]] = {}
@@ -379,6 +398,7 @@ class SpeculationScheduler:
         ran."""
         self._t_plan = time.perf_counter()
         self._arm = None
+        self._guard_plain = False  # the guard made this iteration plain (its arm, or the leader)
         caps: list[int | None] = [None] * len(gens)
         spec = [i for i, g in enumerate(gens) if g.proposer is not None and not g.finished and g.tree_budget > 0]
         for i in spec:
@@ -387,9 +407,13 @@ class SpeculationScheduler:
             return caps
         decoding = sum(1 for g in gens if g.decoding)
         prefilling = [g for g in gens if g.prefilling]
-        if self.guard is not None and decoding and not prefilling:
-            self._arm, self._decoding = self.guard.arm(decoding), decoding
-            if self._arm == "plain":  # plain batched decoding measures better at this load now
+        if self.guard is not None and decoding:
+            if not prefilling:
+                self._arm, self._decoding = self.guard.arm(decoding), decoding
+            # plain batched decoding measures better at this load now (a prefill iteration is not
+            # measured, but its decoding sequences follow the leader)
+            if (self._arm or self.guard.leader(decoding)) == "plain":
+                self._guard_plain = True
                 for i in spec:
                     caps[i] = 0
                 return caps
@@ -474,7 +498,7 @@ class SpeculationScheduler:
                 st.gap = min(st.gap * 2, PROBE_MAX) if st.planned == "probe" else PROBE_FIRST
             else:
                 self._host(None, o.host_s)
-                if self._arm != "plain":  # the guard's plain iterations do not bring a re-probe nearer
+                if not self._guard_plain:  # the guard's plain iterations do not bring a re-probe nearer
                     st.plain_run += 1
         for g in gens:
             if g.finished:
@@ -482,7 +506,7 @@ class SpeculationScheduler:
         if not any_spec:
             self.counters["plain_iterations"] += 1
         if self._arm is not None:
-            if self._arm == "plain":
+            if (self._arm or self.guard.leader(decoding)) == "plain":
                 self.counters["guard_plain_iterations"] += 1
             tokens = sum(len(o.output.tokens) for o in outcomes if o.drafted is not None and o.output is not None)
             self.guard.record(self._decoding, self._arm, tokens, time.perf_counter() - self._t_plan)
