@@ -10,7 +10,7 @@ tokens/s per round, and whether the two builds gave the same tokens (they must: 
 arithmetic is documented and tested bit for bit).
 
     python scripts/kernel_ab.py layers --a ec0bb9d --rows 1,2,4,8,16
-    python scripts/kernel_ab.py layers --a HEAD --bflags=-DFEW_ROWS=64 --rows 16,24,32
+    python scripts/kernel_ab.py layers --a HEAD --bflags=-DRB_ROWS=8 --rows 8,12,16,24
     python scripts/kernel_ab.py generate --a ec0bb9d --new 96 --rounds 4
     python scripts/kernel_ab.py cached --a ec0bb9d --rows 1,2,4,8,16 --rounds 7 --threads 1
 

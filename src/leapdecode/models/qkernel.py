@@ -401,7 +401,7 @@ class QPart(nn.Module):
     def pointers(self) -> tuple:
         """The kernel's weight arguments, from ``codes`` to ``group``.  A K-quant weight whose
         offsets are all +0 (Q6_K) goes in as scale mode 3: the same values, but the kernel's
-        few-row path then skips the offsets' bytes (kernels/qgemm.cpp)."""
+        SIMD path then skips the offsets' bytes (kernels/qgemm.cpp)."""
         smode = self.smode
         if smode == 2 and not bool(self.zsup.view(torch.int16).any()):
             smode = 3

@@ -32,11 +32,12 @@
 //   1: s, z fp16 [N/16][K/G][16] (the legacy GGUF types: d, m and 8 d are fp16 values)
 //   2: s = dsup * sc, z = zsup * mc: sc, mc int8 [N/16][K/G][16], dsup, zsup fp16 [N/16][K/G/gps][16]
 //      per super-block of gps groups (the K-quants' d * sc and -dmin * m, exact fp32 products).
-//   3: mode 2 where every zsup is +0 (Q6_K has no offsets): z = +0, and the few-row path does not
+//   3: mode 2 where every zsup is +0 (Q6_K has no offsets): z = +0, and the SIMD path does not
 //      read zsup and mc at all (about 7% of a Q6_K tensor's bytes).
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <utility>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LD_PORTABLE)
 #include <immintrin.h>
 #define LD_SIMD 1
@@ -48,14 +49,8 @@
 // Each thread works on one 16-column unit at a time (it then streams one unit's codes and scales:
 // measured on an AMD EPYC, Zen 4, 2 threads, all linear layers of qwen2.5-coder-1.5b at 1 row,
 // blocks of 4 units 40.8 ms, 2 units 38.3, 1 unit 28.6: fewer streams than the prefetchers follow).
-#ifndef FEW_ROWS
-#define FEW_ROWS 8  // at most this many rows (<= 64): unit_rows, each block of 4 rows decoding the weights again
-#endif
-#ifndef MANY_RB
-#define MANY_RB 4  // rows a register block of the many-row path (unit_many), groups of 32
-#endif
-#ifndef MANY_RB16
-#define MANY_RB16 8  // ... groups of 16 (half the dot products a group: more rows in flight)
+#ifndef RB_ROWS
+#define RB_ROWS 12  // rows of one pass of unit_rows over a unit's weights: each group decoded once for them all
 #endif
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
@@ -327,8 +322,8 @@ struct ScaleWalk {
 // One group of RB rows against one unit's decoded group w (scales s, offsets z): the rows' integer
 // dot products, started at -offset * isum (so the codes' offset costs no instruction), then the
 // documented epilogue into acc[0 .. RB-1], with the offset term's factor dx * isum from
-// quantize_rows.  Rows are K apart in x and ng apart in dx, ncorr, bx.  Both row paths call it, so
-// every output goes through the same operations.
+// quantize_rows.  Rows are K apart in x and ng apart in dx, ncorr, bx.  Every row goes through it,
+// whatever the rows beside it, so every output goes through the same operations.
 template <int BITS, int SMODE, int RB, int Q>
 __attribute__((always_inline)) static inline void rows_group(const int8_t* x, int64_t K, int64_t ng, const float* dx, const int32_t* ncorr,
                               const float* bx, const __m512i* w, __m512 s, __m512 z, __m512* acc) {
@@ -347,11 +342,25 @@ __attribute__((always_inline)) static inline void rows_group(const int8_t* x, in
     }
 }
 
-// A unit's rows m0 .. m0 + RB - 1 (RB <= 4) with everything known at compile time (code width,
-// group, scale mode) and the accumulators in registers for the whole row of groups: the few-row
-// path (decoding steps and small trees), where memory-resident accumulators and run-time loop
-// bounds were the critical path.  Each output goes through exactly unit_many's (and the portable
-// path's) operations in the same order, so the bits are the same (tests compare them).
+// rows_group over rows B0 .. RB - 1 in blocks of 4 (accumulators acc[B0 ..]), all against one decoded group
+template <int BITS, int SMODE, int RB, int Q, int B0>
+__attribute__((always_inline)) static inline void row_blocks(const int8_t* x, int64_t K, int64_t ng, const float* dx,
+                                                             const int32_t* nc, const float* bx, const __m512i* w,
+                                                             __m512 s, __m512 z, __m512* acc) {
+    constexpr int n = RB - B0 < 4 ? RB - B0 : 4;
+    if constexpr (n > 0) {
+        rows_group<BITS, SMODE, n, Q>(x + B0 * K, K, ng, dx + B0 * ng, nc + B0 * ng, bx + B0 * ng, w, s, z, acc + B0);
+        row_blocks<BITS, SMODE, RB, Q, B0 + 4>(x, K, ng, dx, nc, bx, w, s, z, acc);
+    }
+}
+
+// A unit's rows m0 .. m0 + RB - 1 (RB <= RB_ROWS) with everything known at compile time (code width,
+// group, scale mode) and the accumulators in registers for the whole row of groups.  Each group's
+// codes and scales are decoded once for all RB rows, so a tree's rows ride on the weights a
+// decoding step streams anyway (one pass of 8 rows took 0.85x the time of the two 4-row passes that
+// ran before, at 12-48 rows 0.80-0.95x the earlier path with memory-resident accumulators:
+// docs/benchmarks.md section 30).  Each output goes through exactly the portable path's operations
+// in the same order, so the bits are the same (tests compare them).
 template <int BITS, int GROUP, int SMODE, int RB>
 static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
                       int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
@@ -374,7 +383,8 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
         decode_block(blk, BITS, GROUP, w);
         __m512 s, z;
         scales.next(g, s, z);
-        rows_group<BITS, SMODE, RB, Q>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, w, s, z, acc);
+        // rows 0-3, 4-7, ... against the same decoded group (one pass over the weights)
+        row_blocks<BITS, SMODE, RB, Q, 0>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, w, s, z, acc);
     }
     alignas(64) float tmp[16];
     for (int r = 0; r < RB; ++r) {
@@ -383,70 +393,19 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     }
 }
 
-// A unit's rows 0 .. rows - 1 (any number up to MAX_ROWS), the many-row path (prefill chunks,
-// large batches): each (unit, group) block is decoded once for all the rows, its scales and
-// offsets too, and each row then costs the group's vpdpbusd and its epilogue alone (the
-// accumulators live in memory, rows in register blocks of RB).  Everything known at compile time
-// as in unit_rows, and each group of rows through the same rows_group.
-template <int BITS, int GROUP, int SMODE>
-static void unit_many(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
-                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    constexpr int Q = GROUP / 4;
-    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
-    constexpr int RB = GROUP == 16 ? MANY_RB16 : MANY_RB;
-    const int64_t ng = K / GROUP;
-    const uint8_t* blk = codes + u * ng * UB;
-    alignas(64) __m512 acc[MAX_ROWS];
-    for (int64_t m = 0; m < rows; ++m) acc[m] = _mm512_setzero_ps();
-    ScaleWalk<SMODE> scales(sc, u, ng);
-    for (int64_t g = 0; g < ng; ++g, blk += UB) {
-        __m512i w[Q];
-        decode_block(blk, BITS, GROUP, w);
-        __m512 s, z;
-        scales.next(g, s, z);
-        const int8_t* x = act.q + g * GROUP;
-        const float* dx = act.dx + g;
-        const int32_t* nc = act.ncorr + g;
-        const float* bx = act.bx + g;
-        int64_t m = 0;
-        for (; m + RB <= rows; m += RB)
-            rows_group<BITS, SMODE, RB, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
-        for (; m < rows; ++m)
-            rows_group<BITS, SMODE, 1, Q>(x + m * K, K, ng, dx + m * ng, nc + m * ng, bx + m * ng, w, s, z, acc + m);
-    }
-    alignas(64) float tmp[16];
-    for (int64_t m = 0; m < rows; ++m) {
-        _mm512_store_ps(tmp, acc[m]);
-        store_row(tmp, bias, y, ldy, m, u * 16, out_fp32);
-    }
-}
-
-typedef void (*UnitManyFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int, int64_t, const float*,
-                           void*, int64_t, int);
-
-template <int BITS, int GROUP>
-static UnitManyFn unit_many_fn(int smode) {
-    return smode == 0 ? unit_many<BITS, GROUP, 0> : smode == 1 ? unit_many<BITS, GROUP, 1>
-         : smode == 2 ? unit_many<BITS, GROUP, 2> : unit_many<BITS, GROUP, 3>;
-}
-
-static UnitManyFn select_unit_many(int bits, int group, int smode) {
-    if (group == 16) return bits == 4 ? unit_many_fn<4, 16>(smode) : bits == 6 ? unit_many_fn<6, 16>(smode)
-                                                                    : unit_many_fn<8, 16>(smode);
-    return bits == 4 ? unit_many_fn<4, 32>(smode) : bits == 6 ? unit_many_fn<6, 32>(smode) : unit_many_fn<8, 32>(smode);
-}
-
 typedef void (*UnitRowsFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int, int64_t, const float*,
                            void*, int64_t, int);
 
+template <int BITS, int GROUP, int SMODE, int... RB>
+static UnitRowsFn unit_rows_pick(int rb, std::integer_sequence<int, RB...>) {
+    static const UnitRowsFn table[] = {unit_rows<BITS, GROUP, SMODE, RB + 1>...};
+    return table[rb - 1];
+}
+
 template <int BITS, int GROUP, int SMODE>
 static UnitRowsFn unit_rows_fn(int rb) {
-    switch (rb) {
-        case 1: return unit_rows<BITS, GROUP, SMODE, 1>;
-        case 2: return unit_rows<BITS, GROUP, SMODE, 2>;
-        case 3: return unit_rows<BITS, GROUP, SMODE, 3>;
-        default: return unit_rows<BITS, GROUP, SMODE, 4>;
-    }
+    return unit_rows_pick<BITS, GROUP, SMODE>(rb < 1 ? 1 : rb > RB_ROWS ? RB_ROWS : rb,
+                                              std::make_integer_sequence<int, RB_ROWS>{});
 }
 
 template <int BITS, int GROUP>
@@ -455,7 +414,7 @@ static UnitRowsFn unit_rows_fn(int smode, int rb) {
          : smode == 2 ? unit_rows_fn<BITS, GROUP, 2>(rb) : unit_rows_fn<BITS, GROUP, 3>(rb);
 }
 
-// the specialized few-row function for a format and a block of rb rows (1..4)
+// the specialized few-row function for a format and a block of rb rows (1..RB_ROWS)
 static UnitRowsFn select_unit_rows(int bits, int group, int smode, int rb) {
     if (group == 16) return bits == 4 ? unit_rows_fn<4, 16>(smode, rb) : bits == 6 ? unit_rows_fn<6, 16>(smode, rb)
                                                                         : unit_rows_fn<8, 16>(smode, rb);
@@ -493,18 +452,14 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
         void* yr = out_fp32 ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
         quantize_rows(x + r0 * ldx, ldx, rows, K, group, code_offset(bits, offset), act, nthreads);
 #if LD_SIMD
-        if (rows <= FEW_ROWS) {  // each unit's rows in blocks of up to 4, accumulators in registers
-            const int nb = (int)((rows + 3) / 4);
-            UnitRowsFn fn[16];
-            for (int b = 0; b < nb; ++b) fn[b] = select_unit_rows(bits, group, smode, (int)(rows - 4 * b < 4 ? rows - 4 * b : 4));
+        // each unit's rows in passes of up to RB_ROWS, accumulators in registers
+        const int nb = (int)((rows + RB_ROWS - 1) / RB_ROWS);
+        UnitRowsFn fn[MAX_ROWS];
+        for (int b = 0; b < nb; ++b)
+            fn[b] = select_unit_rows(bits, group, smode, (int)(rows - RB_ROWS * b < RB_ROWS ? rows - RB_ROWS * b : RB_ROWS));
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-            for (int64_t u = 0; u < units; ++u)
-                for (int b = 0; b < nb; ++b) fn[b](4 * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
-            continue;
-        }
-        const UnitManyFn many = select_unit_many(bits, group, smode);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t u = 0; u < units; ++u) many(rows, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
+        for (int64_t u = 0; u < units; ++u)
+            for (int b = 0; b < nb; ++b) fn[b](RB_ROWS * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
 #else
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t u = 0; u < units; ++u)
