@@ -58,14 +58,21 @@ def start_server(model: str, max_queue: int, extra: list[str] | None = None, tim
            "--port", str(port), "--max-queue", str(max_queue), "--log-level", "warning", *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    wait_for(proc, url, timeout, log.name)
+    return proc, url, log.name
+
+
+def wait_for(proc: subprocess.Popen, url: str, timeout: float = 180.0, log_path: str | None = None) -> None:
+    """Until the server ``proc`` answers ``/health`` at ``url``; killed and an error after ``timeout`` s
+    (an error with the end of its log, where given, if it exits first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}:\n"
-                               + Path(log.name).read_text(errors="replace")[-3000:])
+            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
+            raise RuntimeError(f"the server exited with status {proc.returncode}:\n{tail}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return proc, url, log.name
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

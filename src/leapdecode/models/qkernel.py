@@ -43,7 +43,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .linear import make_linear
-from .store import atomic_write, cache_dir
+from .store import atomic_write, cache_dir, say
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
@@ -96,6 +96,7 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
     os.close(fd)
+    say("building the quantized kernel for this CPU (once per machine and version; about half a minute)")
     try:
         proc = subprocess.run([cxx, *CXXFLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
