@@ -506,7 +506,7 @@ class SpeculationScheduler:
         if not any_spec:
             self.counters["plain_iterations"] += 1
         if self._arm is not None:
-            if (self._arm or self.guard.leader(decoding)) == "plain":
+            if self._arm == "plain":
                 self.counters["guard_plain_iterations"] += 1
             tokens = sum(len(o.output.tokens) for o in outcomes if o.drafted is not None and o.output is not None)
             self.guard.record(self._decoding, self._arm, tokens, time.perf_counter() - self._t_plan)
