@@ -22,8 +22,8 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,25 +108,21 @@ def main() -> None:
     ap.add_argument("--levels", action="store_true", help="also print each kind of iteration per load level")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from loadtest import free_port, run_loadtest, wait_for
+    from loadtest import run_loadtest, start_server, stop_server
 
     servers = {}
     work = Path(tempfile.mkdtemp(prefix="engine-trace-"))
     try:
         for m in args.methods.split(","):
-            port, out = free_port(), work / f"{m}.json"
-            log = open(work / f"{m}.log", "w")
-            proc = subprocess.Popen([sys.executable, __file__, "serve", "-m", args.model, "--host", "127.0.0.1",
-                                     "--port", str(port), "--max-queue", "64", "--log-level", "warning",
-                                     "--method", m, "--max-batch", "16"],
-                                    env=dict(os.environ, ENGINE_TRACE_OUT=str(out)), stdout=log, stderr=subprocess.STDOUT)
-            servers[m] = (proc, f"http://127.0.0.1:{port}", out)
-        for m, (proc, url, _) in servers.items():
-            wait_for(proc, url, 300.0, str(work / f"{m}.log"))
+            out = work / f"{m}.json"
+            proc, url, log = start_server(args.model, 64, ["--method", m, "--max-batch", "16"], timeout=300.0,
+                                          launcher=[sys.executable, __file__, "serve"],
+                                          env=dict(os.environ, ENGINE_TRACE_OUT=str(out)))
+            servers[m] = (proc, url, out, log)
         methods = list(servers)
         for r in range(args.rounds):
             for m in methods if r % 2 == 0 else methods[::-1]:
-                proc, url, out = servers[m]
+                proc, url, out, _ = servers[m]
                 s = run_loadtest(url=url, clients=args.clients, duration=args.duration, warmup=4.0 if r else 8.0,
                                  max_tokens=args.max_tokens, disconnect_prob=0.0, check_solo=False, seed=r)
                 out.unlink(missing_ok=True)
@@ -141,9 +137,10 @@ def main() -> None:
                 lines = table(stats)
                 print("\n".join(x for x in lines if args.levels or "@" not in x), flush=True)
     finally:
-        for proc, _, _ in servers.values():
-            proc.terminate()
-            proc.wait(30)
+        for proc, _, _, log in servers.values():
+            stop_server(proc)
+            os.unlink(log)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -50,29 +50,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, max_queue: int, extra: list[str] | None = None, timeout: float = 180.0):
-    """``leapdecode serve`` in a subprocess; returns (process, base url, log path)."""
+def start_server(model: str, max_queue: int, extra: list[str] | None = None, timeout: float = 180.0,
+                 launcher: list[str] | None = None, env: dict[str, str] | None = None):
+    """``leapdecode serve`` in a subprocess (``launcher``: the command that stands for ``leapdecode
+    serve``, e.g. a script wrapping it; ``env``: the process's environment); returns (process, base
+    url, log path) once it answers ``/health``."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w+b", prefix="leapdecode-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "leapdecode.cli", "serve", "-m", model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-queue", str(max_queue), "--log-level", "warning", *(extra or [])]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with tempfile.NamedTemporaryFile("w+b", prefix="leapdecode-serve-", suffix=".log", delete=False) as log:
+        cmd = [*(launcher or [sys.executable, "-m", "leapdecode.cli", "serve"]), "-m", model, "--host", "127.0.0.1",
+               "--port", str(port), "--max-queue", str(max_queue), "--log-level", "warning", *(extra or [])]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_for(proc, url, timeout, log.name)
-    return proc, url, log.name
-
-
-def wait_for(proc: subprocess.Popen, url: str, timeout: float = 180.0, log_path: str | None = None) -> None:
-    """Until the server ``proc`` answers ``/health`` at ``url``; killed and an error after ``timeout`` s
-    (an error with the end of its log, where given, if it exits first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
-            raise RuntimeError(f"the server exited with status {proc.returncode}:\n{tail}")
+            raise RuntimeError(f"the server exited with status {proc.returncode}:\n"
+                               + Path(log.name).read_text(errors="replace")[-3000:])
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
+                return proc, url, log.name
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
