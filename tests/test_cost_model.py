@@ -266,6 +266,30 @@ def test_subset_head_scores_exactly_the_chosen_rows(tiny):
     assert (set(vars(draft)), set(vars(draft.model))) == attrs
 
 
+def test_subset_of_a_quantized_head_is_the_heads_own_rows():
+    """On the default format's block-quantized head (``QLinear``) the subset slices the packed rows:
+    its logits are the target's own logits for those ids, bit for bit, and the head is never
+    dequantized to a float copy (``model.head_weight``)."""
+    from leapdecode.models.qkernel import QLinear, kernel_problem
+
+    if kernel_problem() is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {kernel_problem()}")
+    target = leapdecode.load("tiny-random", weights="int4")
+    model = target.model
+    assert isinstance(model.lm_head, QLinear)
+    runner = ModelRunner(target)
+    prompt = [3, 100, 200, 100, 258, 64]
+    head = subset_head(_ctx(runner), target, 64, prompt)
+    assert head.ids.tolist() == list(range(64)) + [64, 100, 200, 258]
+    ids = torch.tensor([[5, 100, 42, 7]])
+    full = model.forward(ids, model.new_cache(max_len=16))
+    sub = model.forward(ids, model.new_cache(max_len=16), head=head)
+    assert torch.equal(sub, full[..., head.ids])
+    assert head.base.parts[0].codes.data_ptr() == model.lm_head.parts[0].codes.data_ptr()  # views, no copy
+    assert getattr(model, "_head_weight", None) is None  # nothing dequantized
+    assert subset_head(_ctx(runner), target, 64, [7]).extra is None  # no ids beyond the base rows
+
+
 def test_draft_with_a_vocabulary_subset_equals_vanilla(tiny, fresh_runner):
     target = tiny(seed=0)
     runner = fresh_runner(target, verify_cost="flat", drafts={"copy-8": tiny(seed=0, copy=8)})

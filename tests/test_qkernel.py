@@ -518,6 +518,41 @@ def test_parts_side_by_side_equal_the_single_parts(force_kernel, out_fp32):
         assert torch.equal(fused(x[i : i + 1]), y[i : i + 1])
 
 
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_row_subsets_give_the_layers_own_bits(force_kernel, out_fp32):
+    """``first_rows`` (views of the packed rows) and ``gather_rows`` (copies of the 16-row units
+    that hold the rows asked for) give exactly the full layer's outputs for those rows, across
+    parts of different formats, with a bias, a padded last part, and any number of rows."""
+    k = 128
+    ws = [random_block(48, k, 4, 32, 0, seed=30), random_block(32, k, 6, 16, 32, seed=31),
+          random_block(20, k, 8, 32, 0, seed=32)]  # the last part padded to 32 rows
+    bias = torch.randn(100, generator=torch.Generator().manual_seed(33))
+    layer = QLinear([QPart.from_block(w) for w in ws], bias, out_fp32=out_fp32, out_features=100)
+    x = random_x(13, k, seed=34)
+    full = layer(x)
+    for n in (1, 16, 40, 48, 49, 80, 95, 100):
+        sub = layer.first_rows(n)
+        assert sub.out_features == n
+        assert torch.equal(sub(x), full[:, :n]), n
+        for i in (0, 7, 12):  # and its rows alone
+            assert torch.equal(sub(x[i : i + 1]), full[i : i + 1, :n])
+    # a prefix of whole units shares the layer's tensors
+    head = layer.first_rows(32)
+    assert head.parts[0].codes.data_ptr() == layer.parts[0].codes.data_ptr()
+    assert head.parts[0].codes.numel() * 48 == layer.parts[0].codes.numel() * 32
+    for ids in ([99], [3, 97, 50, 51, 3 + 16, 47, 48], list(range(100))[::-7], [80, 79]):
+        rows, cols = layer.gather_rows(torch.tensor(ids))
+        y = rows(x)
+        assert torch.equal(y[:, cols], full[:, ids]), ids
+        starts = [0, 48, 80]  # the parts' first rows: a unit is (part, row within it // 16)
+        units = {(j, (i - starts[j]) // 16) for i in ids for j in [max(j for j, s0 in enumerate(starts) if i >= s0)]}
+        assert rows.out_features == 16 * len(units)  # only the units that hold the rows
+    with pytest.raises(ValueError):
+        layer.first_rows(101)
+    with pytest.raises(ValueError):
+        layer.gather_rows(torch.tensor([100]))
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_a_part_padded_to_16_rows_keeps_its_rows(kernel, fmt):
     bits, group, offset = fmt

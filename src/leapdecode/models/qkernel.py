@@ -428,6 +428,21 @@ class QPart(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.dsup, self.zsup)
                    if t is not None)
 
+    def take_units(self, units: slice | torch.Tensor) -> "QPart":
+        """The rows of some of its 16-row units as a part of their own: a ``slice`` of units gives
+        views of this part's tensors (no copy), a tensor of unit indices a gathered copy.  Every
+        output column of the kernel depends on its own unit alone, so the new part's outputs are
+        the same bits as this part's for the same rows."""
+        n_units = self.out_features // 16
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.reshape(n_units, -1)[units].reshape(-1, *t.shape[1:]) \
+                if t.dim() > 1 else t.view(n_units, -1)[units].reshape(-1)
+
+        kept = len(range(n_units)[units]) if isinstance(units, slice) else int(units.numel())
+        return QPart(take(self.codes), take(self.scales), take(self.zeros), self.bits, self.group, self.offset,
+                     16 * kept, self.in_features, take(self.dsup), take(self.zsup), self.smode, self.gps)
+
 
 class QLinear(nn.Module):
     """A linear layer on block-quantized weights: the parts' outputs side by side (e.g. q, k, v
@@ -536,6 +551,43 @@ class QLinear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out_features, in_features]``: the weight the kernel multiplies by."""
         return torch.cat([p.dequantize() for p in self.parts])[:self.out_features]
+
+    def first_rows(self, n: int) -> "QLinear":
+        """Its first ``n`` output rows as a layer of their own, on views of its tensors (no copy):
+        e.g. FR-Spec's frequency-ranked subset of an output head.  Its outputs are the same bits as
+        this layer's first ``n`` (the kernel computes each 16-row unit on its own)."""
+        if not 0 < n <= self.out_features:
+            raise ValueError(f"first_rows({n}) of a layer of {self.out_features} rows")
+        parts, left = [], n
+        for p in self.parts:
+            if left <= 0:
+                break
+            parts.append(p if left >= p.out_features else p.take_units(slice(0, -(-left // 16))))
+            left -= p.out_features
+        return QLinear(parts, None if self.bias is None else self.bias[:n], out_fp32=self.out_fp32, out_features=n)
+
+    def gather_rows(self, ids: torch.Tensor) -> tuple["QLinear", torch.Tensor]:
+        """A layer over the 16-row units that hold the output rows ``ids`` (copies of those units),
+        and the columns of its output that are those rows, in the order of ``ids``: its outputs
+        there are the same bits as this layer's."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.out_features:
+            raise ValueError(f"gather_rows: ids must be rows 0..{self.out_features - 1}")
+        parts, cols, start, taken = [], torch.empty_like(ids), 0, 0
+        for p in self.parts:
+            local = ids - start
+            here = (local >= 0) & (local < p.out_features)
+            if here.any():
+                units, where = torch.unique(local[here] // 16, return_inverse=True)
+                parts.append(p.take_units(units))
+                cols[here] = taken + 16 * where + local[here] % 16
+                taken += 16 * int(units.numel())
+            start += p.out_features
+        bias = None
+        if self.bias is not None:
+            bias = torch.zeros(taken)
+            bias[cols] = self.bias[ids]
+        return QLinear(parts, bias, out_fp32=self.out_fp32), cols
 
     def extra_repr(self) -> str:
         kinds = ", ".join(f"{p.out_features}x{p.bits}b/g{p.group}" for p in self.parts)

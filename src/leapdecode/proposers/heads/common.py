@@ -15,14 +15,15 @@ import hashlib
 import math
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...core.proposer import DecodeContext
 from ...core.sampling import SamplingParams, target_probs
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
+from ...models import qkernel
 from ...models.native import rms_norm
 from ...models.quant import Int8Linear, kernel_problem
 from ..common import coupled_first, subset_head
@@ -33,7 +34,8 @@ HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the ``head_weights`` option of medusa
 def require_native(target, method: str) -> None:
     """Heads read the target's final norm and output head: the native backend has both."""
     model = getattr(target, "model", None)
-    if getattr(target, "backend", None) != "native" or getattr(model, "head_weight", None) is None:
+    # (the class's property: reading ``model.head_weight`` would dequantize a quantized head)
+    if getattr(target, "backend", None) != "native" or getattr(type(model), "head_weight", None) is None:
         raise InvalidParameterError(
             f"method {method!r} needs the native backend (its head reads the target's final norm and output "
             f"head); {getattr(target, 'name', 'this model')} is on the {getattr(target, 'backend', '?')} backend")
@@ -65,19 +67,20 @@ def fingerprint(target) -> str:
 class HeadVocab:
     """The output head a drafting head scores with: the target's own projection, or (FR-Spec,
     ``draft_vocab`` > 0 on a large vocabulary) its ``draft_vocab`` lowest ids plus this
-    generation's prompt tokens.  Tokens outside a subset get draft probability 0."""
+    generation's prompt tokens.  Tokens outside a subset get draft probability 0.  Either runs on
+    the target's head as it is loaded (the default format: the quantized kernel, whose logits are
+    then the target's own), never a dequantized copy of it."""
 
     def __init__(self, ctx: DecodeContext, draft_vocab: int, tokens: list[int]) -> None:
-        model = ctx.target.model
+        self.model = model = ctx.target.model
         self.vocab = int(model.vocab_size)
-        self.weight = model.head_weight
         self.sub = subset_head(ctx, ctx.target, draft_vocab, tokens, self.vocab) if draft_vocab else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the head's ids (``[..., n]``)."""
-        x = x.to(self.weight.dtype)
-        out = self.sub(x) if self.sub is not None else F.linear(x, self.weight)
-        return out.float()
+        if self.sub is not None:
+            return self.sub(x)
+        return self.model.lm_head(x.to(self.model.dtype)).float()[..., :self.vocab]
 
     def ids(self, idx: list[int]) -> list[int]:
         if self.sub is None:
@@ -145,8 +148,8 @@ def check_head_weights(value: Any) -> str:
 
 
 def head_weights_for(setting: str, target) -> str:
-    """What ``head_weights=setting`` runs the head's linear layers on for ``target``: ``"int8"`` (torch's
-    weight-only int8 kernel, ``models.quant.Int8Linear``) or ``"bf16"`` (the head's float weights as
+    """What ``head_weights=setting`` runs the head's linear layers on for ``target``: ``"int8"`` (8-bit
+    weights: ``int8_linear``) or ``"bf16"`` (the head's float weights as
     loaded: the target's dtype).  ``auto``: int8 on the CPU when the target runs a quantized format
     (int8, int4 or GGUF blocks: ``model.quantization``) and the kernel works here, else the float head.
     ``int8`` where the kernel cannot run raises ``InvalidParameterError``."""
@@ -163,11 +166,29 @@ def head_weights_for(setting: str, target) -> str:
     return setting
 
 
+def int8_linear(linear: nn.Linear) -> nn.Module | None:
+    """``linear`` on per-row symmetric int8 weights (``Int8Linear.from_float``'s quantizer: an
+    int8-stored head keeps its stored codes and scales exactly): on the block-quantized kernel
+    (kernels/qgemm.cpp: 8-bit codes in groups of 32, each group with its row's scale) where that
+    kernel runs here and the shape fits, else on torch's int8 kernel (``Int8Linear``); None where
+    neither can take it.  (On the 2-core AMD EPYC the block kernel ran the EAGLE-3 head's layers of
+    qwen2.5-coder-1.5b in 0.4-0.7x torch's int8 time at 1-4 rows: docs/benchmarks.md section 31.)"""
+    n, k = linear.out_features, linear.in_features
+    if Int8Linear.unsupported(n, k, linear.weight.device) is not None:
+        return None
+    ref = Int8Linear.from_float(linear.weight, linear.bias)
+    if ref.qweight.device.type != "cpu" or qkernel.kernel_problem() is not None or n % 16 or k % 32:
+        return ref
+    rows = ref.scales.float()[:, None].expand(n, k // 32).numpy()
+    block = qkernel.BlockWeight(ref.qweight.numpy(), np.ascontiguousarray(rows), np.zeros((n, k // 32), np.float32), 8, 32)
+    return qkernel.QLinear([qkernel.QPart.from_block(block)], None if linear.bias is None else linear.bias.detach().float())
+
+
 def int8_copy(head: nn.Module) -> nn.Module:
-    """A copy of ``head`` whose ``nn.Linear`` layers are ``Int8Linear`` (per-output-row symmetric int8,
-    quantized from the float weights); a linear whose shape the kernel cannot take stays float (and
-    shares the head's weights, read only).  The head itself is untouched; its other parameters, such
-    as norms, are copied."""
+    """A copy of ``head`` whose ``nn.Linear`` layers run on 8-bit weights (``int8_linear``, quantized
+    from the float weights); a linear that no 8-bit kernel takes stays float (and shares the head's
+    weights, read only).  The head itself is untouched; its other parameters, such as norms, are
+    copied."""
     linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
     # the float weights are not copied: the copy's linears are replaced right away
     memo = {id(t): t for m in linears for t in (m.weight, m.bias) if t is not None}
@@ -175,9 +196,10 @@ def int8_copy(head: nn.Module) -> nn.Module:
     with torch.no_grad():
         for module in list(clone.modules()):
             for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear) and Int8Linear.unsupported(
-                        child.out_features, child.in_features, child.weight.device) is None:
-                    setattr(module, name, Int8Linear.from_float(child.weight, child.bias))
+                if isinstance(child, nn.Linear):
+                    q = int8_linear(child)
+                    if q is not None:
+                        setattr(module, name, q)
     return clone.eval()
 
 
@@ -195,7 +217,7 @@ def running_head(ctx: DecodeContext, head: nn.Module, setting: str) -> nn.Module
 
 def int8_linears(module: nn.Module) -> int:
     """How many of ``module``'s linear layers run on the int8 kernel (a stat: did int8 drafting run)."""
-    return sum(isinstance(m, Int8Linear) for m in module.modules())
+    return sum(isinstance(m, (Int8Linear, qkernel.QLinear)) for m in module.modules())
 
 
 NEG_INF = -math.inf
