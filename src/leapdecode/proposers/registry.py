@@ -150,9 +150,9 @@ class LayerSkipConfig(MethodConfig):
 
 
 HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the trained heads' ``head_weights`` (heads/common.py resolves it)
-HEAD_WEIGHTS_HELP = ("what the head's linear layers run on: int8 (torch's weight-only int8 kernel), bf16 (the "
-                     "head's float weights as loaded), or auto (int8 on the CPU when the target's weights are "
-                     "quantized, else bf16)")
+HEAD_WEIGHTS_HELP = ("what the head's linear layers run on: int8 (per-row int8 weights, on the block-quantized "
+                     "kernel where it runs, else torch's weight-only int8 kernel), bf16 (the head's float weights "
+                     "as loaded), or auto (int8 on the CPU when the target's weights are quantized, else bf16)")
 
 
 @dataclass(frozen=True, kw_only=True)
