@@ -263,7 +263,8 @@ def _auto_head(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer | None":
     from .heads.store import KIND_METHOD, stored_kind
 
     model = runner.model
-    if getattr(model, "backend", None) != "native" or getattr(model.model, "head_weight", None) is None:
+    # (the class's property: reading ``head_weight`` would dequantize a block-quantized head)
+    if getattr(model, "backend", None) != "native" or getattr(type(model.model), "head_weight", None) is None:
         return None
     kind = runner.memory.get(("auto_head_kind",), lambda: stored_kind(AUTO_HEAD_KINDS, model))
     if kind is None:
