@@ -435,9 +435,8 @@ class QPart(nn.Module):
         the same bits as this part's for the same rows."""
         n_units = self.out_features // 16
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.reshape(n_units, -1)[units].reshape(-1, *t.shape[1:]) \
-                if t.dim() > 1 else t.view(n_units, -1)[units].reshape(-1)
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:  # every tensor is unit-major
+            return None if t is None else t.reshape(n_units, -1)[units].reshape(-1, *t.shape[1:])
 
         kept = len(range(n_units)[units]) if isinstance(units, slice) else int(units.numel())
         return QPart(take(self.codes), take(self.scales), take(self.zeros), self.bits, self.group, self.offset,
