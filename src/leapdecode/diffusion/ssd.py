@@ -20,7 +20,6 @@ exact only where the network's batched forward is batch-invariant.
 
 from __future__ import annotations
 
-import torch
 
 from .common import Canvas, Counter, Greedy, ranked_masked
 from .configs import SsdConfig

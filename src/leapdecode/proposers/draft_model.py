@@ -133,7 +133,7 @@ class DraftModelProposer(Proposer):
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         # a cache of the runner's for this generation (a draft that is the target itself gets its own)
-        self.cache = cache = ctx.acquire_cache(self.draft, ctx.prompt_len + ctx.max_new_tokens + 256)
+        self.cache = ctx.acquire_cache(self.draft, ctx.prompt_len + ctx.max_new_tokens + 256)
         self.n_cached = 0  # how many of the decided tokens the draft cache has seen (or skipped)
         self.params: SamplingParams = ctx.params
         self.vocab = min(ctx.target.model.vocab_size, self.draft.model.vocab_size)

@@ -35,7 +35,7 @@ from collections.abc import Callable  # noqa: E402
 
 from .best_of_n import BestOfN  # noqa: E402
 from .first_finish import FirstFinish  # noqa: E402
-from .scorers import EXTRACTOR_NAMES, SCORER_NAMES, Extractor, check_scorer_spec, make_scorer  # noqa: E402
+from .scorers import Extractor, check_scorer_spec, make_scorer  # noqa: E402
 from .self_consistency import SelfConsistency  # noqa: E402
 from .speculative_rejection import SpeculativeRejection  # noqa: E402
 

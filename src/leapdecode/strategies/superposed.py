@@ -147,7 +147,7 @@ class Superposed(TreeSearch):
         return cands, torch.stack(rows), log_probs(logits)[top]
 
     def advance(self) -> bool:
-        cfg, k = self.cfg, self.cfg.num_drafts
+        k = self.cfg.num_drafts
         cands, scores, model_lp = self.extension_scores(self.logits)
         n = len(cands)
         totals = torch.tensor([d[1] for d in self.alive], dtype=torch.float32, device=scores.device)[:, None] + scores
