@@ -438,9 +438,9 @@ class QPart(nn.Module):
         def take(t: torch.Tensor | None) -> torch.Tensor | None:  # every tensor is unit-major
             return None if t is None else t.reshape(n_units, -1)[units].reshape(-1, *t.shape[1:])
 
-        kept = len(range(n_units)[units]) if isinstance(units, slice) else int(units.numel())
-        return QPart(take(self.codes), take(self.scales), take(self.zeros), self.bits, self.group, self.offset,
-                     16 * kept, self.in_features, take(self.dsup), take(self.zsup), self.smode, self.gps)
+        scales = take(self.scales)  # [kept units, groups, 16]
+        return QPart(take(self.codes), scales, take(self.zeros), self.bits, self.group, self.offset,
+                     16 * scales.shape[0], self.in_features, take(self.dsup), take(self.zsup), self.smode, self.gps)
 
 
 class QLinear(nn.Module):

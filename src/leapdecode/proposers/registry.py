@@ -260,11 +260,11 @@ AUTO_HEAD_KINDS = ("eagle3", "eagle", "hydra", "medusa")  # auto's preference am
 def _auto_head(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer | None":
     """A proposer over the store's trained head for the target (the first kind of
     ``AUTO_HEAD_KINDS`` found), or None: no head, or a backend heads cannot read."""
+    from .heads.common import reads_target_head
     from .heads.store import KIND_METHOD, stored_kind
 
     model = runner.model
-    # (the class's property: reading ``head_weight`` would dequantize a block-quantized head)
-    if getattr(model, "backend", None) != "native" or getattr(type(model.model), "head_weight", None) is None:
+    if not reads_target_head(model):
         return None
     kind = runner.memory.get(("auto_head_kind",), lambda: stored_kind(AUTO_HEAD_KINDS, model))
     if kind is None:

@@ -31,11 +31,17 @@ from ..common import coupled_first, subset_head
 HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the ``head_weights`` option of medusa, hydra and eagle (registry.py)
 
 
-def require_native(target, method: str) -> None:
-    """Heads read the target's final norm and output head: the native backend has both."""
+def reads_target_head(target) -> bool:
+    """Whether a head can run on ``target``: heads read its final norm and output head, which the
+    native backend has.  (Checked on the class: reading ``model.head_weight`` would dequantize a
+    block-quantized head.)"""
     model = getattr(target, "model", None)
-    # (the class's property: reading ``model.head_weight`` would dequantize a quantized head)
-    if getattr(target, "backend", None) != "native" or getattr(type(model), "head_weight", None) is None:
+    return getattr(target, "backend", None) == "native" and getattr(type(model), "head_weight", None) is not None
+
+
+def require_native(target, method: str) -> None:
+    """``reads_target_head``, or an ``InvalidParameterError`` naming the method and the backend."""
+    if not reads_target_head(target):
         raise InvalidParameterError(
             f"method {method!r} needs the native backend (its head reads the target's final norm and output "
             f"head); {getattr(target, 'name', 'this model')} is on the {getattr(target, 'backend', '?')} backend")
