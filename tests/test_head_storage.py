@@ -473,3 +473,24 @@ def test_the_packages_bundled_heads_are_readable():
         module, manifest = read_head(d)
         assert manifest["kind"] in head_store.KINDS
         assert (d / WEIGHTS).stat().st_size <= 25 * 10**6  # the issue's limit for a committed head
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_on_the_default_formats_quantized_head_give_vanillas_tokens(tmp_path, kind):
+    """On a target in the default format (block-quantized layers and output head, invariant
+    attention) every head kind scores its drafts with the target's quantized head -- whole, or
+    FR-Spec's subset of its rows (``draft_vocab=64`` of 259) -- and gives vanilla's greedy tokens,
+    without ever dequantizing the head."""
+    if kernel_problem() is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {kernel_problem()}")
+    q = leapdecode.load("tiny-random", weights="int4")
+    assert isinstance(q.model.lm_head, QLinear)
+    d = write(kind, q, tmp_path / kind)
+    for prompt in PROMPTS[:3]:
+        ids = q.tokenizer.encode(prompt)
+        ref = vanilla(q, ids, max_new_tokens=24)
+        for options in ({}, {"draft_vocab": 64}):
+            out = gen(q, ids, kind, d, max_new_tokens=24, options=options)
+            assert out.tokens == ref.tokens, (kind, prompt, options)
+            assert out.stats["draft_nodes"] > 0
+    assert getattr(q.model, "_head_weight", None) is None
