@@ -4,6 +4,8 @@ projections, a quantized layer's bf16 prefill copy, a drafter's subset head)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -13,7 +15,8 @@ class PackedLinear(nn.Module):
 
     Same results as ``F.linear`` (bit-identical in our checks) but avoids the
     per-call weight handling of the generic path: measured ~15-25% faster
-    matrix-vector products on AMX CPUs.  Used only for bf16 on CPU.
+    matrix-vector products on AMX CPUs.  Used only for bf16 on CPU, where oneDNN packs bf16
+    (``onednn_packs_bf16``).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -30,10 +33,23 @@ class PackedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN's packed bf16 linear runs on this CPU: it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT (an AVX2-only CPU raises), so it is tried once on a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def can_pack(model: nn.Module) -> bool:
     p = next(model.parameters())
-    return (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return p.device.type == "cpu" and p.dtype == torch.bfloat16 and onednn_packs_bf16()
 
 
 def make_linear(weight: torch.Tensor) -> nn.Module:

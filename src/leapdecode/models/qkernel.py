@@ -8,8 +8,8 @@ Q8_0 tensor runs with exactly the weights llama.cpp dequantizes, without re-quan
 
 Activations are quantized the way llama.cpp quantizes them for these formats: each row's bf16
 values to int8 per group of 16/32 columns (``x ~ dx * xq``, ``dx = max|x| / 127``); the dot
-products of codes and ``xq`` are exact integers (``vpdpbusd`` with AVX512-VNNI, or portable C++
-that gives the same bits), scaled per group in fp32.  So a layer's output differs from
+products of codes and ``xq`` are exact integers (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw``
+with AVX2, or portable C++: the same bits on each), scaled per group in fp32.  So a layer's output differs from
 ``x @ w.T`` in fp32 by the activation rounding (about 0.5% of its largest output on random
 data; docs/benchmarks.md measures the effect on the model's NLL), and every output element is
 computed by the same operations whatever the number of rows: a token's result does not depend
@@ -163,8 +163,9 @@ def kernel_problem() -> str | None:
 
 
 def kernel_isa() -> str:
-    """'avx512-vnni' or 'portable': which code path the compiled kernel runs (same results)."""
-    return "avx512-vnni" if _library().ld_simd() else "portable"
+    """'avx512-vnni', 'avx2' or 'portable': which code path the compiled kernel runs (the same
+    results on each)."""
+    return {1: "avx512-vnni", 2: "avx2"}.get(_library().ld_simd(), "portable")
 
 
 # --------------------------------------------------------------------------- packing

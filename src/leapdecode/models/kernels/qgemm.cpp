@@ -38,9 +38,14 @@
 #include <string.h>
 #include <math.h>
 #include <utility>
+// LD_SIMD: 1 = AVX512-VNNI (vpdpbusd), 2 = AVX2 (vpmaddubsw + vpmaddwd, exact in int16 as used
+// below), 0 = portable C++.  All three give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LD_PORTABLE)
 #include <immintrin.h>
 #define LD_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LD_PORTABLE)
+#include <immintrin.h>
+#define LD_SIMD 2
 #else
 #define LD_SIMD 0
 #endif
@@ -155,7 +160,7 @@ static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo
     *bxo = dx * (float)sum;
 }
 
-#if LD_SIMD
+#if LD_SIMD == 1
 // quantize_group with AVX-512: the same values (max is exact in any order, division and
 // round-to-nearest-even are IEEE operations, the integer sum is exact)
 static inline __m512 bf16x16_to_f32(const uint16_t* p) {
@@ -184,6 +189,54 @@ static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp
             q0 = _mm512_add_epi32(q0, q1);
         }
         sum = _mm512_reduce_add_epi32(q0);
+    } else {
+        memset(qp, 0, group);
+    }
+    *dxo = dx;
+    *isumo = sum;
+    *bxo = dx * (float)sum;
+}
+#elif LD_SIMD == 2
+// quantize_group with AVX2: the same values (as the AVX-512 version)
+static inline __m256 bf16x8_to_f32(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp, float* dxo, int32_t* isumo,
+                                       float* bxo) {
+    const int nv = group / 8;  // 2 or 4 vectors of 8
+    __m256 v[4];
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < nv; ++i) {
+        v[i] = bf16x8_to_f32(xp + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    if (!(amax <= 3.0e38f)) {  // inf or NaN in the group: the scalar rules (never in a sound model)
+        quantize_group(xp, group, qp, dxo, isumo, bxo);
+        return;
+    }
+    const float dx = amax / 127.0f;
+    int32_t sum = 0;
+    if (dx > 0.f) {
+        const __m256 d = _mm256_set1_ps(dx), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+        __m256i q[4], acc = _mm256_setzero_si256();
+        for (int i = 0; i < nv; ++i) {
+            const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            acc = _mm256_add_epi32(acc, q[i]);
+        }
+        alignas(32) int32_t t[32];
+        for (int i = 0; i < nv; ++i) _mm256_store_si256((__m256i*)(t + 8 * i), q[i]);
+        for (int k = 0; k < group; ++k) qp[k] = (int8_t)t[k];
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        sum = _mm_cvtsi128_si32(s4);
     } else {
         memset(qp, 0, group);
     }
@@ -248,7 +301,7 @@ static void block_generic(int64_t rows, const Act& act, int64_t K, const uint8_t
     }
 }
 
-#if LD_SIMD
+#if LD_SIMD == 1
 // the G/4 quad vectors of one (unit, group) block as unsigned bytes
 static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i* out) {
     const int quads = group / 4;
@@ -393,6 +446,188 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     }
 }
 
+#elif LD_SIMD == 2
+// AVX2 (no VNNI): a 16-column unit is two 8-lane halves (columns 0-7 are bytes 0-31 of a quad
+// vector, columns 8-15 bytes 32-63).  vpmaddubsw multiplies unsigned code bytes by the signed
+// activation bytes and adds adjacent pairs into int16 with saturation, which is never reached here:
+// a pair is at most 2 * 63 * 127 for codes of up to 6 bits, and 8-bit codes go in as |v| with the
+// activation's sign moved onto them (vpsignb; at most 2 * 128 * 127).  QACC quads of pairs are
+// added in int16 (4-bit: 8 * 3810 < 32768) before vpmaddwd with ones widens them to int32.  So the
+// dot products are the same exact integers as vpdpbusd's and the portable loop's, and the
+// epilogue is the same FMAs lane by lane: the same bits.
+
+// quad q of one (unit, group) block as two halves of bytes: unsigned codes (4, 6 bits), or the
+// signed values (8 bits: stored code - 128)
+template <int BITS, int GROUP>
+__attribute__((always_inline)) static inline void decode_quad(const uint8_t* blk, int q, __m256i* w) {
+    if (BITS == 8) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        w[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + q * 64)), flip);
+        w[1] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + q * 64 + 32)), flip);
+        return;
+    }
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const uint8_t* p = blk + (q >> 1) * 64;
+    __m256i a0 = _mm256_loadu_si256((const __m256i*)p), a1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+    if (q & 1) {
+        a0 = _mm256_srli_epi16(a0, 4);
+        a1 = _mm256_srli_epi16(a1, 4);
+    }
+    w[0] = _mm256_and_si256(a0, low4);
+    w[1] = _mm256_and_si256(a1, low4);
+    if (BITS == 6) {  // bits 2j, 2j+1 of the high-bits byte (j = q % 4) become bits 4, 5
+        const uint8_t* h = blk + 8 * GROUP + (q >> 2) * 64;
+        const int sh = 2 * (q & 3);
+        const __m256i three = _mm256_set1_epi8(3);
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)h), sh), three);
+        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(h + 32)), sh), three);
+        w[0] = _mm256_or_si256(w[0], _mm256_slli_epi16(h0, 4));
+        w[1] = _mm256_or_si256(w[1], _mm256_slli_epi16(h1, 4));
+    }
+}
+
+// the scales and offsets of one unit's groups in order, as two halves of 8 lanes
+template <int SMODE>
+struct ScaleWalk2 {
+    const Scales& sc;
+    const int64_t u, ng, gps;
+    const uint16_t* dsp;
+    const uint16_t* zsp;
+    __m256 ds0 = _mm256_setzero_ps(), ds1 = _mm256_setzero_ps(), zs0 = _mm256_setzero_ps(), zs1 = _mm256_setzero_ps();
+    int64_t gi = 0;
+
+    ScaleWalk2(const Scales& sc_, int64_t u_, int64_t ng_)
+        : sc(sc_), u(u_), ng(ng_), gps(SMODE >= 2 ? sc_.gps : 1),
+          dsp(SMODE >= 2 ? sc_.dsup + u_ * (ng_ / gps) * 16 : nullptr),
+          zsp(SMODE == 2 ? sc_.zsup + u_ * (ng_ / gps) * 16 : nullptr) {}
+
+    static inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    static inline __m256 int8x8(const int8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    }
+
+    inline void next(int64_t g, __m256* s, __m256* z) {
+        const int64_t i = (u * ng + g) * 16;
+        if (SMODE == 0) {
+            s[0] = _mm256_loadu_ps((const float*)sc.s + i);
+            s[1] = _mm256_loadu_ps((const float*)sc.s + i + 8);
+            z[0] = _mm256_loadu_ps((const float*)sc.z + i);
+            z[1] = _mm256_loadu_ps((const float*)sc.z + i + 8);
+        } else if (SMODE == 1) {
+            s[0] = half8((const uint16_t*)sc.s + i);
+            s[1] = half8((const uint16_t*)sc.s + i + 8);
+            z[0] = half8((const uint16_t*)sc.z + i);
+            z[1] = half8((const uint16_t*)sc.z + i + 8);
+        } else {
+            if (gi == 0) {
+                ds0 = half8(dsp);
+                ds1 = half8(dsp + 8);
+                dsp += 16;
+                if (SMODE == 2) {
+                    zs0 = half8(zsp);
+                    zs1 = half8(zsp + 8);
+                    zsp += 16;
+                }
+            }
+            if (++gi == gps) gi = 0;
+            s[0] = _mm256_mul_ps(ds0, int8x8((const int8_t*)sc.s + i));
+            s[1] = _mm256_mul_ps(ds1, int8x8((const int8_t*)sc.s + i + 8));
+            if (SMODE == 2) {
+                z[0] = _mm256_mul_ps(zs0, int8x8((const int8_t*)sc.z + i));
+                z[1] = _mm256_mul_ps(zs1, int8x8((const int8_t*)sc.z + i + 8));
+            } else {
+                z[0] = z[1] = _mm256_setzero_ps();
+            }
+        }
+    }
+};
+
+// RB (<= 4) rows against one (unit, group) block: integer dot products, then the documented
+// epilogue into acc[2 r], acc[2 r + 1] (the row's two halves).  Rows are K apart in x and ng apart
+// in dx, ncorr, bx.
+template <int BITS, int GROUP, int SMODE, int RB>
+__attribute__((always_inline)) static inline void rows_group2(const int8_t* x, int64_t K, int64_t ng, const float* dx,
+                                                              const int32_t* ncorr, const float* bx, const uint8_t* blk,
+                                                              const __m256* s, const __m256* z, __m256* acc) {
+    constexpr int Q = GROUP / 4;
+    constexpr int QACC = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i dot[RB][2], p16[RB][2];
+    for (int r = 0; r < RB; ++r)  // 6 bits: start at -offset * isum; 4 bits: offset 0; 8 bits: signed values
+        dot[r][0] = dot[r][1] = BITS == 6 ? _mm256_set1_epi32(ncorr[r * ng]) : _mm256_setzero_si256();
+    for (int q = 0; q < Q; ++q) {
+        __m256i w[2], aw[2];
+        decode_quad<BITS, GROUP>(blk, q, w);
+        if (BITS == 8) {
+            aw[0] = _mm256_abs_epi8(w[0]);
+            aw[1] = _mm256_abs_epi8(w[1]);
+        }
+        for (int r = 0; r < RB; ++r) {
+            int32_t four;
+            memcpy(&four, x + r * K + 4 * q, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i prod = BITS == 8 ? _mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(xb, w[h]))
+                                               : _mm256_maddubs_epi16(w[h], xb);
+                p16[r][h] = q % QACC == 0 ? prod : _mm256_add_epi16(p16[r][h], prod);
+            }
+            if (q % QACC == QACC - 1 || q == Q - 1)
+                for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(p16[r][h], ones));
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int h = 0; h < 2; ++h) {
+            const __m256 a = _mm256_mul_ps(_mm256_set1_ps(dx[r * ng]), _mm256_cvtepi32_ps(dot[r][h]));
+            acc[2 * r + h] = _mm256_fmadd_ps(s[h], a, acc[2 * r + h]);
+            if (SMODE != 3) acc[2 * r + h] = _mm256_fmadd_ps(z[h], _mm256_set1_ps(bx[r * ng]), acc[2 * r + h]);
+        }
+}
+
+template <int BITS, int GROUP, int SMODE, int RB, int B0>
+__attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, int64_t K, int64_t ng, const float* dx,
+                                                              const int32_t* nc, const float* bx, const uint8_t* blk,
+                                                              const __m256* s, const __m256* z, __m256* acc) {
+    constexpr int n = RB - B0 < 4 ? RB - B0 : 4;
+    if constexpr (n > 0) {
+        rows_group2<BITS, GROUP, SMODE, n>(x + B0 * K, K, ng, dx + B0 * ng, nc + B0 * ng, bx + B0 * ng, blk, s, z,
+                                           acc + 2 * B0);
+        row_blocks2<BITS, GROUP, SMODE, RB, B0 + 4>(x, K, ng, dx, nc, bx, blk, s, z, acc);
+    }
+}
+
+// a unit's rows m0 .. m0 + RB - 1 (the AVX-512 unit_rows' plan on 8-lane halves)
+template <int BITS, int GROUP, int SMODE, int RB>
+static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
+                      int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
+    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
+    (void)offset;
+    const int64_t ng = K / GROUP;
+    const uint8_t* blk = codes + u * ng * UB;
+    const uint8_t* end = blk + ng * UB;
+    const int8_t* x = act.q + m0 * K;
+    const float* dx = act.dx + m0 * ng;
+    const float* bx = act.bx + m0 * ng;
+    const int32_t* nc = act.ncorr + m0 * ng;
+    __m256 acc[2 * RB];
+    for (int r = 0; r < 2 * RB; ++r) acc[r] = _mm256_setzero_ps();
+    ScaleWalk2<SMODE> scales(sc, u, ng);
+    for (int64_t g = 0; g < ng; ++g, blk += UB) {
+        if (blk + PREFETCH_GROUPS * UB < end)
+            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
+        __m256 s[2], z[2];
+        scales.next(g, s, z);
+        row_blocks2<BITS, GROUP, SMODE, RB, 0>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, blk, s, z, acc);
+    }
+    alignas(32) float tmp[16];
+    for (int r = 0; r < RB; ++r) {
+        _mm256_store_ps(tmp, acc[2 * r]);
+        _mm256_store_ps(tmp + 8, acc[2 * r + 1]);
+        store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
+    }
+}
+#endif
+
+#if LD_SIMD
 typedef void (*UnitRowsFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int, int64_t, const float*,
                            void*, int64_t, int);
 
