@@ -57,6 +57,12 @@
 #ifndef RB_ROWS
 #define RB_ROWS 12  // rows of one pass of unit_rows over a unit's weights: each group decoded once for them all
 #endif
+#ifndef RBLK2_4
+#define RBLK2_4 4  // AVX2: rows of one rows_group2 call, 4-bit codes
+#endif
+#ifndef RBLK2_68
+#define RBLK2_68 2  // AVX2: rows of one rows_group2 call, 6- and 8-bit codes
+#endif
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
 #endif
@@ -456,34 +462,20 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
 // dot products are the same exact integers as vpdpbusd's and the portable loop's, and the
 // epilogue is the same FMAs lane by lane: the same bits.
 
-// quad q of one (unit, group) block as two halves of bytes: unsigned codes (4, 6 bits), or the
-// signed values (8 bits: stored code - 128)
+// half h (columns 8 h .. 8 h + 7) of quad q of one (unit, group) block as bytes: unsigned codes
+// (4, 6 bits), or the signed values (8 bits: stored code - 128)
 template <int BITS, int GROUP>
-__attribute__((always_inline)) static inline void decode_quad(const uint8_t* blk, int q, __m256i* w) {
-    if (BITS == 8) {
-        const __m256i flip = _mm256_set1_epi8((char)0x80);
-        w[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + q * 64)), flip);
-        w[1] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + q * 64 + 32)), flip);
-        return;
-    }
-    const __m256i low4 = _mm256_set1_epi8(15);
-    const uint8_t* p = blk + (q >> 1) * 64;
-    __m256i a0 = _mm256_loadu_si256((const __m256i*)p), a1 = _mm256_loadu_si256((const __m256i*)(p + 32));
-    if (q & 1) {
-        a0 = _mm256_srli_epi16(a0, 4);
-        a1 = _mm256_srli_epi16(a1, 4);
-    }
-    w[0] = _mm256_and_si256(a0, low4);
-    w[1] = _mm256_and_si256(a1, low4);
+__attribute__((always_inline)) static inline __m256i decode_half(const uint8_t* blk, int q, int h) {
+    if (BITS == 8)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + q * 64 + 32 * h)), _mm256_set1_epi8((char)0x80));
+    __m256i a = _mm256_loadu_si256((const __m256i*)(blk + (q >> 1) * 64 + 32 * h));
+    if (q & 1) a = _mm256_srli_epi16(a, 4);
+    a = _mm256_and_si256(a, _mm256_set1_epi8(15));
     if (BITS == 6) {  // bits 2j, 2j+1 of the high-bits byte (j = q % 4) become bits 4, 5
-        const uint8_t* h = blk + 8 * GROUP + (q >> 2) * 64;
-        const int sh = 2 * (q & 3);
-        const __m256i three = _mm256_set1_epi8(3);
-        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)h), sh), three);
-        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(h + 32)), sh), three);
-        w[0] = _mm256_or_si256(w[0], _mm256_slli_epi16(h0, 4));
-        w[1] = _mm256_or_si256(w[1], _mm256_slli_epi16(h1, 4));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 8 * GROUP + (q >> 2) * 64 + 32 * h));
+        a = _mm256_or_si256(a, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (q & 3)), _mm256_set1_epi8(3)), 4));
     }
+    return a;
 }
 
 // the scales and offsets of one unit's groups in order, as two halves of 8 lanes
@@ -542,9 +534,10 @@ struct ScaleWalk2 {
     }
 };
 
-// RB (<= 4) rows against one (unit, group) block: integer dot products, then the documented
-// epilogue into acc[2 r], acc[2 r + 1] (the row's two halves).  Rows are K apart in x and ng apart
-// in dx, ncorr, bx.
+// RB (<= rblk2(BITS)) rows against one (unit, group) block: integer dot products, then the
+// documented epilogue into acc[2 r + h] (row r, half h of 8 columns).  Rows are K apart in x and
+// ng apart in dx, ncorr, bx.  Each quad's two halves are decoded once for the RB rows, and each
+// row's 4 activation bytes broadcast once for both halves.
 template <int BITS, int GROUP, int SMODE, int RB>
 __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, int64_t K, int64_t ng, const float* dx,
                                                               const int32_t* ncorr, const float* bx, const uint8_t* blk,
@@ -552,46 +545,59 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, i
     constexpr int Q = GROUP / 4;
     constexpr int QACC = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i dot[RB][2], p16[RB][2];
+    __m256i dot[2 * RB], p16[2 * RB];
+#pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)  // 6 bits: start at -offset * isum; 4 bits: offset 0; 8 bits: signed values
-        dot[r][0] = dot[r][1] = BITS == 6 ? _mm256_set1_epi32(ncorr[r * ng]) : _mm256_setzero_si256();
+        dot[2 * r + 0] = dot[2 * r + 1] = BITS == 6 ? _mm256_set1_epi32(ncorr[r * ng]) : _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) {
-        __m256i w[2], aw[2];
-        decode_quad<BITS, GROUP>(blk, q, w);
-        if (BITS == 8) {
-            aw[0] = _mm256_abs_epi8(w[0]);
-            aw[1] = _mm256_abs_epi8(w[1]);
-        }
+        const __m256i w0 = decode_half<BITS, GROUP>(blk, q, 0), w1 = decode_half<BITS, GROUP>(blk, q, 1);
+        const __m256i a0 = BITS == 8 ? _mm256_abs_epi8(w0) : w0, a1 = BITS == 8 ? _mm256_abs_epi8(w1) : w1;
+#pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
             int32_t four;
             memcpy(&four, x + r * K + 4 * q, 4);
             const __m256i xb = _mm256_set1_epi32(four);
-            for (int h = 0; h < 2; ++h) {
-                const __m256i prod = BITS == 8 ? _mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(xb, w[h]))
-                                               : _mm256_maddubs_epi16(w[h], xb);
-                p16[r][h] = q % QACC == 0 ? prod : _mm256_add_epi16(p16[r][h], prod);
+            const __m256i m0 = _mm256_maddubs_epi16(a0, BITS == 8 ? _mm256_sign_epi8(xb, w0) : xb);
+            const __m256i m1 = _mm256_maddubs_epi16(a1, BITS == 8 ? _mm256_sign_epi8(xb, w1) : xb);
+            p16[2 * r + 0] = q % QACC == 0 ? m0 : _mm256_add_epi16(p16[2 * r + 0], m0);
+            p16[2 * r + 1] = q % QACC == 0 ? m1 : _mm256_add_epi16(p16[2 * r + 1], m1);
+            // keep each sum where it is written: without this GCC defers the adds to the end of the
+            // group and keeps every product alive on the stack (2-3x the time)
+            asm("" : "+x"(p16[2 * r + 0]), "+x"(p16[2 * r + 1]));
+            if (q % QACC == QACC - 1 || q == Q - 1) {
+                dot[2 * r + 0] = _mm256_add_epi32(dot[2 * r + 0], _mm256_madd_epi16(p16[2 * r + 0], ones));
+                dot[2 * r + 1] = _mm256_add_epi32(dot[2 * r + 1], _mm256_madd_epi16(p16[2 * r + 1], ones));
             }
-            if (q % QACC == QACC - 1 || q == Q - 1)
-                for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(p16[r][h], ones));
         }
     }
-    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+        const __m256 d = _mm256_set1_ps(dx[r * ng]);
+        const __m256 b = _mm256_set1_ps(bx[r * ng]);
+#pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-            const __m256 a = _mm256_mul_ps(_mm256_set1_ps(dx[r * ng]), _mm256_cvtepi32_ps(dot[r][h]));
+            const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(dot[2 * r + h]));
             acc[2 * r + h] = _mm256_fmadd_ps(s[h], a, acc[2 * r + h]);
-            if (SMODE != 3) acc[2 * r + h] = _mm256_fmadd_ps(z[h], _mm256_set1_ps(bx[r * ng]), acc[2 * r + h]);
+            if (SMODE != 3) acc[2 * r + h] = _mm256_fmadd_ps(z[h], b, acc[2 * r + h]);
         }
+    }
 }
+
+// rows per rows_group2 call: their int16 and int32 sums, the decoded quad and the broadcast
+// activations within the 16 ymm registers
+template <int BITS>
+constexpr int rblk2() { return BITS == 4 ? RBLK2_4 : RBLK2_68; }
 
 template <int BITS, int GROUP, int SMODE, int RB, int B0>
 __attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, int64_t K, int64_t ng, const float* dx,
                                                               const int32_t* nc, const float* bx, const uint8_t* blk,
                                                               const __m256* s, const __m256* z, __m256* acc) {
-    constexpr int n = RB - B0 < 4 ? RB - B0 : 4;
+    constexpr int n = RB - B0 < rblk2<BITS>() ? RB - B0 : rblk2<BITS>();
     if constexpr (n > 0) {
         rows_group2<BITS, GROUP, SMODE, n>(x + B0 * K, K, ng, dx + B0 * ng, nc + B0 * ng, bx + B0 * ng, blk, s, z,
                                            acc + 2 * B0);
-        row_blocks2<BITS, GROUP, SMODE, RB, B0 + 4>(x, K, ng, dx, nc, bx, blk, s, z, acc);
+        row_blocks2<BITS, GROUP, SMODE, RB, B0 + rblk2<BITS>()>(x, K, ng, dx, nc, bx, blk, s, z, acc);
     }
 }
 
