@@ -261,10 +261,10 @@ def chi2():
     return chi2_gof
 
 
-def build_portable_kernel(tmp_path_factory, source, functions: tuple[str, ...]):
+def build_portable_kernel(tmp_path_factory, source, functions: tuple[str, ...], flags: tuple[str, ...] = ("-DLD_PORTABLE",)):
     """``source`` (one of ``qkernel.SOURCES``) built with qkernel's compiler and flags plus
-    ``-DLD_PORTABLE`` (the plain C++ path), loaded, with ``functions`` typed as in the real
-    library; skips where no compiler or kernel is available."""
+    ``flags`` (default ``-DLD_PORTABLE``: the plain C++ path), loaded, with ``functions`` typed as
+    in the real library; skips where no compiler or kernel is available."""
     import ctypes
     import subprocess
 
@@ -277,7 +277,7 @@ def build_portable_kernel(tmp_path_factory, source, functions: tuple[str, ...]):
     if cxx is None:
         pytest.skip("no C++ compiler to build the portable kernel")
     target = tmp_path_factory.mktemp("portable") / f"{source.stem}-portable.so"
-    proc = subprocess.run([cxx, *qkernel.CXXFLAGS, "-DLD_PORTABLE", str(source), "-o", str(target)],
+    proc = subprocess.run([cxx, *qkernel.CXXFLAGS, *flags, str(source), "-o", str(target)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(target))

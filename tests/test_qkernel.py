@@ -14,8 +14,9 @@
    within bf16 rounding beyond it (the fp32-output head stays on the kernel: bitwise for any M).
    The GGUF types' own blocks (``gguf_blocks.decode``, in whatever scale form ``pack`` keeps
    them) are exact and batch invariant on the kernel too.
-3. The portable C++ path (``-DLD_PORTABLE``, built here with qkernel's compiler and flags)
-   gives the same bits as the library ``QLinear`` runs, for every format and K-quant blocks.
+3. The portable C++ path (``-DLD_PORTABLE``) and the AVX2 path (``-mno-avx512f``), each built
+   here with qkernel's compiler and flags, give the same bits as the library ``QLinear`` runs,
+   for every format and K-quant blocks.
 4. Several parts side by side give the single parts' outputs; a part padded to 16 rows keeps
    its real rows' values and drops the padding.
 5. ``pack``'s byte layout (decoded here in numpy as kernels/qgemm.cpp documents it: quad
@@ -437,13 +438,27 @@ def test_random_shapes_are_exact_and_batch_invariant(force_kernel, fmt, units, n
     check_output(y, x, w, loose=False)  # a 1-group row may be more than 2% off: the per-output bound
 
 
-# ------------------------------------------------------------------ 3. the portable path
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """kernels/qgemm.cpp built with qkernel's compiler and flags plus ``-DLD_PORTABLE``, loaded."""
-    lib = build_portable_kernel(tmp_path_factory, qkernel.SOURCE, ("ld_qgemm", "ld_work_bytes"))
+# ------------------------------------------------------------------ 3. the other code paths
+# Each build of kernels/qgemm.cpp with qkernel's compiler and flags plus: the portable C++ path,
+# and the AVX2 path (AVX-512 switched off, so an AVX-512 machine checks it too), with the value
+# its ld_simd() must report.
+OTHER_PATHS = {"portable": (("-DLD_PORTABLE",), 0), "avx2": (("-mno-avx512f",), 2)}
+
+
+def other_build(tmp_path_factory, path: str):
+    flags, simd = OTHER_PATHS[path]
+    if path == "avx2" and not {"avx2", "fma", "f16c"} <= set(qkernel.cpu_flags().split()):
+        pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
+    lib = build_portable_kernel(tmp_path_factory, qkernel.SOURCE, ("ld_qgemm", "ld_work_bytes"), flags)
     lib.ld_simd.restype = ctypes.c_int
+    assert lib.ld_simd() == simd, path
     return lib
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_PATHS))
+def other_path(request, tmp_path_factory):
+    """The portable and the AVX2 builds of kernels/qgemm.cpp, loaded."""
+    return other_build(tmp_path_factory, request.param)
 
 
 def call_qgemm(lib, part: QPart, x: torch.Tensor, bias: torch.Tensor | None, out_fp32: bool) -> torch.Tensor:
@@ -463,9 +478,8 @@ PORTABLE_CASES = FORMATS + [("Q4_K",), ("Q6_K",)]
 
 
 @pytest.mark.parametrize("case", PORTABLE_CASES, ids=FORMAT_IDS + ["Q4_K", "Q6_K"])
-def test_portable_path_gives_the_same_bits(force_kernel, portable, case):
-    # (where the library QLinear runs is itself the portable path, two builds of it are compared)
-    assert portable.ld_simd() == 0
+def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
+    # (where the library QLinear runs takes the same path, two builds of it are compared)
     if len(case) == 1:
         w = gguf_block(case[0], 80, 1, seed=70)
     else:
@@ -484,7 +498,7 @@ def test_portable_path_gives_the_same_bits(force_kernel, portable, case):
             assert torch.equal(call_qgemm(qkernel._library(), part, x[:m], bias, out_fp32), y), m
             for threads in (1, 2):
                 with _threads(threads):
-                    assert torch.equal(call_qgemm(portable, part, x[:m], bias, out_fp32), y), (m, threads)
+                    assert torch.equal(call_qgemm(other_path, part, x[:m], bias, out_fp32), y), (m, threads)
         check_output(y, x, w, bias)
 
 

@@ -562,12 +562,13 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, i
             const __m256i m1 = _mm256_maddubs_epi16(a1, BITS == 8 ? _mm256_sign_epi8(xb, w1) : xb);
             p16[2 * r + 0] = q % QACC == 0 ? m0 : _mm256_add_epi16(p16[2 * r + 0], m0);
             p16[2 * r + 1] = q % QACC == 0 ? m1 : _mm256_add_epi16(p16[2 * r + 1], m1);
-            // keep each sum where it is written: without this GCC defers the adds to the end of the
-            // group and keeps every product alive on the stack (2-3x the time)
+            // keep each sum where it is written (here and below): without this GCC defers the adds
+            // to the end of the group and keeps every product alive on the stack (2-3x the time)
             asm("" : "+x"(p16[2 * r + 0]), "+x"(p16[2 * r + 1]));
             if (q % QACC == QACC - 1 || q == Q - 1) {
                 dot[2 * r + 0] = _mm256_add_epi32(dot[2 * r + 0], _mm256_madd_epi16(p16[2 * r + 0], ones));
                 dot[2 * r + 1] = _mm256_add_epi32(dot[2 * r + 1], _mm256_madd_epi16(p16[2 * r + 1], ones));
+                asm("" : "+x"(dot[2 * r + 0]), "+x"(dot[2 * r + 1]));
             }
         }
     }
