@@ -26,6 +26,14 @@
 #else
 #define LD_AVX512 0
 #endif
+// AVX2 without AVX-512: the two hot loops below in 8-lane registers, a few keys or columns at a
+// time so that their accumulators fit the 16 ymm registers (each lane's FMA chain unchanged)
+#if !LD_AVX512 && defined(__AVX2__) && defined(__FMA__) && !defined(LD_PORTABLE)
+#include <immintrin.h>
+#define LD_AVX2 1
+#else
+#define LD_AVX2 0
+#endif
 
 #define LANES 16
 
@@ -74,6 +82,10 @@ static inline void load_row(const void* p, int64_t at, int D, int dtype, float* 
         for (int d = 0; d < D; d += 16)
             _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + d))), 16)));
+#elif LD_AVX2
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(s + d))), 16)));
 #else
         for (int d = 0; d < D; ++d) out[d] = bf16_val(s[d]);
 #endif
@@ -150,6 +162,23 @@ static void attend_group(const float (*qf)[MAX_D], int G, const void* k, int64_t
         if (m < LANES)
             for (int jj = m; jj < LANES; ++jj) memset(rows[jj], 0, sizeof(float) * D);
         for (int g = 0; g < G; ++g) {
+#if LD_AVX2
+            for (int j4 = 0; j4 < LANES; j4 += 4) {  // 4 keys at a time, two halves of 8 lanes each
+                __m256 a[4][2];
+                for (int jj = 0; jj < 4; ++jj) a[jj][0] = a[jj][1] = _mm256_setzero_ps();
+                for (int d0 = 0; d0 < D; d0 += LANES) {
+                    const __m256 q0 = _mm256_loadu_ps(qf[g] + d0), q1 = _mm256_loadu_ps(qf[g] + d0 + 8);
+                    for (int jj = 0; jj < 4; ++jj) {
+                        a[jj][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(rows[j4 + jj] + d0), a[jj][0]);
+                        a[jj][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(rows[j4 + jj] + d0 + 8), a[jj][1]);
+                    }
+                }
+                for (int jj = 0; jj < 4; ++jj) {
+                    _mm256_storeu_ps(part[j4 + jj], a[jj][0]);
+                    _mm256_storeu_ps(part[j4 + jj] + 8, a[jj][1]);
+                }
+            }
+#else
             V a[LANES];
             for (int jj = 0; jj < LANES; ++jj) a[jj] = vzero();
             for (int d0 = 0; d0 < D; d0 += LANES) {
@@ -157,6 +186,7 @@ static void attend_group(const float (*qf)[MAX_D], int G, const void* k, int64_t
                 for (int jj = 0; jj < LANES; ++jj) a[jj] = vfma(qv, vload(rows[jj] + d0), a[jj]);
             }
             for (int jj = 0; jj < LANES; ++jj) vstore(part[jj], a[jj]);
+#endif
             sums16(part, sums);
             float* sg = s.data() + (size_t)g * nb + j0;
             for (int jj = 0; jj < LANES; ++jj) sg[jj] = sums[jj] * scale;
@@ -195,6 +225,18 @@ static void attend_group(const float (*qf)[MAX_D], int G, const void* k, int64_t
         for (int jj = 0; jj < m; ++jj) load_row(v, vh_off + idx[j0 + jj] * v_slot, D, dtype, rows[jj]);
         for (int g = 0; g < G; ++g) {
             const float* p = s.data() + (size_t)g * nb + j0;
+#if LD_AVX2
+            for (int c0 = 0; c0 < DW; c0 += 32) {  // 32 columns (4 registers) at a time
+                __m256 a[4];
+                for (int c = 0; c < 4; ++c) a[c] = _mm256_loadu_ps(acc[g] + c0 + 8 * c);
+                for (int jj = 0; jj < m; ++jj) {
+                    const __m256 pj = _mm256_set1_ps(p[jj]);
+                    for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(rows[jj] + c0 + 8 * c), a[c]);
+                }
+                for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc[g] + c0 + 8 * c, a[c]);
+            }
+            continue;
+#endif
             for (int c0 = 0; c0 < DW; c0 += 8 * LANES) {
                 V a[8];
                 for (int c = 0; c < 8; ++c) a[c] = vload(acc[g] + c0 + c * LANES);
