@@ -125,18 +125,22 @@ def test_unsupported_inputs_are_refused_or_routed_elsewhere():
         attend_rows(q, keys, values, torch.arange(3), torch.tensor([0, 3, 3]))
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """kernels/attention.cpp built with qkernel's compiler and flags plus ``-DLD_PORTABLE``."""
-    return build_portable_kernel(tmp_path_factory, qkernel.ATTENTION_SOURCE, ("ld_attend_rows",))
+@pytest.fixture(scope="module", params=["portable", "avx2"])
+def other_build(request, tmp_path_factory):
+    """kernels/attention.cpp built with qkernel's compiler and flags plus ``-DLD_PORTABLE`` (the
+    plain C++ loops), or ``-mno-avx512f`` (the AVX2 path, so an AVX-512 machine checks it too)."""
+    if request.param == "avx2" and not {"avx2", "fma"} <= set(qkernel.cpu_flags().split()):
+        pytest.skip("this CPU has no AVX2 with FMA: the AVX2 path cannot run here")
+    flags = ("-DLD_PORTABLE",) if request.param == "portable" else ("-mno-avx512f",)
+    return build_portable_kernel(tmp_path_factory, qkernel.ATTENTION_SOURCE, ("ld_attend_rows",), flags)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_portable_build_gives_the_same_bits(portable, dtype, monkeypatch):
+def test_the_other_builds_give_the_same_bits(other_build, dtype, monkeypatch):
     q, keys, values = _inputs(7, 12, 2, 128, 130, 6, dtype)
     lists = _lists(7, 130, 6)
     fast = attend_rows(q, keys, values, *_flat(lists))
-    monkeypatch.setattr(qkernel, "_library", lambda: portable)
+    monkeypatch.setattr(qkernel, "_library", lambda: other_build)
     slow = attend_rows(q, keys, values, *_flat(lists))
     assert torch.equal(fast, slow)
 
