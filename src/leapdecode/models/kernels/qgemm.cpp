@@ -150,6 +150,13 @@ struct Act {
     int32_t* ncorr;  // -offset * isum: where the integer dot product of the codes' values starts
 };
 
+// a quantized group's scale, integer sum and offset factor dx * isum
+static inline void group_stats(float dx, int32_t sum, float* dxo, int32_t* isumo, float* bxo) {
+    *dxo = dx;
+    *isumo = sum;
+    *bxo = dx * (float)sum;
+}
+
 static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo, int32_t* isumo, float* bxo) {
     float amax = 0.f;
     for (int k = 0; k < group; ++k) amax = fmaxf(amax, fabsf(bf16_to_f32(xp[k])));
@@ -161,9 +168,7 @@ static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo
         qp[k] = (int8_t)v;
         sum += v;
     }
-    *dxo = dx;
-    *isumo = sum;
-    *bxo = dx * (float)sum;
+    group_stats(dx, sum, dxo, isumo, bxo);
 }
 
 #if LD_SIMD == 1
@@ -198,9 +203,7 @@ static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp
     } else {
         memset(qp, 0, group);
     }
-    *dxo = dx;
-    *isumo = sum;
-    *bxo = dx * (float)sum;
+    group_stats(dx, sum, dxo, isumo, bxo);
 }
 #elif LD_SIMD == 2
 // quantize_group with AVX2: the same values (as the AVX-512 version)
@@ -246,9 +249,7 @@ static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp
     } else {
         memset(qp, 0, group);
     }
-    *dxo = dx;
-    *isumo = sum;
-    *bxo = dx * (float)sum;
+    group_stats(dx, sum, dxo, isumo, bxo);
 }
 #endif
 
