@@ -214,8 +214,8 @@ def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch
 
 def block_kernel(device: torch.device, simd: bool = False) -> bool:
     """leapdecode's own block-quantized kernel (``qkernel``) runs here (CPU only); ``simd``: and
-    with its AVX512-VNNI path (the portable one gives the same bits but is far slower, so
-    ``weights="auto"`` does not pick it)."""
+    on one of its SIMD paths, AVX512-VNNI or AVX2 (the portable one gives the same bits but is far
+    slower, so ``weights="auto"`` does not pick it)."""
     if device.type != "cpu":
         return False
     from .qkernel import kernel_isa, kernel_problem
