@@ -100,7 +100,7 @@ static inline float half_to_f32(uint16_t h) {
     return f;
 }
 
-static inline int64_t unit_bytes(int bits, int group) { return bits == 4 ? 8 * group : bits == 6 ? 12 * group : 16 * group; }
+static constexpr inline int64_t unit_bytes(int bits, int group) { return bits == 4 ? 8 * group : bits == 6 ? 12 * group : 16 * group; }
 
 // the code offset: value = stored code - offset
 static inline int code_offset(int bits, int offset) { return bits == 4 ? 0 : bits == 6 ? offset : 128; }
@@ -308,6 +308,14 @@ static void block_generic(int64_t rows, const Act& act, int64_t K, const uint8_t
     }
 }
 
+#if LD_SIMD
+// software prefetch of the group PREFETCH_GROUPS groups after blk (ub bytes a group), if the unit has it
+static inline void prefetch_ahead(const uint8_t* blk, const uint8_t* end, int64_t ub) {
+    if (blk + PREFETCH_GROUPS * ub < end)
+        for (int64_t o = 0; o < ub; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * ub + o, _MM_HINT_T0);
+}
+#endif
+
 #if LD_SIMD == 1
 // the G/4 quad vectors of one (unit, group) block as unsigned bytes
 static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i* out) {
@@ -425,7 +433,7 @@ template <int BITS, int GROUP, int SMODE, int RB>
 static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
                       int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
     constexpr int Q = GROUP / 4;
-    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
+    constexpr int64_t UB = unit_bytes(BITS, GROUP);
     const int64_t ng = K / GROUP;
     const uint8_t* blk = codes + u * ng * UB;
     const uint8_t* end = blk + ng * UB;
@@ -437,8 +445,7 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
     ScaleWalk<SMODE> scales(sc, u, ng);
     for (int64_t g = 0; g < ng; ++g, blk += UB) {
-        if (blk + PREFETCH_GROUPS * UB < end)
-            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
+        prefetch_ahead(blk, end, UB);
         __m512i w[Q];
         decode_block(blk, BITS, GROUP, w);
         __m512 s, z;
@@ -607,8 +614,7 @@ __attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, i
 template <int BITS, int GROUP, int SMODE, int RB>
 static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,
                       int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    constexpr int64_t UB = BITS == 4 ? 8 * GROUP : BITS == 6 ? 12 * GROUP : 16 * GROUP;
-    (void)offset;
+    constexpr int64_t UB = unit_bytes(BITS, GROUP);
     const int64_t ng = K / GROUP;
     const uint8_t* blk = codes + u * ng * UB;
     const uint8_t* end = blk + ng * UB;
@@ -620,8 +626,7 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     for (int r = 0; r < 2 * RB; ++r) acc[r] = _mm256_setzero_ps();
     ScaleWalk2<SMODE> scales(sc, u, ng);
     for (int64_t g = 0; g < ng; ++g, blk += UB) {
-        if (blk + PREFETCH_GROUPS * UB < end)
-            for (int64_t o = 0; o < UB; o += 64) _mm_prefetch((const char*)blk + PREFETCH_GROUPS * UB + o, _MM_HINT_T0);
+        prefetch_ahead(blk, end, UB);
         __m256 s[2], z[2];
         scales.next(g, s, z);
         row_blocks2<BITS, GROUP, SMODE, RB, 0>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, blk, s, z, acc);
