@@ -261,10 +261,16 @@ def chi2():
     return chi2_gof
 
 
-def build_portable_kernel(tmp_path_factory, source, functions: tuple[str, ...], flags: tuple[str, ...] = ("-DLD_PORTABLE",)):
-    """``source`` (one of ``qkernel.SOURCES``) built with qkernel's compiler and flags plus
-    ``flags`` (default ``-DLD_PORTABLE``: the plain C++ path), loaded, with ``functions`` typed as
-    in the real library; skips where no compiler or kernel is available."""
+# The other builds of a kernel source that tests compare with the library, by name: the
+# portable C++ path, and the AVX2 path (AVX-512 switched off, so an AVX-512 machine checks it too).
+KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f",)}
+
+
+def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], variant: str = "portable"):
+    """``source`` (one of ``qkernel.SOURCES``) built with qkernel's compiler and flags plus those
+    of ``KERNEL_VARIANTS[variant]``, loaded, with ``functions`` typed as in the real library;
+    skips where no compiler or kernel is available, or (``"avx2"``) the CPU has no AVX2, FMA and
+    F16C to run that path."""
     import ctypes
     import subprocess
 
@@ -275,9 +281,11 @@ def build_portable_kernel(tmp_path_factory, source, functions: tuple[str, ...], 
         pytest.skip(f"the kernels are not available here: {problem}")
     cxx = qkernel._compiler()
     if cxx is None:
-        pytest.skip("no C++ compiler to build the portable kernel")
-    target = tmp_path_factory.mktemp("portable") / f"{source.stem}-portable.so"
-    proc = subprocess.run([cxx, *qkernel.CXXFLAGS, *flags, str(source), "-o", str(target)],
+        pytest.skip(f"no C++ compiler to build the {variant} kernel")
+    if variant == "avx2" and not {"avx2", "fma", "f16c"} <= set(qkernel.cpu_flags().split()):
+        pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
+    target = tmp_path_factory.mktemp(variant) / f"{source.stem}-{variant}.so"
+    proc = subprocess.run([cxx, *qkernel.CXXFLAGS, *KERNEL_VARIANTS[variant], str(source), "-o", str(target)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(target))

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import build_portable_kernel
+from conftest import KERNEL_VARIANTS, build_kernel_variant
 from leapdecode.models import qkernel
 from leapdecode.models.loader import load
 from leapdecode.models.qkernel import attend_rows, attention_supported, kernel_problem
@@ -125,14 +125,11 @@ def test_unsupported_inputs_are_refused_or_routed_elsewhere():
         attend_rows(q, keys, values, torch.arange(3), torch.tensor([0, 3, 3]))
 
 
-@pytest.fixture(scope="module", params=["portable", "avx2"])
+@pytest.fixture(scope="module", params=sorted(KERNEL_VARIANTS))
 def other_build(request, tmp_path_factory):
-    """kernels/attention.cpp built with qkernel's compiler and flags plus ``-DLD_PORTABLE`` (the
-    plain C++ loops), or ``-mno-avx512f`` (the AVX2 path, so an AVX-512 machine checks it too)."""
-    if request.param == "avx2" and not {"avx2", "fma"} <= set(qkernel.cpu_flags().split()):
-        pytest.skip("this CPU has no AVX2 with FMA: the AVX2 path cannot run here")
-    flags = ("-DLD_PORTABLE",) if request.param == "portable" else ("-mno-avx512f",)
-    return build_portable_kernel(tmp_path_factory, qkernel.ATTENTION_SOURCE, ("ld_attend_rows",), flags)
+    """kernels/attention.cpp built as the plain C++ loops (``-DLD_PORTABLE``) and as the AVX2 path
+    (``-mno-avx512f``, so an AVX-512 machine checks it too)."""
+    return build_kernel_variant(tmp_path_factory, qkernel.ATTENTION_SOURCE, ("ld_attend_rows",), request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

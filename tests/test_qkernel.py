@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 
 from leapdecode.errors import ModelFileError
 from leapdecode.models import qkernel
-from conftest import build_portable_kernel
+from conftest import KERNEL_VARIANTS, build_kernel_variant
 from leapdecode.models.qkernel import MAX_ROWS, BlockWeight, QLinear, QPart, kernel_problem, pack, padded
 
 from test_quant import _tree_vs_sequential as _tree_vs_one_at_a_time
@@ -439,26 +439,17 @@ def test_random_shapes_are_exact_and_batch_invariant(force_kernel, fmt, units, n
 
 
 # ------------------------------------------------------------------ 3. the other code paths
-# Each build of kernels/qgemm.cpp with qkernel's compiler and flags plus: the portable C++ path,
-# and the AVX2 path (AVX-512 switched off, so an AVX-512 machine checks it too), with the value
-# its ld_simd() must report.
-OTHER_PATHS = {"portable": (("-DLD_PORTABLE",), 0), "avx2": (("-mno-avx512f",), 2)}
+# ld_simd() of each other build of kernels/qgemm.cpp (conftest.KERNEL_VARIANTS)
+VARIANT_SIMD = {"portable": 0, "avx2": 2}
 
 
-def other_build(tmp_path_factory, path: str):
-    flags, simd = OTHER_PATHS[path]
-    if path == "avx2" and not {"avx2", "fma", "f16c"} <= set(qkernel.cpu_flags().split()):
-        pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
-    lib = build_portable_kernel(tmp_path_factory, qkernel.SOURCE, ("ld_qgemm", "ld_work_bytes"), flags)
-    lib.ld_simd.restype = ctypes.c_int
-    assert lib.ld_simd() == simd, path
-    return lib
-
-
-@pytest.fixture(scope="module", params=sorted(OTHER_PATHS))
+@pytest.fixture(scope="module", params=sorted(KERNEL_VARIANTS))
 def other_path(request, tmp_path_factory):
     """The portable and the AVX2 builds of kernels/qgemm.cpp, loaded."""
-    return other_build(tmp_path_factory, request.param)
+    lib = build_kernel_variant(tmp_path_factory, qkernel.SOURCE, ("ld_qgemm", "ld_work_bytes"), request.param)
+    lib.ld_simd.restype = ctypes.c_int
+    assert lib.ld_simd() == VARIANT_SIMD[request.param], request.param
+    return lib
 
 
 def call_qgemm(lib, part: QPart, x: torch.Tensor, bias: torch.Tensor | None, out_fp32: bool) -> torch.Tensor:
