@@ -493,6 +493,25 @@ def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
         check_output(y, x, w, bias)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", [0, 9, 31])  # first, middle and last value of a group
+def test_a_non_finite_activation_makes_its_row_nan_on_every_path(force_kernel, other_path, bad, where):
+    # the SIMD quantizers' max drops a NaN operand unless NaNs are looked for apart
+    w = random_block(32, 128, 4, 32, seed=80)
+    part = QPart.from_block(w)
+    x = random_x(6, 128, seed=81)
+    x[2, 64 + where] = bad
+    layer = QLinear([part], None, out_fp32=True)
+    y = layer(x)
+    assert torch.isnan(y[2]).all()
+    good = [0, 1, 3, 4, 5]
+    assert not torch.isnan(y[good]).any()
+    assert torch.equal(y[good], layer(x[good]))  # the other rows keep their bits
+    for lib in (qkernel._library(), other_path):
+        z = call_qgemm(lib, part, x, None, True)
+        assert torch.equal(z.isnan(), y.isnan()) and torch.equal(z[good], y[good])
+
+
 # ------------------------------------------------------------------ 4. parts, padding
 @pytest.mark.parametrize("out_fp32", [False, True])
 def test_parts_side_by_side_equal_the_single_parts(force_kernel, out_fp32):

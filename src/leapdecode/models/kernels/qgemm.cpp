@@ -4,6 +4,7 @@
 // columns), with integer codes c as the GGUF stores them and fp32 scale s and offset z.
 // Activations: each row's bf16 values are quantized per group of G columns to int8,
 // xq = round(x / dx), dx = max|x| / 127 (as llama.cpp quantizes activations to Q8 blocks).
+// (A group holding an inf or a NaN: codes 0, dx = NaN, so its row's outputs are all NaN.)
 // Then, per row m, column n and group g, in this order:
 //   dot  = sum_k v[n, k] * xq[m, k]            (v = the code's value, c - offset: exact int32
 //                                                with vpdpbusd on the stored codes, any order)
@@ -157,9 +158,22 @@ static inline void group_stats(float dx, int32_t sum, float* dxo, int32_t* isumo
     *bxo = dx * (float)sum;
 }
 
+// A group holding an inf or a NaN gets codes 0 and dx = NaN: every output of its row is NaN
+// (as in a float product, where a NaN or an inf reaches every output; the SIMD paths send such
+// a group here).
 static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo, int32_t* isumo, float* bxo) {
     float amax = 0.f;
-    for (int k = 0; k < group; ++k) amax = fmaxf(amax, fabsf(bf16_to_f32(xp[k])));
+    bool finite = true;
+    for (int k = 0; k < group; ++k) {
+        const float a = fabsf(bf16_to_f32(xp[k]));
+        finite = finite && a <= 3.4028235e38f;  // false for inf and NaN
+        amax = fmaxf(amax, a);
+    }
+    if (!finite) {
+        memset(qp, 0, group);
+        group_stats(NAN, 0, dxo, isumo, bxo);
+        return;
+    }
     const float dx = amax / 127.0f;
     int32_t sum = 0;
     for (int k = 0; k < group; ++k) {
@@ -183,7 +197,9 @@ static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp
     const __m512 v0 = bf16x16_to_f32(xp);
     const __m512 v1 = group == 32 ? bf16x16_to_f32(xp + 16) : _mm512_setzero_ps();
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    if (!(amax <= 3.0e38f)) {  // inf or NaN in the group: the scalar rules (never in a sound model)
+    // max_ps drops a NaN operand: NaNs are looked for apart
+    const __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+    if (!(amax <= 3.0e38f) || nan) {  // inf or NaN in the group (never in a sound model): the scalar rules
         quantize_group(xp, group, qp, dxo, isumo, bxo);
         return;
     }
@@ -216,16 +232,17 @@ static inline void quantize_group_simd(const uint16_t* xp, int group, int8_t* qp
     const int nv = group / 8;  // 2 or 4 vectors of 8
     __m256 v[4];
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 mx = _mm256_setzero_ps();
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();  // max_ps drops a NaN operand: NaNs apart
     for (int i = 0; i < nv; ++i) {
         v[i] = bf16x8_to_f32(xp + 8 * i);
         mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
     const float amax = _mm_cvtss_f32(m4);
-    if (!(amax <= 3.0e38f)) {  // inf or NaN in the group: the scalar rules (never in a sound model)
+    if (!(amax <= 3.0e38f) || _mm256_movemask_ps(nan)) {  // inf or NaN in the group (never in a sound model): the scalar rules
         quantize_group(xp, group, qp, dxo, isumo, bxo);
         return;
     }
