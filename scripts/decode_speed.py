@@ -1,8 +1,11 @@
 """Vanilla greedy decode speed: leapdecode native vs HF transformers `generate`, same weights
 and dtype, plus the achieved weight bandwidth (weight bytes read per decoded token).
 
-    python scripts/decode_speed.py -m qwen2.5-coder-1.5b --dtype bf16 --new 64
+    python scripts/decode_speed.py -m qwen2.5-coder-1.5b --dtype bf16 --new 64   # bf16 weights, HF in bf16
     python scripts/decode_speed.py -m qwen2.5-coder-1.5b --new 96 --skip-hf --stat best   # the default format
+
+``--dtype auto`` (the default) loads the default format (``weights="auto"``); an explicit dtype
+loads that dtype's float weights.  HF runs in bf16 unless ``--dtype fp32``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
@@ -65,7 +68,7 @@ def main() -> None:
         from leapdecode.models.registry import ensure_converted
 
         path = ensure_converted(a.model)
-        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        dt = torch.float32 if a.dtype == "fp32" else torch.bfloat16
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval()
         x = torch.tensor([ids])
         kw = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
