@@ -75,8 +75,8 @@ def reference_look_back(lm, ids: list[int], threshold: float, k: int, max_new: i
         if alarm and k > 1:
             cands = torch.topk(p_t, k).indices.tolist()
             against = history if planted == "history" else prefix
-            dists = torch.tensor([min(div(all_log_probs(lm, ids + out + [v])[-1], q) for q in against)
-                                  for v in cands], dtype=torch.float32)
+            nexts = [all_log_probs(lm, ids + out + [v])[-1] for v in cands]  # p(. | history, v)
+            dists = torch.tensor([min(div(p_v, q) for q in against) for p_v in nexts], dtype=torch.float32)
             q = torch.full((k,), 1.0 / k) if planted == "uniform" else torch.softmax(-dists / temperature, dim=-1)
             tok = cands[int(torch.multinomial(q, 1, generator=g))]
         else:
