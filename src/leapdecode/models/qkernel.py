@@ -96,10 +96,12 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
     os.close(fd)
-    say("building the quantized kernel for this CPU (once per machine and version; about half a minute)")
+    say("building the quantized kernel for this CPU (once per machine and version; about a minute)")
     try:
+        # ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4; the bound only stops a hung compiler (300 s
+        # was reached on a loaded 2-core machine, and the kernel then looked unavailable: bf16 fallback)
         proc = subprocess.run([cxx, *CXXFLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=300)
+                              timeout=1800)
         if proc.returncode != 0:
             raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
         os.replace(tmp, target)
