@@ -450,6 +450,34 @@ def test_registry_entries():
     assert all(len(e.sha256) == 64 for e in r.values())
 
 
+def test_a_first_load_compiles_the_kernel_beside_the_conversion(cache, monkeypatch):
+    from leapdecode.models import loader, qkernel
+
+    started = []
+    monkeypatch.setattr(qkernel, "build_in_background", lambda: started.append(1))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):  # what follows (the conversion, the load) is not under test here
+        raise Stop
+
+    monkeypatch.setattr(loader, "local_model_dir", stop)
+    cases = [({}, 1), ({"weights": "int4"}, 1), ({"weights": "bf16"}, 0), ({"dtype": "fp32"}, 0), ({"backend": "hf"}, 0)]
+    for kwargs, want in cases:
+        started.clear()
+        with pytest.raises(Stop):
+            loader.load("smollm2-135m", device="cpu", **kwargs)
+        assert len(started) == want, kwargs
+    done = registry.converted_dir("smollm2-135m")  # converted already: nothing to overlap with
+    done.mkdir(parents=True)
+    (done / "config.json").write_text("{}")
+    started.clear()
+    with pytest.raises(Stop):
+        loader.load("smollm2-135m", device="cpu")
+    assert started == []
+
+
 # ----------------------------------------------------------------------- the real thing
 @pytest.mark.integration
 def test_convert_smollm2_for_real(cache):

@@ -112,6 +112,17 @@ def check_weights(directory: Path, fix: str) -> None:
         raise ModelFileError(f"{f} {problem}; {fix}")
 
 
+def _compile_beside_conversion(name_or_path: Any, dev: torch.device) -> None:
+    """A registered model's first load converts it (most of that is one core's work) and then,
+    in the default format, needs the block kernel: start compiling the kernel (~1 minute) in the
+    background now, so that the two overlap."""
+    from . import qkernel, registry
+
+    if (isinstance(name_or_path, str) and name_or_path in registry.REGISTRY and dev.type == "cpu"
+            and not (registry.converted_dir(name_or_path) / "config.json").is_file()):
+        qkernel.build_in_background()
+
+
 def local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
     """Map the user's argument to (display name, HF-format directory, registered draft).
 
@@ -263,7 +274,7 @@ def load(
     ``dtype="auto"`` is bf16 on CUDA or on CPUs with AMX/AVX512-BF16, else fp32.
 
     ``weights``: ``"auto"`` (the default: ``"int4"`` for a GGUF model on the CPU when the block
-    kernel builds here with its AVX512-VNNI path, else float as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
+    kernel builds here with a SIMD path (AVX512-VNNI or AVX2), else float as ``dtype`` says), ``"bf16"``, ``"fp32"``, or weight-only
     ``"int8"`` (per-channel, torch's kernel) / ``"int4"`` with bf16 activations on
     batch-invariant kernels (native backend).  ``"int4"`` on the CPU runs the GGUF's own blocks
     on leapdecode's kernel (``models/blockquant.py``; 4-bit groups of 32 for a float
@@ -301,6 +312,8 @@ def load(
         raise InvalidParameterError(f"unknown backend {backend!r}; use native, hf or auto")
     if quantized and backend == "hf":
         raise InvalidParameterError(f"weights {quantized!r} needs the native backend, not hf")
+    if backend != "hf" and (weights == "int4" or (weights == "auto" and dtype in (None, "auto"))):
+        _compile_beside_conversion(name_or_path, dev)
     name, path, draft = local_model_dir(name_or_path)
     try:
         config = json.loads((path / "config.json").read_text())

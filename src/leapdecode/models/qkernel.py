@@ -94,6 +94,9 @@ def _build(target: Path) -> None:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(".qgemm-*.so"):  # left by a process that ended mid-build
+        if time.time() - stale.stat().st_mtime > 3600:
+            stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
     os.close(fd)
     say("building the quantized kernel for this CPU (once per machine and version; about a minute)")
@@ -120,13 +123,29 @@ def build_key() -> str:
     return hashlib.sha256(sources + " ".join(CXXFLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
 
 
+_BUILD_LOCK = threading.Lock()  # one build at a time in a process (build_in_background's thread and callers)
+
+
+def _target() -> Path:
+    return cache_dir() / "kernels" / f"qgemm-{build_key()}.so"
+
+
+def build_in_background() -> None:
+    """Start building the kernel library in a background thread where it is not built yet (a
+    model's first conversion calls this: the ~1 minute compile then overlaps with it)."""
+    if os.environ.get("LEAPDECODE_NO_QKERNEL") or _compiler() is None or _target().is_file():
+        return
+    threading.Thread(target=kernel_problem, name="leapdecode-kernel-build", daemon=True).start()
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
-    target = cache_dir() / "kernels" / f"qgemm-{build_key()}.so"
-    if not target.is_file():
-        _build(target)
+    target = _target()
+    with _BUILD_LOCK:
+        if not target.is_file():
+            _build(target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
