@@ -14,8 +14,8 @@ from pathlib import Path
 # --demo: kept small so that it finishes in a few minutes on a 2-core CPU (first-time
 # model conversion included); tune here.
 DEMO_MODEL = "qwen2.5-coder-1.5b"
-DEMO_PROMPTS = 3
-DEMO_MAX_NEW_TOKENS = 96  # 128 took the demo past 10 minutes from a fresh clone on the AVX2-only 2-core machine
+DEMO_PROMPTS = 2
+DEMO_MAX_NEW_TOKENS = 96  # 3 x 128 took a fresh clone's demo to 11.4 min on the AVX2-only 2-core machine; 3 x 96: 9.5
 DEMO_PEERS = ["hf-generate"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
 DEMO_OUT = Path("bench_out") / "demo"
 
