@@ -23,6 +23,7 @@ the loader falls back to torch's kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -95,8 +96,9 @@ def _build(target: Path) -> None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(".qgemm-*.so"):  # left by a process that ended mid-build
-        if time.time() - stale.stat().st_mtime > 3600:
-            stale.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (another process may remove it first)
+            if time.time() - stale.stat().st_mtime > 3600:
+                stale.unlink()
     fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
     os.close(fd)
     say("building the quantized kernel for this CPU (once per machine and version; about a minute)")
@@ -131,8 +133,8 @@ def _target() -> Path:
 
 
 def build_in_background() -> None:
-    """Start building the kernel library in a background thread where it is not built yet (a
-    model's first conversion calls this: the ~1 minute compile then overlaps with it)."""
+    """Start building the kernel library in a background thread where it is not built yet
+    (``load`` calls this before a model's first conversion: the ~1 minute compile overlaps it)."""
     if os.environ.get("LEAPDECODE_NO_QKERNEL") or _compiler() is None or _target().is_file():
         return
     threading.Thread(target=kernel_problem, name="leapdecode-kernel-build", daemon=True).start()
