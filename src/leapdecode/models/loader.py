@@ -119,7 +119,7 @@ def _compile_beside_conversion(name_or_path: Any, dev: torch.device) -> None:
     from . import qkernel, registry
 
     if (isinstance(name_or_path, str) and name_or_path in registry.REGISTRY and dev.type == "cpu"
-            and not (registry.converted_dir(name_or_path) / "config.json").is_file()):
+            and not registry.is_converted(name_or_path)):
         qkernel.build_in_background()
 
 

@@ -128,6 +128,11 @@ def converted_dir(name: str) -> Path:
     return cache_dir() / "models" / get_entry(name).name
 
 
+def is_converted(name: str) -> bool:
+    """The converted copy of ``name`` is complete and current (``ensure_converted`` has nothing to do)."""
+    return store.is_complete(converted_dir(name), get_entry(name).sha256)
+
+
 def is_installed(name: str) -> bool:
     """All wheels of ``name`` are installed at their registered versions."""
     return not install.missing_packages(get_entry(name))
@@ -179,7 +184,7 @@ def ensure_converted(name: str, force: bool = False) -> Path:
     or again when the converted copy is outdated, incomplete or corrupt."""
     entry = get_entry(name)
     target = converted_dir(name)
-    if not force and store.is_complete(target, entry.sha256):
+    if not force and is_converted(name):
         return target
     with store.lock(name):
         problem = store.converted_problem(target, entry.sha256)
@@ -233,7 +238,7 @@ def list_models() -> list[dict]:
     rows = []
     for name, e in REGISTRY.items():
         target = converted_dir(name)
-        converted = store.is_complete(target, e.sha256)
+        converted = is_converted(name)
         rows.append({
             "name": name,
             "description": e.description,
