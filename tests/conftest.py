@@ -291,7 +291,7 @@ def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], v
         return qkernel._library()
     target = tmp_path_factory.mktemp(variant) / f"{source.stem}-{variant}.so"
     proc = subprocess.run([cxx, *qkernel.CXXFLAGS, *KERNEL_VARIANTS[variant], str(source), "-o", str(target)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=qkernel.BUILD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(target))
     ref = qkernel._library()

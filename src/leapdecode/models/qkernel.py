@@ -50,6 +50,9 @@ SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
 SOURCES = (SOURCE, ATTENTION_SOURCE)  # compiled into one shared library
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4; the bound only stops a hung compiler (300 s
+# was reached on a loaded 2-core machine, and the kernel then looked unavailable: bf16 fallback)
+BUILD_TIMEOUT_S = 1800
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
 # Forwards of up to this many rows (decoding, tree verification: NativeCausalLM's
 # INVARIANT_MAX_TOKENS is the same 64) run on the batch-invariant kernel.  Larger ones (prefill
@@ -103,10 +106,8 @@ def _build(target: Path) -> None:
     os.close(fd)
     say("building the quantized kernel for this CPU (once per machine and version; about a minute)")
     try:
-        # ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4; the bound only stops a hung compiler (300 s
-        # was reached on a loaded 2-core machine, and the kernel then looked unavailable: bf16 fallback)
         proc = subprocess.run([cxx, *CXXFLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=1800)
+                              timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
         os.replace(tmp, target)
