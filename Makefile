@@ -31,7 +31,8 @@ demo: install
 	$(BIN)/leapdecode bench --demo
 
 # The suite runs single-threaded per test (tests/conftest.py): two pytest-xdist workers use both
-# cores of a 2-core box (measured 2026-11-27 on 2 cores: 13.5 min against ~22 in one process).
+# cores of a 2-core box (2026-11-27, 2 cores: 13.5 min of tests; one process took 28.7 min before
+# that day's trims of the slowest tests, and was not timed after them).
 # Whole files go to a worker (--dist loadfile), so module fixtures are built once.  TEST_WORKERS=0
 # runs in this process.
 TEST_WORKERS ?= 2
