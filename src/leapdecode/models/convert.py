@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib.metadata
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def inspect_gguf(gguf_path: Path) -> dict:
     return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors)}
 
 
+_PATCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _parse_once():
     """While transformers converts one GGUF, parse its header once and build each tensor-name
@@ -56,22 +60,23 @@ def _parse_once():
     there, so sharing them gives the same files; outside this block nothing changes."""
     import gguf
 
-    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
+    with _PATCH_LOCK:  # the patch is process-wide: one conversion at a time holds it
+        reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict = {}
 
-    def reader(path, mode="r"):
-        key = (str(path), mode)
-        if key not in readers:
-            readers[key] = reader_cls(path, mode)
-        return readers[key]
+        def reader(path, mode="r"):
+            key = (str(path), mode)
+            if key not in readers:
+                readers[key] = reader_cls(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader = reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
-        readers.clear()
+        gguf.GGUFReader = reader
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+            readers.clear()
 
 
 def _short_float(v: float) -> float:
