@@ -142,8 +142,11 @@ static inline void scales_at(const Scales& sc, int64_t u, int64_t g, int64_t ng,
     }
 }
 
-// the activations of `rows` rows quantized per group: xq [rows][K] int8, dx and isum [rows][ng]
+// the activations of `rows` rows quantized per group, group-major so that the rows of one group are
+// adjacent (a row's address is then a constant offset from the group's: no per-row pointers):
+// q [ng][rows][G] int8, dx, isum, bx, ncorr [ng][rows]
 struct Act {
+    int64_t rows;
     int8_t* q;
     float* dx;
     int32_t* isum;
@@ -276,14 +279,14 @@ static void quantize_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t 
     const int64_t n = rows * ng;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n >= 512)
     for (int64_t i = 0; i < n; ++i) {
-        const int64_t m = i / ng, g = i % ng;
+        const int64_t m = i / ng, g = i % ng, j = g * rows + m;
         const uint16_t* xp = x + m * ldx + g * group;
 #if LD_SIMD
-        quantize_group_simd(xp, group, act.q + m * K + g * group, act.dx + i, act.isum + i, act.bx + i);
+        quantize_group_simd(xp, group, act.q + j * group, act.dx + j, act.isum + j, act.bx + j);
 #else
-        quantize_group(xp, group, act.q + m * K + g * group, act.dx + i, act.isum + i, act.bx + i);
+        quantize_group(xp, group, act.q + j * group, act.dx + j, act.isum + j, act.bx + j);
 #endif
-        act.ncorr[i] = -off * act.isum[i];
+        act.ncorr[j] = -off * act.isum[j];
     }
 }
 
@@ -306,13 +309,13 @@ static void block_generic(int64_t rows, const Act& act, int64_t K, const uint8_t
         float acc[16] = {0};
         for (int64_t g = 0; g < ng; ++g) {
             const uint8_t* blk = codes + (u * ng + g) * ub;
-            const int8_t* xq = act.q + m * K + g * group;
+            const int8_t* xq = act.q + (g * rows + m) * group;
             int32_t dot[16] = {0};
             for (int q = 0; q < group / 4; ++q)
                 for (int e = 0; e < 64; ++e) dot[e / 4] += code_at(blk, bits, group, q, e) * (int32_t)xq[4 * q + e % 4];
-            const int32_t isum = act.isum[m * ng + g];
-            const float dx = act.dx[m * ng + g];
-            const float b = act.bx[m * ng + g];
+            const int32_t isum = act.isum[g * rows + m];
+            const float dx = act.dx[g * rows + m];
+            const float b = act.bx[g * rows + m];
             float s[16], z[16];
             scales_at(sc, u, g, ng, s, z);
             for (int j = 0; j < 16; ++j) {
@@ -407,35 +410,35 @@ struct ScaleWalk {
 // One group of RB rows against one unit's decoded group w (scales s, offsets z): the rows' integer
 // dot products, started at -offset * isum (so the codes' offset costs no instruction), then the
 // documented epilogue into acc[0 .. RB-1], with the offset term's factor dx * isum from
-// quantize_rows.  Rows are K apart in x and ng apart in dx, ncorr, bx.  Every row goes through it,
-// whatever the rows beside it, so every output goes through the same operations.
+// quantize_rows.  Rows are 4 Q bytes apart in x and adjacent in dx, ncorr, bx.  Every row goes
+// through it, whatever the rows beside it, so every output goes through the same operations.
 template <int BITS, int SMODE, int RB, int Q>
-__attribute__((always_inline)) static inline void rows_group(const int8_t* x, int64_t K, int64_t ng, const float* dx, const int32_t* ncorr,
+__attribute__((always_inline)) static inline void rows_group(const int8_t* x, const float* dx, const int32_t* ncorr,
                               const float* bx, const __m512i* w, __m512 s, __m512 z, __m512* acc) {
     __m512i dot[RB];
-    for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncorr[r * ng]);
+    for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncorr[r]);
     for (int q = 0; q < Q; ++q)
         for (int r = 0; r < RB; ++r) {
             int32_t four;
-            memcpy(&four, x + r * K + 4 * q, 4);
+            memcpy(&four, x + r * 4 * Q + 4 * q, 4);
             dot[r] = _mm512_dpbusd_epi32(dot[r], w[q], _mm512_set1_epi32(four));
         }
     for (int r = 0; r < RB; ++r) {
-        const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dx[r * ng]), _mm512_cvtepi32_ps(dot[r]));
+        const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dx[r]), _mm512_cvtepi32_ps(dot[r]));
         acc[r] = _mm512_fmadd_ps(s, a, acc[r]);
-        if (SMODE != 3) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(bx[r * ng]), acc[r]);
+        if (SMODE != 3) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(bx[r]), acc[r]);
     }
 }
 
 // rows_group over rows B0 .. RB - 1 in blocks of 4 (accumulators acc[B0 ..]), all against one decoded group
 template <int BITS, int SMODE, int RB, int Q, int B0>
-__attribute__((always_inline)) static inline void row_blocks(const int8_t* x, int64_t K, int64_t ng, const float* dx,
-                                                             const int32_t* nc, const float* bx, const __m512i* w,
-                                                             __m512 s, __m512 z, __m512* acc) {
+__attribute__((always_inline)) static inline void row_blocks(const int8_t* x, const float* dx, const int32_t* nc,
+                                                             const float* bx, const __m512i* w, __m512 s, __m512 z,
+                                                             __m512* acc) {
     constexpr int n = RB - B0 < 4 ? RB - B0 : 4;
     if constexpr (n > 0) {
-        rows_group<BITS, SMODE, n, Q>(x + B0 * K, K, ng, dx + B0 * ng, nc + B0 * ng, bx + B0 * ng, w, s, z, acc + B0);
-        row_blocks<BITS, SMODE, RB, Q, B0 + 4>(x, K, ng, dx, nc, bx, w, s, z, acc);
+        rows_group<BITS, SMODE, n, Q>(x + B0 * 4 * Q, dx + B0, nc + B0, bx + B0, w, s, z, acc + B0);
+        row_blocks<BITS, SMODE, RB, Q, B0 + 4>(x, dx, nc, bx, w, s, z, acc);
     }
 }
 
@@ -454,10 +457,11 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     const int64_t ng = K / GROUP;
     const uint8_t* blk = codes + u * ng * UB;
     const uint8_t* end = blk + ng * UB;
-    const int8_t* x = act.q + m0 * K;
-    const float* dx = act.dx + m0 * ng;
-    const float* bx = act.bx + m0 * ng;
-    const int32_t* nc = act.ncorr + m0 * ng;
+    const int64_t rows = act.rows;  // the group-major activations of rows m0 .. (x, dx, bx, nc: group 0's)
+    const int8_t* x = act.q + m0 * GROUP;
+    const float* dx = act.dx + m0;
+    const float* bx = act.bx + m0;
+    const int32_t* nc = act.ncorr + m0;
     __m512 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
     ScaleWalk<SMODE> scales(sc, u, ng);
@@ -468,7 +472,8 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
         __m512 s, z;
         scales.next(g, s, z);
         // rows 0-3, 4-7, ... against the same decoded group (one pass over the weights)
-        row_blocks<BITS, SMODE, RB, Q, 0>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, w, s, z, acc);
+        row_blocks<BITS, SMODE, RB, Q, 0>(x + g * rows * GROUP, dx + g * rows, nc + g * rows, bx + g * rows, w, s, z,
+                                          acc);
     }
     alignas(64) float tmp[16];
     for (int r = 0; r < RB; ++r) {
@@ -560,20 +565,20 @@ struct ScaleWalk2 {
 };
 
 // RB (<= rblk2(BITS)) rows against one (unit, group) block: integer dot products, then the
-// documented epilogue into acc[2 r + h] (row r, half h of 8 columns).  Rows are K apart in x and
-// ng apart in dx, ncorr, bx.  Each quad's two halves are decoded once for the RB rows, and each
+// documented epilogue into acc[2 r + h] (row r, half h of 8 columns).  Rows are GROUP bytes apart
+// in x and adjacent in dx, ncorr, bx.  Each quad's two halves are decoded once for the RB rows, and each
 // row's 4 activation bytes broadcast once for both halves.
 template <int BITS, int GROUP, int SMODE, int RB>
-__attribute__((always_inline)) static inline void rows_group2(const int8_t* x, int64_t K, int64_t ng, const float* dx,
-                                                              const int32_t* ncorr, const float* bx, const uint8_t* blk,
-                                                              const __m256* s, const __m256* z, __m256* acc) {
+__attribute__((always_inline)) static inline void rows_group2(const int8_t* x, const float* dx, const int32_t* ncorr,
+                                                              const float* bx, const uint8_t* blk, const __m256* s,
+                                                              const __m256* z, __m256* acc) {
     constexpr int Q = GROUP / 4;
     constexpr int QACC = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i dot[2 * RB], p16[2 * RB];
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)  // 6 bits: start at -offset * isum; 4 bits: offset 0; 8 bits: signed values
-        dot[2 * r + 0] = dot[2 * r + 1] = BITS == 6 ? _mm256_set1_epi32(ncorr[r * ng]) : _mm256_setzero_si256();
+        dot[2 * r + 0] = dot[2 * r + 1] = BITS == 6 ? _mm256_set1_epi32(ncorr[r]) : _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) {
         const __m256i w0 = decode_half<BITS, GROUP>(blk, q, 0), w1 = decode_half<BITS, GROUP>(blk, q, 1);
@@ -581,7 +586,7 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, i
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
             int32_t four;
-            memcpy(&four, x + r * K + 4 * q, 4);
+            memcpy(&four, x + r * GROUP + 4 * q, 4);
             const __m256i xb = _mm256_set1_epi32(four);
             const __m256i m0 = _mm256_maddubs_epi16(a0, BITS == 8 ? _mm256_sign_epi8(xb, w0) : xb);
             const __m256i m1 = _mm256_maddubs_epi16(a1, BITS == 8 ? _mm256_sign_epi8(xb, w1) : xb);
@@ -599,8 +604,8 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, i
     }
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
-        const __m256 d = _mm256_set1_ps(dx[r * ng]);
-        const __m256 b = _mm256_set1_ps(bx[r * ng]);
+        const __m256 d = _mm256_set1_ps(dx[r]);
+        const __m256 b = _mm256_set1_ps(bx[r]);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
             const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(dot[2 * r + h]));
@@ -616,14 +621,13 @@ template <int BITS>
 constexpr int rblk2() { return BITS == 4 ? RBLK2_4 : RBLK2_68; }
 
 template <int BITS, int GROUP, int SMODE, int RB, int B0>
-__attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, int64_t K, int64_t ng, const float* dx,
-                                                              const int32_t* nc, const float* bx, const uint8_t* blk,
-                                                              const __m256* s, const __m256* z, __m256* acc) {
+__attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, const float* dx, const int32_t* nc,
+                                                              const float* bx, const uint8_t* blk, const __m256* s,
+                                                              const __m256* z, __m256* acc) {
     constexpr int n = RB - B0 < rblk2<BITS>() ? RB - B0 : rblk2<BITS>();
     if constexpr (n > 0) {
-        rows_group2<BITS, GROUP, SMODE, n>(x + B0 * K, K, ng, dx + B0 * ng, nc + B0 * ng, bx + B0 * ng, blk, s, z,
-                                           acc + 2 * B0);
-        row_blocks2<BITS, GROUP, SMODE, RB, B0 + rblk2<BITS>()>(x, K, ng, dx, nc, bx, blk, s, z, acc);
+        rows_group2<BITS, GROUP, SMODE, n>(x + B0 * GROUP, dx + B0, nc + B0, bx + B0, blk, s, z, acc + 2 * B0);
+        row_blocks2<BITS, GROUP, SMODE, RB, B0 + rblk2<BITS>()>(x, dx, nc, bx, blk, s, z, acc);
     }
 }
 
@@ -635,10 +639,11 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     const int64_t ng = K / GROUP;
     const uint8_t* blk = codes + u * ng * UB;
     const uint8_t* end = blk + ng * UB;
-    const int8_t* x = act.q + m0 * K;
-    const float* dx = act.dx + m0 * ng;
-    const float* bx = act.bx + m0 * ng;
-    const int32_t* nc = act.ncorr + m0 * ng;
+    const int64_t rows = act.rows;  // the group-major activations of rows m0 .. (x, dx, bx, nc: group 0's)
+    const int8_t* x = act.q + m0 * GROUP;
+    const float* dx = act.dx + m0;
+    const float* bx = act.bx + m0;
+    const int32_t* nc = act.ncorr + m0;
     __m256 acc[2 * RB];
     for (int r = 0; r < 2 * RB; ++r) acc[r] = _mm256_setzero_ps();
     ScaleWalk2<SMODE> scales(sc, u, ng);
@@ -646,7 +651,8 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
         prefetch_ahead(blk, end, UB);
         __m256 s[2], z[2];
         scales.next(g, s, z);
-        row_blocks2<BITS, GROUP, SMODE, RB, 0>(x + g * GROUP, K, ng, dx + g, nc + g, bx + g, blk, s, z, acc);
+        row_blocks2<BITS, GROUP, SMODE, RB, 0>(x + g * rows * GROUP, dx + g * rows, nc + g * rows, bx + g * rows, blk,
+                                               s, z, acc);
     }
     alignas(32) float tmp[16];
     for (int r = 0; r < RB; ++r) {
@@ -715,6 +721,7 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
         const int64_t rows = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
         void* yr = out_fp32 ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
+        act.rows = rows;
         quantize_rows(x + r0 * ldx, ldx, rows, K, group, code_offset(bits, offset), act, nthreads);
 #if LD_SIMD
         // each unit's rows in passes of up to RB_ROWS, accumulators in registers
