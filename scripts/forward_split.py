@@ -1,7 +1,7 @@
 """Where a target forward's time goes, in the default format: a 1-token forward after a
 ``--context``-token prompt, then the same with the linear layers' kernel calls replaced by their
 cached outputs (what is left: attention, norms, rope, Python and torch glue), then with the
-attention kernel's calls replaced too (glue alone); and forwards of 1, 8 and 16 tree tokens
+attention kernel's calls replaced too (glue alone), each for 1, 8 and 16 tree tokens; and forwards of 1, 8 and 16 tree tokens
 with the attention kernel (default) and with one SDPA call per token (``attention_kernel``
 off).  Min (and median) over ``--repeats`` runs of ``--calls`` forwards, ms.
 
@@ -79,11 +79,13 @@ def main() -> None:
     qkernel.QLinear._forward = stub(real_linear, lambda self, x, rowwise: (id(self), tuple(x.shape), rowwise))
     real_attention = native.attend_rows
     try:
-        lo, med = timed(lambda: tree(1), a.calls, a.repeats)
-        print(f"| 1 token, linear kernels replaced | {lo:.1f} | {med:.1f} |")
+        for t in (1, 8, 16):
+            lo, med = timed(lambda: tree(t), a.calls, a.repeats)
+            print(f"| {t} token{'s' if t > 1 else ''}, linear kernels replaced | {lo:.1f} | {med:.1f} |")
         native.attend_rows = stub(real_attention, lambda q, k, v, f, o: (tuple(q.shape), k.shape[1]))
-        lo, med = timed(lambda: tree(1), a.calls, a.repeats)
-        print(f"| 1 token, linear and attention kernels replaced | {lo:.1f} | {med:.1f} |")
+        for t in (1, 8, 16):
+            lo, med = timed(lambda: tree(t), a.calls, a.repeats)
+            print(f"| {t} token{'s' if t > 1 else ''}, linear and attention kernels replaced | {lo:.1f} | {med:.1f} |")
     finally:
         qkernel.QLinear._forward = real_linear
         native.attend_rows = real_attention

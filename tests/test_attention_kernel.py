@@ -142,6 +142,21 @@ def test_the_other_builds_give_the_same_bits(other_build, dtype, monkeypatch):
     assert torch.equal(fast, slow)
 
 
+def test_the_other_builds_agree_on_far_apart_and_non_finite_scores(other_build, monkeypatch):
+    # queries 60x larger: most exponents fall below the polynomial's -87 clamp; one row's query
+    # holds a NaN and one an inf (every output of theirs is NaN, on every build alike)
+    q, keys, values = _inputs(11, 12, 2, 64, 77, 5, torch.float32)
+    q = q * 60
+    q[0, 3, 1, 5] = float("nan")
+    q[0, 7, 2, 0] = float("inf")
+    lists = _lists(11, 77, 5)
+    fast = attend_rows(q, keys, values, *_flat(lists))
+    monkeypatch.setattr(qkernel, "_library", lambda: other_build)
+    slow = attend_rows(q, keys, values, *_flat(lists))
+    assert torch.equal(fast.isnan(), slow.isnan()) and fast.isnan().any() and not fast.isnan().all()
+    assert torch.equal(fast.nan_to_num(0.0), slow.nan_to_num(0.0))
+
+
 def test_the_model_uses_the_kernel_and_stays_close_to_per_row_sdpa(monkeypatch):
     # the default quantized model's invariant attention runs the kernel; the SDPA-per-row path
     # (attention_kernel=False) is the same attention with other roundings
