@@ -975,3 +975,40 @@ def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path
 def test_measured_prefill_ratio_is_a_sane_time_ratio(kernel):
     r = qkernel.measure_prefill_ratio(4, 32, rounds=1)
     assert 0.02 < r < 50.0
+
+
+def test_a_failing_compiler_is_a_clear_error_and_leaves_no_temp_files(tmp_path, monkeypatch):
+    # the build compiles qgemm.cpp's parts and attention.cpp at once (qkernel.PARTS); one part's
+    # error names the compiler and its last message, and neither the object files nor the
+    # half-written library stay behind
+    fake = tmp_path / "fake-cxx"
+    fake.write_text('#!/bin/sh\ncase "$*" in *LD_PART=6*) echo "qgemm.cpp:1: error: boom" >&2; exit 1;; esac\n'
+                    'for a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(qkernel, "_compiler", lambda: str(fake))
+    target = tmp_path / "kernels" / "qgemm-test.so"
+    with pytest.raises(qkernel.KernelUnavailable, match="fake-cxx failed: qgemm.cpp:1: error: boom"):
+        qkernel._build(target)
+    assert sorted(p.name for p in target.parent.iterdir()) == []
+
+
+def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
+    # a compiler that records its calls: one compile per part (each with -c and its own object),
+    # then one link of exactly those objects into the target
+    log = tmp_path / "calls"
+    fake = tmp_path / "fake-cxx"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
+                    'for a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(qkernel, "_compiler", lambda: str(fake))
+    target = tmp_path / "kernels" / "qgemm-test.so"
+    qkernel._build(target)
+    calls = log.read_text().splitlines()
+    compiles = [c for c in calls if " -c " in c]
+    links = [c for c in calls if " -c " not in c]
+    assert len(compiles) == len(qkernel.PARTS) and len(links) == 1
+    assert all("-shared" not in c for c in compiles)
+    objects = [c.split(" -o ")[1] for c in compiles]
+    assert len(set(objects)) == len(objects) and all(o in links[0].split() for o in objects)
+    assert sorted(c.split("-DLD_PART=")[1][0] for c in compiles if "LD_PART" in c) == ["0", "4", "6", "8"]
+    assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name]

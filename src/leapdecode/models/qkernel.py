@@ -50,7 +50,7 @@ SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
 SOURCES = (SOURCE, ATTENTION_SOURCE)  # compiled into one shared library
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-# ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4; the bound only stops a hung compiler (300 s
+# ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once: ~33 s on 2 cores); the bound only stops a hung compiler (300 s
 # was reached on a loaded 2-core machine, and the kernel then looked unavailable: bf16 fallback)
 BUILD_TIMEOUT_S = 1800
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
@@ -98,24 +98,66 @@ def _build(target: Path) -> None:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(".qgemm-*.so"):  # left by a process that ended mid-build
+    for stale in target.parent.glob(".qgemm-*"):  # left by a process that ended mid-build
         with contextlib.suppress(OSError):  # (another process may remove it first)
             if time.time() - stale.stat().st_mtime > 3600:
-                stale.unlink()
+                if stale.is_dir():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink()
     fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
     os.close(fd)
-    say("building the quantized kernel for this CPU (once per machine and version; about a minute)")
+    say("building the quantized kernel for this CPU (once per machine and version; under a minute)")
     try:
-        proc = subprocess.run([cxx, *CXXFLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"{cxx} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        with tempfile.TemporaryDirectory(prefix=".qgemm-build-", dir=target.parent) as work:
+            objects = _compile_parts(cxx, Path(work))
+            _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx)
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot build the kernel: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+# The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row
+# functions of each code width apart from the rest; a fresh 2-core machine's first start waits
+# about half as long as for one compiler process)
+PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD_PART=6",)),
+         (SOURCE, ("-DLD_PART=8",)), (ATTENTION_SOURCE, ()))
+
+
+def _compile_parts(cxx: str, work: Path) -> list[str]:
+    """Compile every part of ``PARTS`` to an object file in ``work``, all at once; returns their paths."""
+    flags = [f for f in CXXFLAGS if f != "-shared"]
+    jobs = []
+    try:
+        for i, (src, extra) in enumerate(PARTS):
+            obj, err = work / f"part{i}.o", work / f"part{i}.err"
+            with open(err, "w") as f:  # a file, not a pipe: a chatty compiler never blocks on it
+                jobs.append((str(obj), err, subprocess.Popen([cxx, *flags, *extra, "-c", str(src), "-o", str(obj)],
+                                                             stdout=subprocess.DEVNULL, stderr=f)))
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        for _, err, proc in jobs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"{cxx} failed: {_last_line(err.read_text(), proc.returncode)}")
+    finally:
+        for _, _, proc in jobs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [obj for obj, _, _ in jobs]
+
+
+def _run(cmd: list[str], cxx: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise KernelUnavailable(f"{cxx} failed: {_last_line(proc.stderr, proc.returncode)}")
+
+
+def _last_line(stderr: str, code: int) -> str:
+    return stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {code}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,7 +68,17 @@
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
 #endif
 
+// One translation unit, or several compiled at once (models/qkernel.py builds it so: the few-row
+// functions' ~300 instantiations take about a minute of one core): LD_PART unset, everything;
+// LD_PART = 4, 6 or 8, only that code width's few-row functions (unit_rows_of_<bits>); LD_PART = 0,
+// everything else, calling them.  The same code either way, so the same bits.
+#ifndef LD_PART
+#define LD_PART -1
+#endif
+
+#if LD_PART <= 0
 extern "C" int ld_simd(void) { return LD_SIMD; }
+#endif
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t b = (uint32_t)v << 16;
@@ -685,14 +695,36 @@ static UnitRowsFn unit_rows_fn(int smode, int rb) {
          : smode == 2 ? unit_rows_fn<BITS, GROUP, 2>(rb) : unit_rows_fn<BITS, GROUP, 3>(rb);
 }
 
+// the specialized few-row functions of one code width, for a group size, a scale mode and a block
+// of rb rows (1..RB_ROWS)
+#define LD_UNIT_ROWS_OF(B)                                                                              \
+    __attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_##B(int group, int smode, int rb) {  \
+        return group == 16 ? unit_rows_fn<B, 16>(smode, rb) : unit_rows_fn<B, 32>(smode, rb);           \
+    }
+#if LD_PART == -1 || LD_PART == 4
+LD_UNIT_ROWS_OF(4)
+#endif
+#if LD_PART == -1 || LD_PART == 6
+LD_UNIT_ROWS_OF(6)
+#endif
+#if LD_PART == -1 || LD_PART == 8
+LD_UNIT_ROWS_OF(8)
+#endif
+
+#if LD_PART <= 0
+__attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_4(int group, int smode, int rb);
+__attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_6(int group, int smode, int rb);
+__attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_8(int group, int smode, int rb);
+
 // the specialized few-row function for a format and a block of rb rows (1..RB_ROWS)
 static UnitRowsFn select_unit_rows(int bits, int group, int smode, int rb) {
-    if (group == 16) return bits == 4 ? unit_rows_fn<4, 16>(smode, rb) : bits == 6 ? unit_rows_fn<6, 16>(smode, rb)
-                                                                        : unit_rows_fn<8, 16>(smode, rb);
-    return bits == 4 ? unit_rows_fn<4, 32>(smode, rb) : bits == 6 ? unit_rows_fn<6, 32>(smode, rb)
-                                                       : unit_rows_fn<8, 32>(smode, rb);
+    return bits == 4 ? unit_rows_of_4(group, smode, rb) : bits == 6 ? unit_rows_of_6(group, smode, rb)
+                                                         : unit_rows_of_8(group, smode, rb);
 }
 #endif
+#endif
+
+#if LD_PART <= 0  // the library's entry points (the rest of the file)
 
 // bytes of the work buffer ld_qgemm needs for K columns in groups of `group`
 extern "C" int64_t ld_work_bytes(int64_t K, int group) { return MAX_ROWS * (K + 16 * (K / group)); }
@@ -801,3 +833,4 @@ extern "C" int ld_qdequant_bf16(const uint8_t* codes, const void* scales, const 
                                 int64_t N, int64_t K, uint16_t* out, int nthreads) {
     return dequant<uint16_t>(codes, scales, zeros, dsup, zsup, smode, gps, bits, offset, group, N, K, out, nthreads);
 }
+#endif  // LD_PART <= 0
