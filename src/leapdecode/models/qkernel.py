@@ -50,8 +50,9 @@ SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
 SOURCES = (SOURCE, ATTENTION_SOURCE)  # compiled into one shared library
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-# ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once: ~33 s on 2 cores); the bound only stops a hung compiler (300 s
-# was reached on a loaded 2-core machine, and the kernel then looked unavailable: bf16 fallback)
+# ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once, ``PARTS``: ~33 s on 2
+# cores); the bound only stops a hung compiler (300 s was reached on a loaded 2-core machine, and
+# the kernel then looked unavailable: bf16 fallback)
 BUILD_TIMEOUT_S = 1800
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
 # Forwards of up to this many rows (decoding, tree verification: NativeCausalLM's
