@@ -199,6 +199,11 @@ def test_rms_norm_kernel_rows_are_invariant_and_match_torch_closely(seed, rows, 
     got = rms_norm_bf16(x, w, 1e-6)
     for i in range(rows):
         assert torch.equal(rms_norm_bf16(x[i : i + 1], w, 1e-6)[0], got[i])
+    # rows of a wider tensor (a strided view) and leading dimensions: the same bits, the same shape
+    wide = torch.zeros(rows, k + 16, dtype=x.dtype)
+    wide[:, :k] = x
+    assert torch.equal(rms_norm_bf16(wide[:, :k], w, 1e-6), got)
+    assert torch.equal(rms_norm_bf16(x.view(1, rows, k), w, 1e-6), got.view(1, rows, k))
     xf = x.float()
     ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().float() * w.float()
     # the same two roundings; a 1-ulp difference of the normalizer may move a value by one bf16 ulp

@@ -296,6 +296,12 @@ def test_qlinear_computes_the_documented_product(kernel, fmt, with_bias):
     # leading dimensions are kept; other input dtypes are cast to bf16
     assert torch.equal(layer(x.view(1, 7, k)), y.view(1, 7, n))
     assert torch.equal(layer(x.float()), y)
+    # a strided input (rows of a wider tensor, as a slice leaves them) gives its rows' bits
+    wide = torch.zeros(7, 2 * k, dtype=x.dtype)
+    wide[:, 5 : 5 + k] = x
+    assert torch.equal(layer(wide[:, 5 : 5 + k]), y)
+    with pytest.raises(ValueError, match=f"rows of {k} values, got a tensor of shape \\(7, {k // 2}\\)"):
+        layer(x[:, : k // 2])
     # the checks have power: the same numbers in another arrangement are far off
     wrong = BlockWeight(w.codes[:, ::-1].copy(), w.scales, w.zeros, bits, group, offset)
     assert rel_err(QLinear([QPart.from_block(wrong)], bias, out_fp32=True)(x), ref) > 0.1
