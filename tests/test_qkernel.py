@@ -1018,3 +1018,26 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     assert len(set(objects)) == len(objects) and all(o in links[0].split() for o in objects)
     assert sorted(c.split("-DLD_PART=")[1][0] for c in compiles if "LD_PART" in c) == ["0", "4", "6", "8"]
     assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+# every instruction-set path of the kernel sources, whatever this CPU runs: a syntax-only compile
+# (templates instantiated, no code generated: ~1 s each), so an edit that breaks the AVX-512 path
+# fails here on an AVX2 machine and the other way round; LD_PART=0 checks the split build's guards
+PATH_FLAGS = {"avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+              "avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ("-DLD_PORTABLE",)}
+
+
+@pytest.mark.parametrize("part", [None, 0, "attention"])
+@pytest.mark.parametrize("path", sorted(PATH_FLAGS))
+def test_every_path_of_the_kernel_sources_compiles(path, part):
+    import subprocess
+
+    cxx = qkernel._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    source = qkernel.ATTENTION_SOURCE if part == "attention" else qkernel.SOURCE
+    extra = () if part in (None, "attention") else (f"-DLD_PART={part}",)
+    flags = [f for f in qkernel.CXXFLAGS if f not in ("-march=native", "-shared")]
+    proc = subprocess.run([cxx, *flags, "-march=x86-64-v2", *PATH_FLAGS[path], *extra, "-fsyntax-only", str(source)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
