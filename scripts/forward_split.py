@@ -1,9 +1,9 @@
-"""Where a target forward's time goes, in the default format: a 1-token forward after a
-``--context``-token prompt, then the same with the linear layers' kernel calls replaced by their
-cached outputs (what is left: attention, norms, rope, Python and torch glue), then with the
-attention kernel's calls replaced too (glue alone), each for 1, 8 and 16 tree tokens; and forwards of 1, 8 and 16 tree tokens
-with the attention kernel (default) and with one SDPA call per token (``attention_kernel``
-off).  Min (and median) over ``--repeats`` runs of ``--calls`` forwards, ms.
+"""Where a target forward's time goes, in the default format, after a ``--context``-token prompt:
+forwards of 1, 8 and 16 tree tokens with the attention kernel (default) and with one SDPA call per
+token (``attention_kernel`` off); then the same forwards with the linear layers' kernel calls
+replaced by their cached outputs (what is left: attention, norms, rope, Python and torch glue),
+then with the attention kernel's calls replaced too (glue alone).  Min (and median) over
+``--repeats`` runs of ``--calls`` forwards, ms.
 
     python scripts/forward_split.py -m qwen2.5-coder-1.5b --context 300
 
