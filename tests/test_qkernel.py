@@ -983,15 +983,19 @@ def test_measured_prefill_ratio_is_a_sane_time_ratio(kernel):
     assert 0.02 < r < 50.0
 
 
+def _fake_compiler(tmp_path, monkeypatch, first_lines: str) -> None:
+    """qkernel's compiler: a script that runs ``first_lines``, then writes an empty file where ``-o`` says."""
+    fake = tmp_path / "fake-cxx"
+    fake.write_text(f'#!/bin/sh\n{first_lines}\nfor a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(qkernel, "_compiler", lambda: str(fake))
+
+
 def test_a_failing_compiler_is_a_clear_error_and_leaves_no_temp_files(tmp_path, monkeypatch):
     # the build compiles qgemm.cpp's parts and attention.cpp at once (qkernel.PARTS); one part's
     # error names the compiler and its last message, and neither the object files nor the
     # half-written library stay behind
-    fake = tmp_path / "fake-cxx"
-    fake.write_text('#!/bin/sh\ncase "$*" in *LD_PART=6*) echo "qgemm.cpp:1: error: boom" >&2; exit 1;; esac\n'
-                    'for a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
-    fake.chmod(0o755)
-    monkeypatch.setattr(qkernel, "_compiler", lambda: str(fake))
+    _fake_compiler(tmp_path, monkeypatch, 'case "$*" in *LD_PART=6*) echo "qgemm.cpp:1: error: boom" >&2; exit 1;; esac')
     target = tmp_path / "kernels" / "qgemm-test.so"
     with pytest.raises(qkernel.KernelUnavailable, match="fake-cxx failed: qgemm.cpp:1: error: boom"):
         qkernel._build(target)
@@ -1002,11 +1006,7 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     # a compiler that records its calls: one compile per part (each with -c and its own object),
     # then one link of exactly those objects into the target
     log = tmp_path / "calls"
-    fake = tmp_path / "fake-cxx"
-    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
-                    'for a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
-    fake.chmod(0o755)
-    monkeypatch.setattr(qkernel, "_compiler", lambda: str(fake))
+    _fake_compiler(tmp_path, monkeypatch, f'echo "$*" >> {log}')
     target = tmp_path / "kernels" / "qgemm-test.so"
     qkernel._build(target)
     calls = log.read_text().splitlines()

@@ -580,7 +580,7 @@ class QLinear(nn.Module):
                 y = (y.float() + bias).to(torch.bfloat16)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         y = torch.empty(*x.shape[:-1], self.padded_features, dtype=torch.float32 if self.out_fp32 else torch.bfloat16)
-        esize = 4 if self.out_fp32 else 2
+        esize = y.element_size()
         if self._work is None:  # the kernel's quantized rows, scales and sums
             self._work = max(lib.ld_work_bytes(k, p.group) for p in self.parts)
         work = _work_buffer(self._work).data_ptr()

@@ -96,18 +96,20 @@ static inline void load_row(const void* p, int64_t at, int D, int dtype, float* 
 
 // exp(x) for x <= 0: 2^n * P(r), r = x - n ln2 (Cody-Waite), P a degree-6 polynomial; about
 // 2 ulp; below -87 it returns 0.  Branch-free, so the compiler vectorizes the loop calling it.
+// Its constants, shared with exp_neg8 (which must give the same bits):
+static constexpr float EXP_MIN = -87.0f, EXP_LOG2E = 1.44269504088896341f, EXP_ROUND = 12582912.0f;
+static constexpr float EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+static constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f;
-    const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    x = x < EXP_MIN ? EXP_MIN : x;
+    const float t = x * EXP_LOG2E;
+    const float n = (t + EXP_ROUND) - EXP_ROUND;  // round to nearest
+    float r = x - n * EXP_LN2_HI;
+    r = r - n * EXP_LN2_LO;
+    float p = EXP_P[0];
+    for (int i = 1; i < 6; ++i) p = p * r + EXP_P[i];
     p = p * r * r + r + 1.0f;
     const int32_t e = ((int32_t)n + 127) << 23;
     float scale;
@@ -119,18 +121,14 @@ static inline float exp_neg(float x) {
 // exp_neg on 8 lanes: the very same IEEE operations in the same order (no contraction), so the
 // same bits as the scalar function lane by lane
 static inline __m256 exp_neg8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // (c > x ? c : x): a NaN x stays x, as in exp_neg
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256 big = _mm256_set1_ps(12582912.0f);
+    x = _mm256_max_ps(_mm256_set1_ps(EXP_MIN), x);  // (c > x ? c : x): a NaN x stays x, as in exp_neg
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E));
+    const __m256 big = _mm256_set1_ps(EXP_ROUND);
     const __m256 n = _mm256_sub_ps(_mm256_add_ps(t, big), big);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HI)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LO)));
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_P[i]));
     p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
