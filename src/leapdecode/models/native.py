@@ -24,7 +24,8 @@ from torch import nn
 
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
-from .qkernel import DENSE_MIN_ROWS, attend_rows, attention_supported, rms_norm_bf16, rope_attend_segments, rope_store
+from .qkernel import (DENSE_MIN_ROWS, LayerStack, attend_rows, attention_supported, rms_norm_bf16,
+                      rope_attend_segments, rope_store, silu_mul)
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -252,7 +253,10 @@ class Block(nn.Module):
     def mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
         h = rms_norm(x, self.mlp_norm, self.cfg.rms_norm_eps)
         gate, up = gate_up(h).chunk(2, dim=-1)
-        return down(F.silu(gate) * up)
+        act = None
+        if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+            act = silu_mul(gate, up)  # one kernel call, torch's bits (LayerStack computes it so too)
+        return down(F.silu(gate) * up if act is None else act)
 
 
 def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -372,6 +376,12 @@ class NativeCausalLM(nn.Module):
     # one SDPA call per token and layer; False keeps the SDPA calls (both are invariant, with
     # different roundings).  Where the kernel cannot run (no compiler, CUDA) SDPA is used.
     attention_kernel: bool = True
+    # On the kernels' route (invariant attention with the kernel, QLinear layers, a plain cache,
+    # bf16, up to 64 tokens): all the decoder layers of a forward in one call of
+    # kernels/layers.cpp (``LayerStack``), with the bits of the op-by-op route; False runs
+    # ``Block.forward`` layer by layer.
+    layers_kernel: bool = True
+    _stack: tuple | None = None  # (signature of the layers' modules and weights, LayerStack or None)
 
     @property
     def cut_invariant_tokens(self) -> int:
@@ -499,14 +509,44 @@ class NativeCausalLM(nn.Module):
         hidden = hidden_states
         if hidden is not None:
             hidden.append(x)
-        for i in layers if layers is not None else range(self.cfg.n_layers):
-            x = self.layers[i](x, cos, sin, cache, i, mask, rows)
+        which = layers if layers is not None else range(self.cfg.n_layers)
+        stack = self._layer_stack(x, cache, rows) if len(which) else None
+        if stack is not None:
+            xs = stack.run(x, cos, sin, cache.k, cache.v, cache.total - t, rows.flat, rows.offsets, which)
+            x = xs[-1:]
             if hidden is not None:
-                hidden.append(x)
+                hidden.extend(xs[j : j + 1] for j in range(xs.shape[0]))
+        else:
+            for i in which:
+                x = self.layers[i](x, cos, sin, cache, i, mask, rows)
+                if hidden is not None:
+                    hidden.append(x)
         if logits_for is not None:
             x = x[:, logits_for]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return (head or self.lm_head)(x).float()
+
+    def _layer_stack(self, x: torch.Tensor, cache: KVCache, rows: "QueryRows | None") -> LayerStack | None:
+        """The ``LayerStack`` of this model's layers where this forward can take it (see
+        ``layers_kernel``), else None.  Built on first use, and again when a layer's module or
+        weight was replaced (checked by identity: the stack holds them, so no id is reused)."""
+        if not (self.layers_kernel and kernel_route(cache, rows) and x.dtype == torch.bfloat16 and x.shape[0] == 1
+                and x.is_contiguous() and cache.k.dim() == 5 and cache.k.dtype == torch.bfloat16
+                and cache.v.dtype == torch.bfloat16 and x.shape[1] <= self.INVARIANT_MAX_TOKENS
+                and attention_supported(x, cache.k[0], self.cfg.n_heads)):
+            return None
+        signature = tuple(id(m) for b in self.layers for m in (*b._modules.values(), *b._parameters.values()))
+        if self._stack is None or self._stack[0] != signature:
+            cfg = self.cfg
+            layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm) for b in self.layers]
+            stack = LayerStack.of(layers, hidden=cfg.hidden_size, inter=cfg.intermediate_size, n_heads=cfg.n_heads,
+                                  n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+            self._stack = (signature, stack)
+        return self._stack[1]
+
+    def _apply(self, fn, recurse=True):
+        self._stack = None  # the weights may move (``to()``, ``share_memory()``): built again on next use
+        return super()._apply(fn, recurse)
 
     def _plan(self, cache: KVCache, parents: list[int] | None, t: int):
         """Register ``t`` new pending nodes in ``cache``; their rope tables and attention plan."""

@@ -48,7 +48,9 @@ from .store import atomic_write, cache_dir, say
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
-SOURCES = (SOURCE, ATTENTION_SOURCE)  # compiled into one shared library
+LAYERS_SOURCE = SOURCE.with_name("layers.cpp")  # a decoder's layers in one call (``LayerStack``)
+SOURCES = (SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE)  # compiled into one shared library
+HEADERS = (SOURCE.with_name("bf16.h"),)  # included by the sources
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once, ``PARTS``: ~33 s on 2
 # cores); the bound only stops a hung compiler (300 s was reached on a loaded 2-core machine, and
@@ -125,7 +127,7 @@ def _build(target: Path) -> None:
 # functions of each code width apart from the rest; a fresh 2-core machine's first start waits
 # about half as long as for one compiler process)
 PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD_PART=6",)),
-         (SOURCE, ("-DLD_PART=8",)), (ATTENTION_SOURCE, ()))
+         (SOURCE, ("-DLD_PART=8",)), (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
 
 
 def _compile_parts(cxx: str, work: Path) -> list[str]:
@@ -165,7 +167,7 @@ def _last_line(stderr: str, code: int) -> str:
 def build_key() -> str:
     """What the compiled kernels depend on: their sources, the flags and the CPU's flags (the name
     of the cached library; also part of a measured cost profile's key, ``core/cost_model.py``)."""
-    sources = b"".join(src.read_bytes() for src in SOURCES)
+    sources = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     return hashlib.sha256(sources + " ".join(CXXFLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
 
 
@@ -217,6 +219,13 @@ def _library() -> ctypes.CDLL:
     lib.ld_rope_attend_segments.argtypes = [vp, i64, i64, vp, vp, i32, vp, vp, vp, vp, i32, i32, i32, i32,
                                             ctypes.c_float, vp, vp, i32]
     lib.ld_rope_attend_segments.restype = i32
+    stack, layer = ctypes.POINTER(LdStack), ctypes.POINTER(LdLayer)
+    lib.ld_layers_scratch.argtypes = [stack, layer, i64]
+    lib.ld_layers_scratch.restype = i64
+    lib.ld_decoder_layers.argtypes = [stack, layer, vp, i64, vp, vp, i64, vp, vp, i64, vp, vp, vp, i64, vp, i32]
+    lib.ld_decoder_layers.restype = i32
+    lib.ld_silu_mul_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp]
+    lib.ld_silu_mul_bf16.restype = i32
     return lib
 
 
@@ -769,3 +778,148 @@ def rope_attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if rc:
         raise RuntimeError(f"ld_rope_attend_segments failed ({rc})")
     return out
+
+
+# --------------------------------------------------------------------------- a decoder's layers
+class LdPart(ctypes.Structure):
+    """``kernels/layers.cpp``'s LdPart: one packed part as ``ld_qgemm`` takes it."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
+                ("dsup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + \
+        [(name, ctypes.c_int64) for name in ("smode", "gps", "bits", "offset", "group", "n", "n0")]
+
+
+class LdLinear(ctypes.Structure):
+    _fields_ = [("parts", ctypes.POINTER(LdPart)), ("n_parts", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("padded", ctypes.c_int64)]
+
+
+class LdLayer(ctypes.Structure):
+    _fields_ = [("qkv", LdLinear), ("o", LdLinear), ("gate_up", LdLinear), ("down", LdLinear),
+                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p)]
+
+
+class LdStack(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "inter", "hq", "hkv", "d")] + \
+        [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("silu", ctypes.c_void_p),
+         ("k", ctypes.c_void_p), ("k_layer", ctypes.c_int64), ("k_head", ctypes.c_int64), ("k_slot", ctypes.c_int64),
+         ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64)]
+
+
+@functools.lru_cache(maxsize=None)
+def silu_table() -> torch.Tensor:
+    """``F.silu`` of every bf16 value as torch computes and rounds it on this CPU, as 16-bit
+    patterns indexed by the input's bits, with two spare entries (``layers.cpp`` reads 4 bytes per
+    entry).  Computed in calls of 16384 values: below torch's parallel grain, a whole number of
+    vectors, so every value takes torch's vectorized path (which SiLU on rows of a multiple of 32
+    values takes too; torch's scalar path for the odd tail of a row or thread chunk may round
+    otherwise: the table gives every position the same result)."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    y = torch.cat([torch.nn.functional.silu(c) for c in x.split(16384)]).view(torch.int16)
+    return torch.cat([y, y.new_zeros(2)])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` for bf16 CPU rows (``gate``/``up``: ``[..., I]`` views whose last
+    dimension is contiguous and whose rows are equally spaced, e.g. the two halves of a fused
+    gate-up projection) in one call of ``kernels/layers.cpp``: torch's SiLU bits from
+    ``silu_table``, the product rounded once as torch's bf16 multiply rounds it.  None where it
+    does not apply (other dtypes or devices, other layouts, no kernel)."""
+    if (gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16 or gate.shape != up.shape
+            or gate.device.type != "cpu" or up.device.type != "cpu" or gate.dim() < 1
+            or gate.stride(-1) != 1 or up.stride(-1) != 1 or kernel_problem() is not None):
+        return None
+    n = gate.shape[-1]
+    rows = gate.numel() // n if n else 0
+    g2, u2 = gate.reshape(-1, n) if rows else gate, up.reshape(-1, n) if rows else up
+    if rows and (g2.stride(-1) != 1 or u2.stride(-1) != 1 or (rows > 1 and g2.stride(0) != u2.stride(0))):
+        return None
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    if rows:
+        rc = _library().ld_silu_mul_bf16(silu_table().data_ptr(), g2.data_ptr(), u2.data_ptr(), rows,
+                                         g2.stride(0) if rows > 1 else n, n, out.data_ptr())
+        if rc:
+            raise RuntimeError(f"ld_silu_mul_bf16 failed ({rc})")
+    return out
+
+
+def _ld_linear(layer: QLinear, keep: list) -> LdLinear:
+    parts = (LdPart * len(layer.parts))()
+    for i, (weights, n, bias, n0) in enumerate(layer._calls()):
+        codes, scales, zeros, dsup, zsup, smode, gps, bits, offset, group = weights
+        parts[i] = LdPart(codes, scales, zeros, dsup, zsup, bias, smode, gps, bits, offset, group, n, n0)
+    keep.append(parts)
+    return LdLinear(parts, len(layer.parts), layer.in_features, layer.padded_features)
+
+
+class LayerStack:
+    """A Llama/Qwen2 decoder's layers in one kernel call per forward (``kernels/layers.cpp``
+    ``ld_decoder_layers``): for each layer the calls ``Block.forward`` makes on the kernels' route
+    (RMSNorm, the packed projections, rope and cache store, the attention kernel, the residual adds,
+    SiLU times up), with the same bits, without the ~130 us of Python and torch dispatch per layer
+    around them.  ``layers``: per layer ``(wqkv, wo, w_gate_up, w_down, attn_norm, mlp_norm)`` with
+    ``QLinear`` projections (bf16 outputs) and bf16 norm weights; ``of`` returns None otherwise."""
+
+    def __init__(self, layers: list[tuple], hidden: int, inter: int, n_heads: int, n_kv_heads: int,
+                 head_dim: int, eps: float) -> None:
+        self._keep: list = [silu_table()]
+        arr = (LdLayer * len(layers))()
+        for i, (wqkv, wo, gate_up, down, attn_norm, mlp_norm) in enumerate(layers):
+            self._keep += [wqkv, wo, gate_up, down, attn_norm, mlp_norm]  # alive while their addresses are used
+            arr[i] = LdLayer(_ld_linear(wqkv, self._keep), _ld_linear(wo, self._keep),
+                             _ld_linear(gate_up, self._keep), _ld_linear(down, self._keep),
+                             attn_norm.data_ptr(), mlp_norm.data_ptr())
+        self.layers = arr
+        self.n_layers = len(layers)
+        self.shape = dict(hidden=hidden, inter=inter, hq=n_heads, hkv=n_kv_heads, d=head_dim, eps=eps,
+                          scale=1.0 / math.sqrt(head_dim), silu=silu_table().data_ptr())
+        self.hidden = hidden
+        self.work = max(_library().ld_work_bytes(lin.in_features, p.group)
+                        for lin in {id(m): m for layer in layers for m in layer[:4]}.values() for p in lin.parts)
+        probe = LdStack(**self.shape)
+        self._scratch_per_row = max(_library().ld_layers_scratch(ctypes.byref(probe), ctypes.byref(arr[i]), 1)
+                                    for i in range(len(layers)))
+
+    @classmethod
+    def of(cls, layers: list[tuple], **shape) -> "LayerStack | None":
+        """The stack, or None where a layer does not fit (a projection that is not a ``QLinear``
+        with bf16 outputs, norm weights that are not contiguous bf16 CPU tensors) or the kernel
+        is not available."""
+        if kernel_problem() is not None:
+            return None
+        for *linears, attn_norm, mlp_norm in layers:
+            if not all(type(m) is QLinear and not m.out_fp32 for m in linears):
+                return None
+            if not all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+                       for w in (attn_norm, mlp_norm)):
+                return None
+        return cls(layers, **shape)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            slot0: int, flat: torch.Tensor, offsets: torch.Tensor, which: list[int] | range) -> torch.Tensor:
+        """Layers ``which`` over ``x`` (contiguous bf16 ``[1, T, hidden]``) with a cache whose keys
+        and values are ``k``/``v`` (``[layers, 1, kv_heads, slots, head_dim]`` bf16), the new
+        tokens at slots ``slot0..``, row t attending over ``flat[offsets[t]:offsets[t + 1]]``.
+        Returns ``[len(which), T, hidden]``: the residual stream after each layer run."""
+        t = x.shape[1]
+        which = list(which)
+        n = len(which)
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape != (1, t, self.hidden) or t > MAX_ROWS
+                or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride(-1) != 1 or v.stride(-1) != 1
+                or cos.shape != (t, self.shape["d"]) or not cos.is_contiguous() or not sin.is_contiguous()
+                or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or offsets.numel() != t + 1
+                or any(not 0 <= i < self.n_layers for i in which)):
+            raise ValueError("LayerStack.run: unexpected shapes, dtypes or layers")
+        stack = LdStack(**self.shape, k=k.data_ptr(), k_layer=k.stride(0), k_head=k.stride(2), k_slot=k.stride(3),
+                        v=v.data_ptr(), v_layer=v.stride(0), v_head=v.stride(2), v_slot=v.stride(3))
+        xs = torch.empty(n, t, self.hidden, dtype=torch.bfloat16)
+        room = self._scratch_per_row * t
+        scratch = torch.empty(room, dtype=torch.bfloat16)
+        which_t = torch.tensor(which, dtype=torch.int64)
+        rc = _library().ld_decoder_layers(ctypes.byref(stack), self.layers, which_t.data_ptr(), n, x.data_ptr(),
+                                          xs.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), slot0, flat.data_ptr(),
+                                          offsets.data_ptr(), scratch.data_ptr(), room,
+                                          _work_buffer(self.work).data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"ld_decoder_layers failed ({rc})")
+        return xs

@@ -59,20 +59,7 @@ static inline V vfma1(float a, V b, V c) { for (int l = 0; l < 16; ++l) c.x[l] =
 #define MAX_D 256
 #define MAX_G 16
 
-static inline float bf16_val(uint16_t v) {
-    uint32_t b = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {  // round to nearest even
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
+#include "bf16.h"
 
 // row of D values as fp32
 static inline void load_row(const void* p, int64_t at, int D, int dtype, float* out) {

@@ -80,20 +80,7 @@
 extern "C" int ld_simd(void) { return LD_SIMD; }
 #endif
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t b = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (as vcvtneps2bf16)
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  // NaN stays NaN
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
+#include "bf16.h"
 
 static inline float half_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
@@ -178,7 +165,7 @@ static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo
     float amax = 0.f;
     bool finite = true;
     for (int k = 0; k < group; ++k) {
-        const float a = fabsf(bf16_to_f32(xp[k]));
+        const float a = fabsf(bf16_val(xp[k]));
         finite = finite && a <= 3.4028235e38f;  // false for inf and NaN
         amax = fmaxf(amax, a);
     }
@@ -190,7 +177,7 @@ static void quantize_group(const uint16_t* xp, int group, int8_t* qp, float* dxo
     const float dx = amax / 127.0f;
     int32_t sum = 0;
     for (int k = 0; k < group; ++k) {
-        int v = dx > 0.f ? (int)nearbyintf(bf16_to_f32(xp[k]) / dx) : 0;
+        int v = dx > 0.f ? (int)nearbyintf(bf16_val(xp[k]) / dx) : 0;
         v = v > 127 ? 127 : (v < -127 ? -127 : v);
         qp[k] = (int8_t)v;
         sum += v;
@@ -304,7 +291,7 @@ static inline void store_row(float* acc16, const float* bias, void* y, int64_t l
     for (int j = 0; j < 16; ++j) {
         float r = bias ? acc16[j] + bias[n0 + j] : acc16[j];
         if (out_fp32) ((float*)y)[m * ldy + n0 + j] = r;
-        else ((uint16_t*)y)[m * ldy + n0 + j] = f32_to_bf16(r);
+        else ((uint16_t*)y)[m * ldy + n0 + j] = to_bf16(r);
     }
 }
 
@@ -815,7 +802,7 @@ static int dequant(const uint8_t* codes, const void* scales, const void* zeros, 
                 for (int k = 0; k < group; ++k) {
                     const float w = s[j] * (float)(c[j][k] - off) + z[j];
                     if constexpr (sizeof(T) == 4) row[k] = w;
-                    else row[k] = f32_to_bf16(w);
+                    else row[k] = to_bf16(w);
                 }
             }
         }
