@@ -1,9 +1,10 @@
 """Where a target forward's time goes, in the default format, after a ``--context``-token prompt:
-forwards of 1, 8 and 16 tree tokens with the attention kernel (default) and with one SDPA call per
-token (``attention_kernel`` off); then the same forwards with the linear layers' kernel calls
-replaced by their cached outputs (what is left: attention, norms, rope, Python and torch glue),
-then with the attention kernel's calls replaced too (glue alone).  Min (and median) over
-``--repeats`` runs of ``--calls`` forwards, ms.
+forwards of 1, 8 and 16 tree tokens with the layers in one kernel call (default, ``LayerStack``),
+layer by layer (``layers_kernel`` off), and layer by layer with one SDPA call per token
+(``attention_kernel`` off too); then, layer by layer, the same forwards with the linear layers'
+kernel calls replaced by their cached outputs (what is left: attention, norms, rope, Python and
+torch glue), then with the attention kernel's calls replaced too (glue alone).  Min (and median)
+over ``--repeats`` runs of ``--calls`` forwards, ms.
 
     python scripts/forward_split.py -m qwen2.5-coder-1.5b --context 300
 
@@ -57,13 +58,15 @@ def main() -> None:
     print(f"{a.model}: weights {model.quantization}, attention {model.attention}, {torch.get_num_threads()} threads, "
           f"context {a.context}")
     print("| forward | min ms | median ms |\n|---|---:|---:|")
+    routes = {"layers in one call": (True, True), "layer by layer": (False, True),
+              "layer by layer, attention SDPA per token": (False, False)}
     for t in (1, 8, 16):
-        for kernel in (True, False):
-            model.attention_kernel = kernel
+        for route, (stack, kernel) in routes.items():
+            model.layers_kernel, model.attention_kernel = stack, kernel
             lo, med = timed(lambda: tree(t), a.calls, a.repeats)
-            print(f"| {t} token{'s' if t > 1 else ''}, attention {'kernel' if kernel else 'SDPA per token'} "
-                  f"| {lo:.1f} | {med:.1f} |")
-    model.attention_kernel = True
+            print(f"| {t} token{'s' if t > 1 else ''}, {route} | {lo:.1f} | {med:.1f} |")
+    # the replacements below act on the layer-by-layer route's calls
+    model.layers_kernel, model.attention_kernel = False, True
 
     def stub(real, key_of):
         memo = {}

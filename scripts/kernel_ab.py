@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def quicksort(arr):\n", "Explain how a hash map works in two paragraphs.\n",
            "import numpy as np\n\ndef softmax(x):\n"]
 FUNCS = ("ld_qgemm", "ld_qdequant", "ld_qdequant_bf16", "ld_attend_rows", "ld_rmsnorm_bf16", "ld_rope_store",
+         "ld_decoder_layers", "ld_layers_scratch", "ld_silu_mul_bf16",
          "ld_work_bytes", "ld_simd")
 
 
@@ -54,8 +55,10 @@ def source(spec: str | None, work: Path, name: str) -> Path:
 
 
 def build(src: Path, flags: str, out: Path) -> ctypes.CDLL:
-    """The kernel library from ``src`` (plus the tree's attention.cpp), typed like qkernel's."""
-    subprocess.check_call(["g++", *qkernel.CXXFLAGS, *flags.split(), str(src), str(qkernel.SOURCES[1]), "-o", str(out)])
+    """The kernel library from ``src`` (plus the tree's other sources), typed like qkernel's."""
+    # (-I: the tree's bf16.h for a revision's source copied elsewhere)
+    subprocess.check_call(["g++", *qkernel.CXXFLAGS, *flags.split(), f"-I{qkernel.SOURCE.parent}", str(src),
+                           *map(str, qkernel.SOURCES[1:]), "-o", str(out)])
     ref = qkernel._library()
     lib = ctypes.CDLL(str(out))
     for name in FUNCS:

@@ -254,7 +254,8 @@ def test_rope_store_matches_apply_rope_and_the_cache_write_bitwise(dtype):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_the_fused_route_gives_the_logits_of_the_unfused_kernel_route(weights, monkeypatch):
     # rope + store in one call, then the attention kernel, against rotary_qkv + KVCache.write +
-    # the attention kernel (the route taken when a KV policy observes the cache): the same bits
+    # the attention kernel (the route taken when a KV policy observes the cache): the same bits;
+    # and the layers in one call (LayerStack, the default route) the same bits as both
     from leapdecode.models import native
 
     model = load("tiny-random", weights=weights).model
@@ -266,14 +267,19 @@ def test_the_fused_route_gives_the_logits_of_the_unfused_kernel_route(weights, m
     real = native.rope_store
     monkeypatch.setattr(native, "rope_store", lambda *a: calls.append(1) or real(*a))
     out = {}
-    for fused in (True, False):
-        if not fused:
+    for route in ("stack", "fused", "unfused"):
+        model.layers_kernel = route == "stack"
+        if route == "unfused":
             monkeypatch.setattr(native.Block, "attend", lambda self, qkv, cos, sin, cache, layer, mask, rows:
                                 self.attention(*self.rotary_qkv(qkv, cos, sin), cache, layer, mask, rows))
         cache = model.new_cache(max_len=80)
         model.forward(prompt, cache)
         cache.commit()
         before = len(calls)
-        out[fused] = model.forward(toks, cache, parents=parents)[0]
-        assert len(calls) - before == (model.n_layers if fused else 0)
-    assert torch.equal(out[True], out[False])
+        out[route] = model.forward(toks, cache, parents=parents)[0]
+        # (the stack runs where every projection is a QLinear; torch's int8 kernel: layer by layer)
+        layer_calls = route == "fused" or (route == "stack" and weights != "int4")
+        assert len(calls) - before == (model.n_layers if layer_calls else 0)
+    model.layers_kernel = True
+    assert (model._stack[1] is not None) == (weights == "int4")
+    assert torch.equal(out["stack"], out["fused"]) and torch.equal(out["fused"], out["unfused"])

@@ -1027,7 +1027,7 @@ PATH_FLAGS = {"avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
               "avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ("-DLD_PORTABLE",)}
 
 
-@pytest.mark.parametrize("part", [None, 0, "attention"])
+@pytest.mark.parametrize("part", [None, 0, "attention", "layers"])
 @pytest.mark.parametrize("path", sorted(PATH_FLAGS))
 def test_every_path_of_the_kernel_sources_compiles(path, part):
     import platform
@@ -1039,8 +1039,8 @@ def test_every_path_of_the_kernel_sources_compiles(path, part):
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if path != "portable" and not x86:
         pytest.skip(f"the {path} path is x86 code; this is {platform.machine()}")
-    source = qkernel.ATTENTION_SOURCE if part == "attention" else qkernel.SOURCE
-    extra = () if part in (None, "attention") else (f"-DLD_PART={part}",)
+    source = {"attention": qkernel.ATTENTION_SOURCE, "layers": qkernel.LAYERS_SOURCE}.get(part, qkernel.SOURCE)
+    extra = (f"-DLD_PART={part}",) if isinstance(part, int) else ()
     flags = [f for f in qkernel.CXXFLAGS if f not in ("-march=native", "-shared")]
     march = ("-march=x86-64-v2",) if x86 else ()
     proc = subprocess.run([cxx, *flags, *march, *PATH_FLAGS[path], *extra, "-fsyntax-only", str(source)],
