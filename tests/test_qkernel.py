@@ -1020,6 +1020,27 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name]
 
 
+def test_a_build_keeps_only_the_most_recent_other_libraries(tmp_path, monkeypatch):
+    # libraries of earlier versions pile up in the cache (one per source change): a build keeps
+    # itself and the KEEP_BUILDS - 1 newest others, and touches nothing else
+    import os
+
+    _fake_compiler(tmp_path, monkeypatch, ":")
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    old = []
+    for i in range(5):
+        p = kernels / f"qgemm-old{i}.so"
+        p.write_bytes(b"x")
+        os.utime(p, (1_000_000 + i, 1_000_000 + i))
+        old.append(p.name)
+    (kernels / "notes.txt").write_text("mine")
+    target = kernels / "qgemm-new.so"
+    qkernel._build(target)
+    kept = sorted(p.name for p in kernels.iterdir())
+    assert kept == sorted([target.name, "notes.txt", *old[5 - (qkernel.KEEP_BUILDS - 1):]])
+
+
 # every instruction-set path of the kernel sources, whatever this CPU runs: a syntax-only compile
 # (templates instantiated, no code generated: ~1 s each), so an edit that breaks the AVX-512 path
 # fails here on an AVX2 machine and the other way round; LD_PART=0 checks the split build's guards

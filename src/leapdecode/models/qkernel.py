@@ -116,11 +116,29 @@ def _build(target: Path) -> None:
             objects = _compile_parts(cxx, Path(work))
             _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx)
         os.replace(tmp, target)
+        _prune_builds(target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot build the kernel: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+KEEP_BUILDS = 3  # kernel libraries kept in the cache: this build and the most recent others
+
+
+def _prune_builds(target: Path) -> None:
+    """Remove the cache's older kernel libraries (other versions or CPUs), keeping ``target`` and
+    the ``KEEP_BUILDS - 1`` most recently built others (each ~2 MB; a process that has one
+    loaded keeps its mapping)."""
+    others = []
+    for p in target.parent.glob("qgemm-*.so"):
+        with contextlib.suppress(OSError):  # (another process may remove it first)
+            if p != target:
+                others.append((p.stat().st_mtime, p))
+    for _, p in sorted(others, reverse=True)[KEEP_BUILDS - 1:]:
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 # The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row
