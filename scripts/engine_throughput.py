@@ -6,7 +6,8 @@ kept ``--clients`` at a time in one batch stepped by ``core/batch.py`` (``step_b
 ``SpeculationScheduler``, as the server's engine does); a finished request is replaced by the next.
 Every run does the same work, so runs compare without the load test's mix noise.  ``--no-fused``
 runs the batched forward's attention per sequence (``FusedSegments`` off) for an A/B in one
-checkout; ``--profile FILE`` writes a cProfile of the measured part.
+checkout, ``--layer-by-layer`` the decoder layers one by one instead of in one kernel call
+(``LayerStack``); ``--profile FILE`` writes a cProfile of the measured part.
 
     python scripts/engine_throughput.py -m smollm2-135m --method vanilla --clients 16 --requests 64
 """
@@ -42,12 +43,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96,
                     help="a request's max_tokens is drawn from [max/4, max], as the load test draws it")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-fused", action="store_true", help="attention per sequence (FusedSegments off)")
+    ap.add_argument("--no-fused", action="store_true", help="attention per sequence (FusedSegments off; "
+                    "implies --layer-by-layer)")
+    ap.add_argument("--layer-by-layer", action="store_true",
+                    help="the decoder layers one by one (NativeCausalLM.layers_kernel off), not in one kernel call")
     ap.add_argument("--profile", default="", help="write a cProfile of the measured part here")
     a = ap.parse_args()
     if a.no_fused:
         native.FusedSegments.of = classmethod(lambda cls, *args: None)
     model = leapdecode.load(a.model)
+    if a.layer_by_layer or a.no_fused:
+        model.model.layers_kernel = False
     runner = ModelRunner(model, allow_draft_loading=False)
     tok = model.tokenizer
     rng = random.Random(a.seed)
@@ -95,7 +101,8 @@ def main() -> None:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
     print(f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, commit {rev}, {os.cpu_count()} CPUs; "
-          f"{a.model} {a.method}{' (attention per sequence)' if a.no_fused else ''}, {a.clients} at once: "
+          f"{a.model} {a.method}{' (attention per sequence)' if a.no_fused else ''}"
+          f"{' (layer by layer)' if a.layer_by_layer else ''}, {a.clients} at once: "
           f"{tokens / seconds:.1f} tokens/s ({tokens} tokens, {a.requests} requests, {steps} steps, "
           f"{seconds:.1f} s), {spec}", flush=True)
 

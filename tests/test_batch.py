@@ -299,28 +299,40 @@ def test_forward_batch_is_bitwise_the_solo_forwards_int4(q4):
 
 
 def test_forward_batch_fused_attention_is_taken_and_bitwise_the_per_sequence_route(q4, monkeypatch):
-    """The batched forward's one kernel call per layer for every sequence's rope, cache stores and
-    attention (``FusedSegments``) runs for these items, and gives the bits of the per-sequence route
-    (``rotary_qkv`` + ``KVCache.write`` + ``attend_rows`` per segment), caches included."""
+    """The batched forward's routes give the same bits, caches and hidden states included: all
+    layers in one call (``LayerStack.run_segments``, the default), one kernel call per layer for
+    every sequence's rope, cache stores and attention (``FusedSegments``), and the per-sequence
+    route (``rotary_qkv`` + ``KVCache.write`` + ``attend_rows`` per segment)."""
     from leapdecode.models import native
 
     model, _ = q4
     decoder = model.model
-    calls = []
+    calls, stacked = [], []
     real = native.rope_attend_segments
     monkeypatch.setattr(native, "rope_attend_segments", lambda *a, **k: calls.append(a[3].numel() - 1) or real(*a, **k))
-    _, _, (f_out, f_cache, f_hidden) = _solo_and_batched(decoder)
-    # the five short items share each layer's call (the 100-token chunk runs alone)
-    assert calls == [5] * decoder.cfg.n_layers
-    monkeypatch.setattr(native.FusedSegments, "of", classmethod(lambda cls, *a: None))
-    calls.clear()
-    _, _, (p_out, p_cache, p_hidden) = _solo_and_batched(decoder)
-    assert calls == []
+    real_stack = native.LayerStack.run_segments
+    monkeypatch.setattr(native.LayerStack, "run_segments",
+                        lambda self, *a: stacked.append(a[3].numel() - 1) or real_stack(self, *a))
+    # by default every layer of the batched rows runs in one call (LayerStack.run_segments)
+    _, _, (s_out, s_cache, s_hidden) = _solo_and_batched(decoder)
+    assert stacked == [5] and calls == []
+    decoder.layers_kernel = False
+    try:
+        _, _, (f_out, f_cache, f_hidden) = _solo_and_batched(decoder)
+        # layer by layer: the five short items share each layer's call (the 100-token chunk runs alone)
+        assert calls == [5] * decoder.cfg.n_layers and stacked == [5]
+        monkeypatch.setattr(native.FusedSegments, "of", classmethod(lambda cls, *a: None))
+        calls.clear()
+        _, _, (p_out, p_cache, p_hidden) = _solo_and_batched(decoder)
+        assert calls == []
+    finally:
+        decoder.layers_kernel = True
     for k in range(len(f_out)):
-        assert torch.equal(f_out[k], p_out[k]), k
-        assert torch.equal(f_cache[k].k, p_cache[k].k) and torch.equal(f_cache[k].v, p_cache[k].v), k
-        if f_hidden[k] is not None:
-            assert all(torch.equal(x, y) for x, y in zip(f_hidden[k], p_hidden[k])), k
+        for out, cache, hidden in ((s_out, s_cache, s_hidden), (p_out, p_cache, p_hidden)):
+            assert torch.equal(f_out[k], out[k]), k
+            assert torch.equal(f_cache[k].k, cache[k].k) and torch.equal(f_cache[k].v, cache[k].v), k
+            if f_hidden[k] is not None:
+                assert all(torch.equal(x, y) for x, y in zip(f_hidden[k], hidden[k])), k
 
 
 def test_forward_batch_fp32_is_close_but_not_asserted_bitwise(tiny):

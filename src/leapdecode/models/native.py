@@ -527,14 +527,19 @@ class NativeCausalLM(nn.Module):
         return (head or self.lm_head)(x).float()
 
     def _layer_stack(self, x: torch.Tensor, cache: KVCache, rows: "QueryRows | None") -> LayerStack | None:
-        """The ``LayerStack`` of this model's layers where this forward can take it (see
-        ``layers_kernel``), else None.  Built on first use, and again when a layer's module or
-        weight was replaced (checked by identity: the stack holds them, so no id is reused)."""
+        """The ``LayerStack`` of this model's layers where this forward of one sequence can take it
+        (see ``layers_kernel``), else None."""
         if not (self.layers_kernel and kernel_route(cache, rows) and x.dtype == torch.bfloat16 and x.shape[0] == 1
                 and x.is_contiguous() and cache.k.dim() == 5 and cache.k.dtype == torch.bfloat16
                 and cache.v.dtype == torch.bfloat16 and x.shape[1] <= self.INVARIANT_MAX_TOKENS
                 and attention_supported(x, cache.k[0], self.cfg.n_heads)):
             return None
+        return self._stack_of_layers()
+
+    def _stack_of_layers(self) -> LayerStack | None:
+        """The layers' ``LayerStack`` (None where a layer does not fit it): built on first use, and
+        again when a layer's module or weight was replaced (checked by identity: the stack holds
+        them, so no id is reused)."""
         signature = tuple(id(m) for b in self.layers for m in (*b._modules.values(), *b._parameters.values()))
         if self._stack is None or self._stack[0] != signature:
             cfg = self.cfg
@@ -601,10 +606,20 @@ class NativeCausalLM(nn.Module):
         wanted = [items[i].hidden_states is not None for i in small]
         states = [x] if any(wanted) else None
         fused = FusedSegments.of(segments, self.cfg.n_heads, self.dtype) if x.device.type == "cpu" else None
-        for layer in range(self.cfg.n_layers):
-            x = self.layers[layer].forward_rows(x, segments, layer, cos, sin, fused)
+        stack = None
+        if fused is not None and self.layers_kernel and x.dtype == torch.bfloat16:
+            stack = self._stack_of_layers()  # every layer in one call, each row with forward_rows's bits
+        if stack is not None:
+            xs = stack.run_segments(x, cos, sin, fused.seg_start, fused.base, fused.step, fused.flat, fused.offsets,
+                                    range(self.cfg.n_layers))
+            x = xs[-1:]
             if states is not None:
-                states.append(x)
+                states.extend(xs[j : j + 1] for j in range(xs.shape[0]))
+        else:
+            for layer in range(self.cfg.n_layers):
+                x = self.layers[layer].forward_rows(x, segments, layer, cos, sin, fused)
+                if states is not None:
+                    states.append(x)
         picked, counts = [], []
         for seg, i in zip(segments, small):
             sel = items[i].logits_for

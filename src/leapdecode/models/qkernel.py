@@ -821,7 +821,9 @@ class LdStack(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "inter", "hq", "hkv", "d")] + \
         [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("silu", ctypes.c_void_p),
          ("k", ctypes.c_void_p), ("k_layer", ctypes.c_int64), ("k_head", ctypes.c_int64), ("k_slot", ctypes.c_int64),
-         ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64)]
+         ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64),
+         ("nseg", ctypes.c_int64), ("seg_start", ctypes.c_void_p), ("seg_kv", ctypes.c_void_p),
+         ("seg_kv_step", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -915,21 +917,45 @@ class LayerStack:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             slot0: int, flat: torch.Tensor, offsets: torch.Tensor, which: list[int] | range) -> torch.Tensor:
-        """Layers ``which`` over ``x`` (contiguous bf16 ``[1, T, hidden]``) with a cache whose keys
-        and values are ``k``/``v`` (``[layers, 1, kv_heads, slots, head_dim]`` bf16), the new
-        tokens at slots ``slot0..``, row t attending over ``flat[offsets[t]:offsets[t + 1]]``.
+        """Layers ``which`` over ``x`` (contiguous bf16 ``[1, T, hidden]``, T <= 64) with a cache
+        whose keys and values are ``k``/``v`` (``[layers, 1, kv_heads, slots, head_dim]`` bf16),
+        the new tokens at slots ``slot0..``, row t attending over ``flat[offsets[t]:offsets[t + 1]]``.
         Returns ``[len(which), T, hidden]``: the residual stream after each layer run."""
-        t = x.shape[1]
-        which = list(which)
-        n = len(which)
-        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape != (1, t, self.hidden) or t > MAX_ROWS
-                or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride(-1) != 1 or v.stride(-1) != 1
-                or cos.shape != (t, self.shape["d"]) or not cos.is_contiguous() or not sin.is_contiguous()
-                or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or offsets.numel() != t + 1
-                or any(not 0 <= i < self.n_layers for i in which)):
+        if (k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride(-1) != 1 or v.stride(-1) != 1
+                or x.shape[1] > MAX_ROWS):
             raise ValueError("LayerStack.run: unexpected shapes, dtypes or layers")
         stack = LdStack(**self.shape, k=k.data_ptr(), k_layer=k.stride(0), k_head=k.stride(2), k_slot=k.stride(3),
                         v=v.data_ptr(), v_layer=v.stride(0), v_head=v.stride(2), v_slot=v.stride(3))
+        return self._call(stack, x, cos, sin, slot0, flat, offsets, which)
+
+    def run_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_start: torch.Tensor,
+                     kv_base: torch.Tensor, kv_step: torch.Tensor, flat: torch.Tensor, offsets: torch.Tensor,
+                     which: list[int] | range) -> torch.Tensor:
+        """The same over the rows of several sequences side by side (``x``: ``[1, N, hidden]``,
+        any N), rows ``seg_start[s]:seg_start[s + 1]`` being sequence s's, rotated, stored and
+        attended on its own cache as ``rope_attend_segments`` does (layer l's table
+        ``kv_base + l * kv_step``, int64 ``[S, 7]``: ``native.FusedSegments``): each row gets the
+        bits of its own sequence's forward."""
+        nseg = seg_start.numel() - 1
+        if (seg_start.dtype != torch.int64 or kv_base.dtype != torch.int64 or kv_step.dtype != torch.int64
+                or not kv_base.is_contiguous() or not kv_step.is_contiguous() or kv_base.shape != (nseg, 7)
+                or kv_step.shape != (nseg, 7) or nseg < 1):
+            raise ValueError("LayerStack.run_segments: unexpected shapes, dtypes or layers")
+        stack = LdStack(**self.shape, nseg=nseg, seg_start=seg_start.data_ptr(), seg_kv=kv_base.data_ptr(),
+                        seg_kv_step=kv_step.data_ptr())
+        return self._call(stack, x, cos, sin, 0, flat, offsets, which)
+
+    def _call(self, stack: LdStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot0: int,
+              flat: torch.Tensor, offsets: torch.Tensor, which: list[int] | range) -> torch.Tensor:
+        t = x.shape[1]
+        which = list(which)
+        n = len(which)
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape != (1, t, self.hidden)
+                or cos.shape != (t, self.shape["d"]) or sin.shape != cos.shape or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
+                or flat.dtype != torch.int64 or offsets.dtype != torch.int64 or offsets.numel() != t + 1
+                or any(not 0 <= i < self.n_layers for i in which)):
+            raise ValueError("LayerStack.run: unexpected shapes, dtypes or layers")
         xs = torch.empty(n, t, self.hidden, dtype=torch.bfloat16)
         room = self._scratch_per_row * t
         scratch = torch.empty(room, dtype=torch.bfloat16)

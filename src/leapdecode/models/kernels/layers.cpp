@@ -17,6 +17,7 @@
 // tensors per layer) was ~8% of a 1-token forward of qwen2.5-coder-1.5b on 2 cores.
 #include <stdint.h>
 #include <string.h>
+#include <vector>
 #include "bf16.h"
 #if defined(__AVX2__) && !defined(LD_PORTABLE)
 #include <immintrin.h>
@@ -34,6 +35,10 @@ extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t 
 extern "C" int ld_rope_store(const void* qkv, int64_t T, int64_t ld, const void* cos, const void* sin, int Hq,
                              int Hkv, int D, int dtype, void* q_out, void* k, int64_t k_head, int64_t k_slot,
                              void* v, int64_t v_head, int64_t v_slot, int64_t slot0);
+extern "C" int ld_rope_attend_segments(const void* qkv, int64_t N, int64_t ld, const void* cos, const void* sin,
+                                       int nseg, const int64_t* seg_start, const int64_t* kv, const int64_t* idx,
+                                       const int64_t* offsets, int Hq, int Hkv, int D, int dtype, float scale,
+                                       void* q_tmp, void* out, int nthreads);
 extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, const void* k, int64_t k_head,
                               int64_t k_slot, const void* v, int64_t v_head, int64_t v_slot, const int64_t* idx,
                               const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
@@ -64,7 +69,10 @@ struct LdLayer {
 };
 
 // What every layer shares, and this call's cache: layer l's keys of head h, slot i at
-// k + l * k_layer + h * k_head + i * k_slot (bf16 elements), the same for values.
+// k + l * k_layer + h * k_head + i * k_slot (bf16 elements), the same for values.  Or, with
+// nseg > 0, the rows of nseg sequences side by side (a batched forward: NativeCausalLM.forward_batch),
+// rows seg_start[s] .. seg_start[s+1]-1 being sequence s's, each on its own cache: for layer l,
+// ld_rope_attend_segments's table kv[7 s + e] = seg_kv[7 s + e] + l * seg_kv_step[7 s + e].
 struct LdStack {
     int64_t hidden, inter, hq, hkv, d;
     float eps, scale;
@@ -73,6 +81,10 @@ struct LdStack {
     int64_t k_layer, k_head, k_slot;
     uint16_t* v;
     int64_t v_layer, v_head, v_slot;
+    int64_t nseg;
+    const int64_t* seg_start;
+    const int64_t* seg_kv;
+    const int64_t* seg_kv_step;
 };
 
 static int linear(const LdLinear& w, const uint16_t* x, int64_t T, uint16_t* y, int nthreads, void* work) {
@@ -145,17 +157,20 @@ extern "C" int64_t ld_layers_scratch(const LdStack* s, const LdLayer* l, int64_t
     return T * (s->hidden + l->qkv.padded + 2 * s->hq * s->d + out_width(*l) + l->gate_up.padded + s->inter);
 }
 
-// Layers which[0..n) (in that order) over T rows: x0 ([T][hidden] bf16) is the input, xs[j]
-// ([n][T][hidden]) receives the output of layer which[j] (the residual stream after it).  cos/sin:
-// [T][d] bf16; the new tokens' keys and values go to slots slot0..slot0+T-1; row t attends over
+// Layers which[0..n) (in that order) over T rows (any number: ld_qgemm runs them in passes of 64):
+// x0 ([T][hidden] bf16) is the input, xs[j] ([n][T][hidden]) receives the output of layer
+// which[j] (the residual stream after it).  cos/sin: [T][d] bf16; the new tokens' keys and values
+// go to slots slot0..slot0+T-1 (or, with segments, each sequence's own slots); row t attends over
 // slots idx[offsets[t] .. offsets[t+1]) (KVCache.attended_slots); scratch: `room` bf16 values
 // (at least ld_layers_scratch of every layer run); work: ld_qgemm's buffer for every linear
 // layer.  Returns 0, -100 for shapes that do not fit, or the first failing call's code.
 extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const int64_t* which, int64_t n,
-                                 const uint16_t* x0, uint16_t* xs, int64_t T, const uint16_t* cos, const uint16_t* sin, int64_t slot0,
+                                 const uint16_t* x0, uint16_t* xs, int64_t T, const uint16_t* cos, const uint16_t* sin,
+                                 int64_t slot0,
                                  const int64_t* idx, const int64_t* offsets, uint16_t* scratch, int64_t room,
                                  void* work, int nthreads) {
     const int64_t H = s->hidden, I = s->inter, QD = s->hq * s->d;
+    std::vector<int64_t> kv((size_t)(7 * (s->nseg > 0 ? s->nseg : 0)));
     for (int64_t j = 0; j < n; ++j) {
         const int64_t li = which[j];
         const LdLayer& L = layers[li];
@@ -174,14 +189,19 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
         uint16_t* x = xs + j * T * H;
         int rc = ld_rmsnorm_bf16(x_in, T, H, H, L.attn_norm, s->eps, h, H);
         if (!rc) rc = linear(L.qkv, h, T, qkv, nthreads, work);
-        if (!rc)
+        if (!rc && s->nseg > 0) {
+            for (size_t e = 0; e < kv.size(); ++e) kv[e] = s->seg_kv[e] + li * s->seg_kv_step[e];
+            rc = ld_rope_attend_segments(qkv, T, L.qkv.padded, cos, sin, (int)s->nseg, s->seg_start, kv.data(), idx,
+                                         offsets, (int)s->hq, (int)s->hkv, (int)s->d, 1, s->scale, q, att, nthreads);
+        } else if (!rc) {
             rc = ld_rope_store(qkv, T, L.qkv.padded, cos, sin, (int)s->hq, (int)s->hkv, (int)s->d, 1, q,
                                s->k + li * s->k_layer, s->k_head, s->k_slot, s->v + li * s->v_layer, s->v_head,
                                s->v_slot, slot0);
-        if (!rc)
-            rc = ld_attend_rows(q, QD, s->d, s->k + li * s->k_layer, s->k_head, s->k_slot, s->v + li * s->v_layer,
-                                s->v_head, s->v_slot, idx, offsets, T, (int)s->hq, (int)s->hkv, (int)s->d, 1, s->scale,
-                                att, nthreads);
+            if (!rc)
+                rc = ld_attend_rows(q, QD, s->d, s->k + li * s->k_layer, s->k_head, s->k_slot, s->v + li * s->v_layer,
+                                    s->v_head, s->v_slot, idx, offsets, T, (int)s->hq, (int)s->hkv, (int)s->d, 1,
+                                    s->scale, att, nthreads);
+        }
         if (!rc) rc = linear(L.o, att, T, o, nthreads, work);
         if (rc) return rc;
         for (int64_t t = 0; t < T; ++t) {
