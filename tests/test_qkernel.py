@@ -974,6 +974,19 @@ def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path
         (tmp_path / "kernels" / "prefill.json").write_text("{not json")  # a corrupt file: measured again
         qkernel.prefill_ratios.cache_clear()
         assert qkernel.prefill_ratios() == pytest.approx(first) and len(calls) == 2 * len(first)
+        # entries of other builds past their age are dropped when the file is written; recent ones stay
+        import json
+        import time
+
+        path = tmp_path / "kernels" / "prefill.json"
+        old = {"time": time.time() - qkernel.PREFILL_PROFILE_MAX_AGE_S - 1, "ratios": {}}
+        recent = {"time": time.time() - 60, "ratios": {}}
+        path.write_text(json.dumps({"stale-build-t2": old, "other-build-t2": recent, "odd": "x"}))
+        qkernel.prefill_ratios.cache_clear()
+        qkernel.prefill_ratios()
+        kept = json.loads(path.read_text())
+        assert "stale-build-t2" not in kept and "odd" not in kept and kept["other-build-t2"] == recent
+        assert len(kept) == 2 and len(calls) == 3 * len(first)
     finally:
         qkernel.prefill_ratios.cache_clear()
 

@@ -414,8 +414,12 @@ def prefill_ratios() -> dict[tuple[int, int], float]:
         except (KeyError, ValueError, AttributeError):
             pass
     ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits in BITS for group in GROUPS}
-    stored = stored if isinstance(stored, dict) else {}
-    stored[key] = {"time": time.time(), "ratios": {f"{b}/{g}": round(r, 4) for (b, g), r in ratios.items()}}
+    now = time.time()
+    # entries past their age are never read again: dropped (one per build and thread count piled up)
+    stored = {k: v for k, v in (stored.items() if isinstance(stored, dict) else ())
+              if isinstance(v, dict) and isinstance(v.get("time"), (int, float))
+              and now - v["time"] < PREFILL_PROFILE_MAX_AGE_S}
+    stored[key] = {"time": now, "ratios": {f"{b}/{g}": round(r, 4) for (b, g), r in ratios.items()}}
     try:
         atomic_write(path, json.dumps(stored, indent=1))
     except OSError:
