@@ -145,6 +145,11 @@ def test_the_stack_refuses_what_does_not_fit(kernel, monkeypatch):
     with pytest.raises(RuntimeError, match=r"ld_decoder_layers failed \(-100\)"):
         stack.run(x, cos, cos, cache.k, cache.v, 0, *rows, [0])
     assert torch.equal(cache.k, before)
+    # a hidden size the RMSNorm kernel does not take (not a multiple of 16): no stack
+    layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm) for b in model.layers]
+    shape = dict(inter=192, n_heads=6, n_kv_heads=2, head_dim=16, eps=1e-6)
+    assert qkernel.LayerStack.of(layers, hidden=96, **shape) is not None
+    assert qkernel.LayerStack.of(layers, hidden=88, **shape) is None
     # a projection that is not a QLinear: layer by layer
     model.layers[0].wo = torch.nn.Linear(96, 96, bias=False).to(BF16)
     _run(model, True, STEPS[:1])

@@ -907,9 +907,10 @@ class LayerStack:
     @classmethod
     def of(cls, layers: list[tuple], **shape) -> "LayerStack | None":
         """The stack, or None where a layer does not fit (a projection that is not a ``QLinear``
-        with bf16 outputs, norm weights that are not contiguous bf16 CPU tensors) or the kernel
+        with bf16 outputs, norm weights that are not contiguous bf16 CPU tensors, a hidden size
+        that is not a multiple of 16: the op-by-op route then normalizes in torch) or the kernel
         is not available."""
-        if kernel_problem() is not None:
+        if kernel_problem() is not None or shape["hidden"] % 16:  # (ld_rmsnorm_bf16 takes rows of 16k values)
             return None
         for *linears, attn_norm, mlp_norm in layers:
             if not all(type(m) is QLinear and not m.out_fp32 for m in linears):
