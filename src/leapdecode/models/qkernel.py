@@ -897,7 +897,6 @@ class LayerStack:
         self.n_layers = len(layers)
         self.shape = dict(hidden=hidden, inter=inter, hq=n_heads, hkv=n_kv_heads, d=head_dim, eps=eps,
                           scale=1.0 / math.sqrt(head_dim), silu=silu_table().data_ptr())
-        self.hidden = hidden
         self.work = max(_library().ld_work_bytes(lin.in_features, p.group)
                         for lin in {id(m): m for layer in layers for m in layer[:4]}.values() for p in lin.parts)
         probe = LdStack(**self.shape)
@@ -955,13 +954,13 @@ class LayerStack:
         t = x.shape[1]
         which = list(which)
         n = len(which)
-        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape != (1, t, self.hidden)
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape != (1, t, self.shape["hidden"])
                 or cos.shape != (t, self.shape["d"]) or sin.shape != cos.shape or not cos.is_contiguous()
                 or not sin.is_contiguous() or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
                 or flat.dtype != torch.int64 or offsets.dtype != torch.int64 or offsets.numel() != t + 1
                 or any(not 0 <= i < self.n_layers for i in which)):
             raise ValueError("LayerStack.run: unexpected shapes, dtypes or layers")
-        xs = torch.empty(n, t, self.hidden, dtype=torch.bfloat16)
+        xs = torch.empty(n, t, self.shape["hidden"], dtype=torch.bfloat16)
         room = self._scratch_per_row * t
         scratch = torch.empty(room, dtype=torch.bfloat16)
         which_t = torch.tensor(which, dtype=torch.int64)

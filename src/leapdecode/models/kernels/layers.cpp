@@ -1,4 +1,5 @@
-// A Llama/Qwen2 decoder's layers over the new tokens of one sequence, in one call.
+// A Llama/Qwen2 decoder's layers over the new tokens of one sequence (or of several side by side),
+// in one call.
 //
 // Per layer, exactly what NativeCausalLM runs op by op on the kernels' route (models/native.py
 // Block.forward with QLinear layers, the invariant attention kernel and a plain KV cache), with
@@ -13,10 +14,9 @@
 //   x    = bf16(x + bf16(silu(g) * u) @ Wdown.T)         silu from a table of torch's own bf16
 //                                                       results (all 65536 inputs), the product
 //                                                       rounded once, as torch's bf16 mul
-// What the op-by-op route spends between those calls (Python, torch's dispatch, a dozen small
-// tensors per layer) was ~8% of a 1-token forward of qwen2.5-coder-1.5b on 2 cores.
+// Run op by op from Python, the same calls made a 1-token forward of qwen2.5-coder-1.5b 56.2 ms
+// instead of 43.4 on 2 cores (docs/benchmarks.md section 35).
 #include <stdint.h>
-#include <string.h>
 #include <vector>
 #include "bf16.h"
 #if defined(__AVX2__) && !defined(LD_PORTABLE)
@@ -117,13 +117,13 @@ static inline void store8(uint16_t* p, __m256 f) {
 }
 #endif
 
-// x[i] = bf16(x[i] + y[i]) for n values (torch's bf16 add: one fp32 sum, rounded)
-static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {
+// out[i] = bf16(a[i] + b[i]) for n values (torch's bf16 add: one fp32 sum, rounded); out may be a
+static void add_rows(uint16_t* out, const uint16_t* a, const uint16_t* b, int64_t n) {
     int64_t i = 0;
 #if LD_LAYERS_AVX2
-    for (; i + 8 <= n; i += 8) store8(x + i, _mm256_add_ps(load8(x + i), load8(y + i)));
+    for (; i + 8 <= n; i += 8) store8(out + i, _mm256_add_ps(load8(a + i), load8(b + i)));
 #endif
-    for (; i < n; ++i) x[i] = to_bf16(bf16_val(x[i]) + bf16_val(y[i]));
+    for (; i < n; ++i) out[i] = to_bf16(bf16_val(a[i]) + bf16_val(b[i]));
 }
 
 // out[i] = bf16(silu(g[i]) * u[i]), silu(g) read from the table
@@ -204,18 +204,13 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
         }
         if (!rc) rc = linear(L.o, att, T, o, nthreads, work);
         if (rc) return rc;
-        for (int64_t t = 0; t < T; ++t) {
-            memcpy(x + t * H, x_in + t * H, sizeof(uint16_t) * H);
-            add_into(x + t * H, o + t * L.o.padded, H);
-        }
+        for (int64_t t = 0; t < T; ++t) add_rows(x + t * H, x_in + t * H, o + t * L.o.padded, H);
         rc = ld_rmsnorm_bf16(x, T, H, H, L.mlp_norm, s->eps, h, H);
         if (!rc) rc = linear(L.gate_up, h, T, gu, nthreads, work);
+        if (!rc) rc = ld_silu_mul_bf16(s->silu, gu, gu + I, T, L.gate_up.padded, I, act);
+        if (!rc) rc = linear(L.down, act, T, o, nthreads, work);
         if (rc) return rc;
-        for (int64_t t = 0; t < T; ++t)
-            silu_mul(s->silu, gu + t * L.gate_up.padded, gu + t * L.gate_up.padded + I, act + t * I, I);
-        rc = linear(L.down, act, T, o, nthreads, work);
-        if (rc) return rc;
-        for (int64_t t = 0; t < T; ++t) add_into(x + t * H, o + t * L.down.padded, H);
+        for (int64_t t = 0; t < T; ++t) add_rows(x + t * H, x + t * H, o + t * L.down.padded, H);
     }
     return 0;
 }
