@@ -64,6 +64,9 @@
 #ifndef RBLK2_68
 #define RBLK2_68 2  // AVX2: rows of one rows_group2 call, 6- and 8-bit codes
 #endif
+#ifndef MANY_ROWS
+#define MANY_ROWS 12  // AVX2: from this many rows on, 4- and 6-bit codes take unit_rows_many
+#endif
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
 #endif
@@ -658,6 +661,105 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
         store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
     }
 }
+
+// Many rows (4- and 6-bit codes): each (unit, group) block is decoded once for all the pass's rows,
+// QH quads at a time (2 QH registers), and a plain loop over the rows runs inside; a row's sums
+// cross from one slice of quads to the next, and its accumulators from one group to the next, in
+// small buffers that stay in L1.  Per row and group that is the vpmaddubsw and vpaddw the dot
+// products need, the broadcasts of the activations and the epilogue, and little else (unit_rows
+// decodes a group again for every RBLK2_4 rows and spills a fully unrolled block's registers).
+// The same exact integers and the same epilogue in the same order of groups: the same bits.
+template <int BITS, int GROUP, int SMODE>
+static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
+                           int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
+    static_assert(BITS == 4 || BITS == 6, "8-bit codes take unit_rows");
+    constexpr int Q = GROUP / 4;       // quads of a group: 4 or 8
+    constexpr int QH = Q < 4 ? Q : 4;  // quads of a slice
+    constexpr int NS = Q / QH;         // slices of a group
+    constexpr int64_t UB = unit_bytes(BITS, GROUP);
+    const int64_t ng = K / GROUP;
+    const uint8_t* blk = codes + u * ng * UB;
+    const uint8_t* end = blk + ng * UB;
+    alignas(32) float acc[MAX_ROWS][16];
+    // a row's sums between slices: int16 pairs (4 bits: 8 quads stay below 2^15) or int32 (6 bits)
+    alignas(32) int32_t part[MAX_ROWS][16];
+    for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < 16; ++j) acc[r][j] = 0.f;
+    ScaleWalk2<SMODE> scales(sc, u, ng);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ng; ++g, blk += UB) {
+        prefetch_ahead(blk, end, UB);
+        __m256 s[2], z[2];
+        scales.next(g, s, z);
+        const int8_t* xg = act.q + g * rows * GROUP;
+        const float* dx = act.dx + g * rows;
+        const float* bx = act.bx + g * rows;
+        const int32_t* nc = act.ncorr + g * rows;
+#pragma GCC unroll 2
+        for (int sl = 0; sl < NS; ++sl) {
+            __m256i w[2 * QH];
+#pragma GCC unroll 4
+            for (int j = 0; j < QH; ++j) {
+                w[2 * j] = decode_half<BITS, GROUP>(blk, sl * QH + j, 0);
+                w[2 * j + 1] = decode_half<BITS, GROUP>(blk, sl * QH + j, 1);
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                const int8_t* xr = xg + r * GROUP + 4 * QH * sl;
+                __m256i d0, d1;  // 4 bits: int16 pair sums; 6 bits: int32 sums
+                if (BITS == 4) {
+                    d0 = sl ? _mm256_load_si256((const __m256i*)part[r]) : _mm256_setzero_si256();
+                    d1 = sl ? _mm256_load_si256((const __m256i*)part[r] + 1) : _mm256_setzero_si256();
+                } else {
+                    d0 = sl ? _mm256_load_si256((const __m256i*)part[r]) : _mm256_set1_epi32(nc[r]);
+                    d1 = sl ? _mm256_load_si256((const __m256i*)part[r] + 1) : d0;
+                }
+                __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int j = 0; j < QH; ++j) {
+                    int32_t four;
+                    memcpy(&four, xr + 4 * j, 4);
+                    const __m256i xb = _mm256_set1_epi32(four);
+                    const __m256i m0 = _mm256_maddubs_epi16(w[2 * j], xb);
+                    const __m256i m1 = _mm256_maddubs_epi16(w[2 * j + 1], xb);
+                    if (BITS == 4) {
+                        d0 = _mm256_add_epi16(d0, m0);
+                        d1 = _mm256_add_epi16(d1, m1);
+                        asm("" : "+x"(d0), "+x"(d1));  // (as in rows_group2: the adds where they are written)
+                    } else {  // pairs of quads in int16, then widened
+                        p0 = j % 2 ? _mm256_add_epi16(p0, m0) : m0;
+                        p1 = j % 2 ? _mm256_add_epi16(p1, m1) : m1;
+                        asm("" : "+x"(p0), "+x"(p1));
+                        if (j % 2) {
+                            d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(p0, ones));
+                            d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(p1, ones));
+                            asm("" : "+x"(d0), "+x"(d1));
+                        }
+                    }
+                }
+                if (sl < NS - 1) {
+                    _mm256_store_si256((__m256i*)part[r], d0);
+                    _mm256_store_si256((__m256i*)part[r] + 1, d1);
+                    continue;
+                }
+                if (BITS == 4) {
+                    d0 = _mm256_madd_epi16(d0, ones);
+                    d1 = _mm256_madd_epi16(d1, ones);
+                }
+                const __m256 d = _mm256_set1_ps(dx[r]);
+                __m256 a0 = _mm256_fmadd_ps(s[0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(d0)), _mm256_load_ps(acc[r]));
+                __m256 a1 = _mm256_fmadd_ps(s[1], _mm256_mul_ps(d, _mm256_cvtepi32_ps(d1)), _mm256_load_ps(acc[r] + 8));
+                if (SMODE != 3) {
+                    const __m256 b = _mm256_set1_ps(bx[r]);
+                    a0 = _mm256_fmadd_ps(z[0], b, a0);
+                    a1 = _mm256_fmadd_ps(z[1], b, a1);
+                }
+                _mm256_store_ps(acc[r], a0);
+                _mm256_store_ps(acc[r] + 8, a1);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) store_row(acc[r], bias, y, ldy, r, u * 16, out_fp32);
+}
 #endif
 
 #if LD_SIMD
@@ -713,6 +815,24 @@ static UnitRowsFn select_unit_rows(int bits, int group, int smode, int rb) {
 
 #if LD_PART <= 0  // the library's entry points (the rest of the file)
 
+#if LD_SIMD == 2
+typedef void (*ManyRowsFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int64_t, const float*, void*,
+                           int64_t, int);
+
+template <int BITS, int GROUP>
+static ManyRowsFn many_rows_fn(int smode) {
+    return smode == 0 ? unit_rows_many<BITS, GROUP, 0> : smode == 1 ? unit_rows_many<BITS, GROUP, 1>
+         : smode == 2 ? unit_rows_many<BITS, GROUP, 2> : unit_rows_many<BITS, GROUP, 3>;
+}
+
+// the many-row function of a format (none for 8-bit codes)
+static ManyRowsFn select_many_rows(int bits, int group, int smode) {
+    if (bits == 4) return group == 16 ? many_rows_fn<4, 16>(smode) : many_rows_fn<4, 32>(smode);
+    if (bits == 6) return group == 16 ? many_rows_fn<6, 16>(smode) : many_rows_fn<6, 32>(smode);
+    return nullptr;
+}
+#endif
+
 // bytes of the work buffer ld_qgemm needs for K columns in groups of `group`
 extern "C" int64_t ld_work_bytes(int64_t K, int group) { return MAX_ROWS * (K + 16 * (K / group)); }
 
@@ -742,6 +862,14 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
         void* yr = out_fp32 ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
         act.rows = rows;
         quantize_rows(x + r0 * ldx, ldx, rows, K, group, code_offset(bits, offset), act, nthreads);
+#if LD_SIMD == 2
+        const ManyRowsFn many = rows >= MANY_ROWS ? select_many_rows(bits, group, smode) : nullptr;
+        if (many) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+            for (int64_t u = 0; u < units; ++u) many(rows, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
+            continue;
+        }
+#endif
 #if LD_SIMD
         // each unit's rows in passes of up to RB_ROWS, accumulators in registers
         const int nb = (int)((rows + RB_ROWS - 1) / RB_ROWS);
