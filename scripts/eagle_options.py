@@ -18,7 +18,12 @@ from leapdecode.bench.workloads import load_workload
 CONFIGS = [("vanilla", {}), ("eagle", {}), ("eagle", {"cost_aware": False, "tree_budget": 4}),
            ("eagle", {"cost_aware": False, "tree_budget": 6}), ("eagle", {"cost_aware": False, "tree_budget": 8}),
            ("eagle", {"draft_vocab": 8192}), ("eagle", {"cost_aware": False, "tree_budget": 6, "draft_vocab": 8192}),
-           ("eagle", {"cost_aware": False, "tree_budget": 6, "head_weights": "bf16"}), ("vanilla", {})]
+           ("eagle", {"cost_aware": False, "tree_budget": 6, "head_weights": "bf16"}), ("vanilla", {}),
+           ("eagle", {"draft_vocab": 16384}), ("eagle", {"head_weights": "int4"}),
+           ("eagle", {"head_weights": "int4", "draft_vocab": 16384}),
+           ("eagle", {"cost_aware": False, "tree_budget": 6, "head_weights": "int8"}),
+           ("eagle", {"cost_aware": False, "tree_budget": 6, "head_weights": "int4"}),
+           ("eagle", {"cost_aware": False, "tree_budget": 6, "draft_vocab": 16384})]
 
 
 def main() -> None:

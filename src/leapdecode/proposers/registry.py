@@ -149,10 +149,12 @@ class LayerSkipConfig(MethodConfig):
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the draft head (0: whole)", low=0)
 
 
-HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the trained heads' ``head_weights`` (heads/common.py resolves it)
+HEAD_WEIGHTS = ("auto", "bf16", "int8", "int4")  # the trained heads' ``head_weights`` (heads/common.py resolves it)
 HEAD_WEIGHTS_HELP = ("what the head's linear layers run on: int8 (per-row int8 weights, on the block-quantized "
-                     "kernel where it runs, else torch's weight-only int8 kernel), bf16 (the head's float weights "
-                     "as loaded), or auto (int8 on the CPU when the target's weights are quantized, else bf16)")
+                     "kernel where it runs, else torch's weight-only int8 kernel), int4 (4-bit weights in groups "
+                     "of 32 on the block-quantized kernel), bf16 (the head's float weights as loaded), or auto "
+                     "(int8 on the CPU when the target's weights are quantized, else bf16); drafts only: the "
+                     "output is the same with each")
 
 
 @dataclass(frozen=True, kw_only=True)

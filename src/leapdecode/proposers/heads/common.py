@@ -28,7 +28,7 @@ from ...models.native import rms_norm
 from ...models.quant import Int8Linear, kernel_problem
 from ..common import coupled_first, subset_head
 
-HEAD_WEIGHTS = ("auto", "bf16", "int8")  # the ``head_weights`` option of medusa, hydra and eagle (registry.py)
+HEAD_WEIGHTS = ("auto", "bf16", "int8", "int4")  # the ``head_weights`` option of medusa, hydra and eagle (registry.py)
 
 
 def reads_target_head(target) -> bool:
@@ -155,10 +155,12 @@ def check_head_weights(value: Any) -> str:
 
 def head_weights_for(setting: str, target) -> str:
     """What ``head_weights=setting`` runs the head's linear layers on for ``target``: ``"int8"`` (8-bit
-    weights: ``int8_linear``) or ``"bf16"`` (the head's float weights as
-    loaded: the target's dtype).  ``auto``: int8 on the CPU when the target runs a quantized format
-    (int8, int4 or GGUF blocks: ``model.quantization``) and the kernel works here, else the float head.
-    ``int8`` where the kernel cannot run raises ``InvalidParameterError``."""
+    weights: ``int8_linear``), ``"int4"`` (4-bit weights in groups of 32 on the block kernel:
+    ``int4_linear``) or ``"bf16"`` (the head's float weights as loaded: the target's dtype).
+    ``auto``: int8 on the CPU when the target runs a quantized format (int8, int4 or GGUF blocks:
+    ``model.quantization``) and the kernel works here, else the float head.  ``int8`` or ``int4``
+    where its kernel cannot run raises ``InvalidParameterError``.  (A head only drafts: its weights
+    change which tokens are proposed, never which are accepted.)"""
     check_head_weights(setting)
     model = target.model
     device = torch.device(getattr(model, "device", "cpu"))
@@ -169,6 +171,10 @@ def head_weights_for(setting: str, target) -> str:
         problem = kernel_problem("int8", device)
         if problem is not None:
             raise InvalidParameterError(f"head_weights=int8: the int8 kernel cannot run on {device} here ({problem})")
+    if setting == "int4":
+        problem = qkernel.kernel_problem() if device.type == "cpu" else f"the block kernel runs on the CPU, not {device}"
+        if problem is not None:
+            raise InvalidParameterError(f"head_weights=int4: the block kernel cannot run here ({problem})")
     return setting
 
 
@@ -190,11 +196,32 @@ def int8_linear(linear: nn.Linear) -> nn.Module | None:
     return qkernel.QLinear([qkernel.QPart.from_block(block)], None if linear.bias is None else linear.bias.detach().float())
 
 
-def int8_copy(head: nn.Module) -> nn.Module:
-    """A copy of ``head`` whose ``nn.Linear`` layers run on 8-bit weights (``int8_linear``, quantized
-    from the float weights); a linear that no 8-bit kernel takes stays float (and shares the head's
-    weights, read only).  The head itself is untouched; its other parameters, such as norms, are
-    copied."""
+def int4_linear(linear: nn.Linear) -> nn.Module | None:
+    """``linear`` on 4-bit weights in groups of 32 on the block kernel: per group, ``w ~ s * c + z``
+    with codes ``c`` in 0..15, ``z`` the group's minimum and ``s`` its range / 15 (Q4_1's rule), both
+    rounded to fp16 first (the kernel's fp16 scale mode: 20 bytes per 32 weights, against 36 for
+    ``int8_linear``'s 8-bit codes), the codes then rounded to nearest.  None where the block kernel
+    does not run here or the shape does not fit (the caller falls back to ``int8_linear``)."""
+    n, k = linear.out_features, linear.in_features
+    if linear.weight.device.type != "cpu" or qkernel.kernel_problem() is not None or n % 16 or k % 32:
+        return None
+    w = linear.weight.detach().float().reshape(n, k // 32, 32)
+    lo = w.amin(-1).half().float()
+    s = ((w.amax(-1) - lo) / 15).half().float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: codes 0, the value in z
+    if not (torch.isfinite(s).all() and torch.isfinite(lo).all()):
+        return None  # beyond fp16's range
+    codes = ((w - lo[..., None]) / s[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    block = qkernel.BlockWeight(codes.numpy(), s.numpy(), lo.numpy(), 4, 32)
+    return qkernel.QLinear([qkernel.QPart.from_block(block)], None if linear.bias is None else linear.bias.detach().float())
+
+
+def quantized_copy(head: nn.Module, kind: str = "int8") -> nn.Module:
+    """A copy of ``head`` whose ``nn.Linear`` layers run on ``kind`` weights (``"int8"``:
+    ``int8_linear``; ``"int4"``: ``int4_linear``, or ``int8_linear`` where that does not fit),
+    quantized from the float weights; a linear that no such kernel takes stays float (and shares
+    the head's weights, read only).  The head itself is untouched; its other parameters, such as
+    norms, are copied."""
     linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
     # the float weights are not copied: the copy's linears are replaced right away
     memo = {id(t): t for m in linears for t in (m.weight, m.bias) if t is not None}
@@ -203,26 +230,33 @@ def int8_copy(head: nn.Module) -> nn.Module:
         for module in list(clone.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    q = int8_linear(child)
+                    q = (int4_linear(child) if kind == "int4" else None) or int8_linear(child)
                     if q is not None:
                         setattr(module, name, q)
     return clone.eval()
 
 
+def int8_copy(head: nn.Module) -> nn.Module:
+    """``quantized_copy(head, "int8")``."""
+    return quantized_copy(head, "int8")
+
+
 def running_head(ctx: DecodeContext, head: nn.Module, setting: str) -> nn.Module:
     """The module a proposer runs for ``head`` under ``head_weights=setting``: ``head`` itself, or its
-    int8 copy (``int8_copy``), made once per runner and kept in its memory (never on the head, which
-    the runner's other users share)."""
-    if head_weights_for(setting, ctx.target) != "int8":
+    int8 or int4 copy (``quantized_copy``), made once per runner and kept in its memory (never on the
+    head, which the runner's other users share)."""
+    kind = head_weights_for(setting, ctx.target)
+    if kind == "bf16":
         return head
     # the entry holds the head, so while it lives no other object can take the head's id
-    kept, converted = ctx.remember(("head_int8", id(head)), lambda: (head, int8_copy(head)))
+    kept, converted = ctx.remember((f"head_{kind}", id(head)), lambda: (head, quantized_copy(head, kind)))
     assert kept is head
     return converted
 
 
 def int8_linears(module: nn.Module) -> int:
-    """How many of ``module``'s linear layers run on the int8 kernel (a stat: did int8 drafting run)."""
+    """How many of ``module``'s linear layers run on a quantized kernel, int8 or int4 (a stat: did
+    quantized drafting run)."""
     return sum(isinstance(m, (Int8Linear, qkernel.QLinear)) for m in module.modules())
 
 

@@ -61,6 +61,7 @@ from torch import nn
 from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
+from ...models.qkernel import LayerStack, attention_supported
 from ..common import DRAFT_VOCAB, check_int, draw_children
 from ..tree_cost import TreeSizer
 from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
@@ -215,6 +216,136 @@ class Eagle3Head(EagleHead):
         return _rms(out, self.out_norm, self.eps)
 
 
+class DraftKV:
+    """The draft layer's keys and values during one generation, and the head run over them:
+    *committed* entries (decided positions, ``feed``) and *pending* ones (this proposal's tree levels,
+    ``level``; dropped by ``drop_pending``).  Here op by op in torch, the past concatenated for each
+    call; ``KernelDraftKV`` runs the layer on the kernels' route instead."""
+
+    kernel = False
+
+    def __init__(self, net: EagleHead, dtype: torch.dtype, device: torch.device) -> None:
+        self.net = net
+        self.k = torch.zeros(net.n_heads, 0, net.head_dim, dtype=dtype, device=device)
+        self.v = self.k.clone()
+        self.pend_k: list[torch.Tensor] = []
+        self.pend_v: list[torch.Tensor] = []
+
+    @property
+    def committed(self) -> int:
+        return self.k.shape[1]
+
+    def feed(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The head's output at new decided positions (causal among them, every committed entry
+        visible); their keys and values are committed."""
+        out, k, v = self.net(feats, embeds, positions, self.k, self.v)
+        self.k, self.v = torch.cat([self.k, k], 1), torch.cat([self.v, v], 1)
+        return out
+
+    def level(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+              rows: list[list[int]]) -> torch.Tensor:
+        """The head's output at one tree level's nodes: node ``j`` sees every committed entry and the
+        pending entries ``rows[j]`` (numbered from 0 in this proposal, its own included: the level's
+        entries are numbered after the earlier pending ones)."""
+        committed = self.committed
+        pending = sum(k.shape[1] for k in self.pend_k)
+        dev = self.k.device
+        mask = torch.zeros(len(rows), committed + pending + len(rows), dtype=torch.bool, device=dev)
+        mask[:, :committed] = True
+        for j, r in enumerate(rows):
+            mask[j, [committed + s for s in r]] = True
+        past_k = torch.cat([self.k] + self.pend_k, 1) if self.pend_k else self.k
+        past_v = torch.cat([self.v] + self.pend_v, 1) if self.pend_v else self.v
+        out, k, v = self.net(feats, embeds, positions, past_k, past_v, mask)
+        self.pend_k.append(k)
+        self.pend_v.append(v)
+        return out
+
+    def drop_pending(self) -> None:
+        self.pend_k, self.pend_v = [], []
+
+
+class KernelDraftKV(DraftKV):
+    """``DraftKV`` with the draft layer on the kernels' route (as the target's layers run):
+    ``fc`` (or EAGLE-3's input projection) as a module call, then RMSNorm, the packed projections,
+    rope and cache store, the invariant attention kernel over the attended slots, and the SwiGLU MLP
+    in one ``LayerStack`` call, over static key and value buffers (grown by doubling) instead of
+    concatenating the past for every call: a drafting step's head forwards pay for their weights and
+    little else.  Its outputs equal the torch layer's up to rounding (the norm and the attention
+    sum in another order), which only changes what is drafted, never what is accepted.  ``of``
+    gives None where the layer does not fit the route (float projections, a head size the
+    attention kernel does not take, no kernel)."""
+
+    kernel = True
+    CHUNK = 64  # rows of one stack call at most (qkernel.MAX_ROWS)
+
+    def __init__(self, net: EagleHead, stack: LayerStack, dtype: torch.dtype, capacity: int = 512) -> None:
+        self.net, self.stack, self.dtype = net, stack, dtype
+        self.n = 0  # committed entries
+        self.pending = 0
+        self.kv = torch.zeros(2, 1, 1, net.n_heads, capacity, net.head_dim, dtype=torch.bfloat16)
+        d = net.head_dim
+        self.inv_freq = 1.0 / (net.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    @classmethod
+    def of(cls, net: EagleHead, dtype: torch.dtype, device: torch.device,
+           capacity: int = 512) -> "KernelDraftKV | None":
+        if device.type != "cpu":
+            return None
+        cfg = net.config
+        h, d = net.n_heads, net.head_dim
+        # (the stack reads bf16 norm weights; the copies live as long as it does)
+        norms = [w.detach().to(torch.bfloat16).contiguous() for w in (net.attn_norm, net.mlp_norm)]
+        stack = LayerStack.of([(net.wqkv, net.wo, net.w_gate_up, net.w_down, *norms)], hidden=cfg["hidden"],
+                              inter=cfg["intermediate"], n_heads=h, n_kv_heads=h, head_dim=d, eps=net.eps)
+        if stack is None or not attention_supported(torch.empty(0, dtype=torch.bfloat16),
+                                                    torch.empty(1, h, 1, d, dtype=torch.bfloat16), h):
+            return None
+        stack.keep_norms = norms
+        return cls(net, stack, dtype, capacity)
+
+    @property
+    def committed(self) -> int:
+        return self.n
+
+    def _run(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+             rows: list[torch.Tensor]) -> torch.Tensor:
+        t = feats.shape[0]
+        slot0 = self.n + self.pending
+        if slot0 + t > self.kv.shape[4]:  # grow the buffers (by doubling)
+            kv = self.kv.new_zeros(*self.kv.shape[:4], max(2 * self.kv.shape[4], slot0 + t), self.kv.shape[5])
+            kv[..., :slot0, :] = self.kv[..., :slot0, :]
+            self.kv = kv
+        x = self.net.fc(torch.cat([feats, embeds], -1).to(self.dtype)).to(torch.bfloat16).contiguous()
+        ang = positions.to(torch.float32)[:, None] * self.inv_freq[None]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+        offsets = torch.tensor([0] + [int(r.numel()) for r in rows], dtype=torch.int64).cumsum(0)
+        out = self.stack.run(x[None], cos, sin, self.kv[0], self.kv[1], slot0, torch.cat(rows), offsets, [0])
+        return out[0].to(self.dtype)
+
+    def feed(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i in range(0, feats.shape[0], self.CHUNK):  # (the prompt's window: in chunks the stack takes)
+            t, n = min(self.CHUNK, feats.shape[0] - i), self.n
+            outs.append(self._run(feats[i : i + t], embeds[i : i + t], positions[i : i + t],
+                                  [torch.arange(n + j + 1) for j in range(t)]))
+            self.n += t
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def level(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+              rows: list[list[int]]) -> torch.Tensor:
+        n = self.n
+        past = torch.arange(n)
+        out = self._run(feats, embeds, positions, [torch.cat([past, n + torch.tensor(r, dtype=torch.int64)])
+                                                   for r in rows])
+        self.pending += len(rows)
+        return out
+
+    def drop_pending(self) -> None:
+        self.pending = 0
+
+
 class EagleProposer(Proposer):
     name = "eagle"
 
@@ -282,10 +413,8 @@ class EagleProposer(Proposer):
         # positions below n_fed are fed to the draft's cache (or skipped): from the first prompt
         # position whose previous feature is known
         self.n_fed = min(self.feats) + 1 if self.feats else len(tokens)
-        hd = self.head
-        dev = self.model.device
-        self.k = torch.zeros(hd.n_heads, 0, hd.head_dim, dtype=self.dtype, device=dev)
-        self.v = self.k.clone()
+        dev = torch.device(self.model.device)
+        self.kv = KernelDraftKV.of(self.net, self.dtype, dev) or DraftKV(self.net, self.dtype, dev)
 
     def wants_hidden(self) -> bool:
         return True
@@ -315,10 +444,8 @@ class EagleProposer(Proposer):
         pos = [t for t in range(self.n_fed, n) if (t - 1) in self.feats]
         self.n_fed = n
         feats = torch.stack([self.feats[t - 1] for t in pos]).to(self.dtype)
-        out, k, v = self.net(feats, self._embed([tokens[t] for t in pos]),
-                              torch.tensor(pos, device=self.model.device), self.k, self.v)
+        out = self.kv.feed(feats, self._embed([tokens[t] for t in pos]), torch.tensor(pos, device=self.model.device))
         self._head_forwards += 1
-        self.k, self.v = torch.cat([self.k, k], 1), torch.cat([self.v, v], 1)
         for t in pos:
             if t - 1 < n - 2:
                 self.feats.pop(t - 1, None)
@@ -359,8 +486,7 @@ class EagleProposer(Proposer):
             return added
 
         frontier = add_children(-1, root_feat, self.out.logits(self.net.readout(root_feat)))
-        pend_k: list[torch.Tensor] = []
-        pend_v: list[torch.Tensor] = []
+        self.kv.drop_pending()
         slot_of: dict[int, int] = {}  # expanded candidate -> its pending slot
         anc: list[list[int]] = []  # per pending slot: the pending slots it attends to (itself included)
         depth = 1
@@ -382,22 +508,11 @@ class EagleProposer(Proposer):
                 rows.append((anc[slot_of[p]] if p >= 0 else []) + [base + j])
                 slot_of[c] = base + j
             anc.extend(rows)
-            committed = self.k.shape[1]
-            total = committed + len(anc)
-            mask = torch.zeros(len(expand), total, dtype=torch.bool, device=self.model.device)
-            mask[:, :committed] = True
-            for j, r in enumerate(rows):
-                mask[j, [committed + s for s in r]] = True
-            past_k = torch.cat([self.k] + pend_k, 1) if pend_k else self.k
-            past_v = torch.cat([self.v] + pend_v, 1) if pend_v else self.v
-            out, nk, nv = self.net(torch.stack([parent_feat[c] for c in expand]),
-                                    self._embed([cand_tok[c] for c in expand]),
-                                    torch.tensor([root_pos + 1 + cand_depth[c] for c in expand],
-                                                 device=self.model.device),
-                                    past_k, past_v, mask)
+            out = self.kv.level(torch.stack([parent_feat[c] for c in expand]),
+                                self._embed([cand_tok[c] for c in expand]),
+                                torch.tensor([root_pos + 1 + cand_depth[c] for c in expand], device=self.model.device),
+                                rows)
             self._head_forwards += 1
-            pend_k.append(nk)
-            pend_v.append(nv)
             frontier = [c for c in frontier if c not in slot_of]
             logits = self.out.logits(self.net.readout(out))  # every expanded node's children: one matmul
             added = []
@@ -409,6 +524,7 @@ class EagleProposer(Proposer):
             depth += 1
         if sizer is not None:
             budget = sizer.keep(cand_score, budget, time.perf_counter() - t0, self._verify_cost)
+        self.kv.drop_pending()
         kept = best_first(cand_score, cand_par, budget) if greedy else None
         self._node_p = [(cand_tok[c], cand_p[c]) for c in kept or []]
         return candidate_tree(cand_tok, cand_par, cand_score, qdist, budget, greedy, "eagle", order=kept)
@@ -439,5 +555,6 @@ class EagleProposer(Proposer):
         out = head_stats("eagle", self._steps, self._drafted, self._accepted, self._time)
         out["eagle_head_forwards"] = self._head_forwards
         out["head_int8_linears"] = int8_linears(self.net)
+        out["eagle_layer_kernel"] = int(getattr(self, "kv", None) is not None and self.kv.kernel)
         return out
 
