@@ -1,6 +1,10 @@
 """EAGLE option sweep on held-apart HumanEval prompts, in one process (docs/benchmarks.md section 20).
 
     python scripts/eagle_options.py [PROMPT_INDICES] [CONFIG_INDICES]
+    python scripts/eagle_options.py 0,1,2,3,4,5,6,7 3,14 --specbench --new 96   # chat prompts
+
+``--specbench``: the prompts are 8 Spec-Bench dev questions (``select(limit=8, seed=1)``, one per
+category drawn), their first turns through the chat template, instead of HumanEval.
 
 Loads qwen2.5-coder-1.5b with its trained eagle head (the store's or the bundled one), warms up,
 then for each configuration generates 128 greedy tokens for each of the chosen prompts of
@@ -8,12 +12,12 @@ then for each configuration generates 128 greedy tokens for each of the chosen p
 forward and the eagle stats.  Vanilla runs first and last (the spread is the machine's noise).
 """
 
-import sys
+import argparse
 import time
 
 import leapdecode
 from leapdecode import ModelRunner
-from leapdecode.bench.workloads import load_workload
+from leapdecode.bench.workloads import load_workload, select
 
 CONFIGS = [("vanilla", {}), ("eagle", {}), ("eagle", {"cost_aware": False, "tree_budget": 4}),
            ("eagle", {"cost_aware": False, "tree_budget": 6}), ("eagle", {"cost_aware": False, "tree_budget": 8}),
@@ -27,18 +31,25 @@ CONFIGS = [("vanilla", {}), ("eagle", {}), ("eagle", {"cost_aware": False, "tree
 
 
 def main() -> None:
-    qs, _ = load_workload("humaneval-heldout")
-    idx = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [0, 1, 2, 3]
-    configs = CONFIGS if len(sys.argv) <= 2 else [CONFIGS[int(i)] for i in sys.argv[2].split(",")]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prompts", nargs="?", default="0,1,2,3", help="prompt indices")
+    ap.add_argument("configs", nargs="?", default=None, help="indices into CONFIGS (default all)")
+    ap.add_argument("--specbench", action="store_true", help="Spec-Bench dev chat prompts instead of HumanEval")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    a = ap.parse_args()
+    qs = select(load_workload(None)[0], limit=8, seed=1) if a.specbench else load_workload("humaneval-heldout")[0]
+    idx = [int(x) for x in a.prompts.split(",")]
+    configs = CONFIGS if a.configs is None else [CONFIGS[int(i)] for i in a.configs.split(",")]
     prompts = [qs[i].turns[0] for i in idx]
+    chat = True if a.specbench else None
     runner = ModelRunner(leapdecode.load("qwen2.5-coder-1.5b"))
-    leapdecode.generate(runner, prompts[0], method="eagle", max_new_tokens=16)  # warm-up
+    leapdecode.generate(runner, prompts[0], method="eagle", max_new_tokens=16, chat=chat)  # warm-up
     for method, options in configs:
         tokens = wall = forwards = 0
         stats: dict[str, float] = {}
         for p in prompts:
             t0 = time.perf_counter()
-            r = leapdecode.generate(runner, p, method=method, options=options, max_new_tokens=128)
+            r = leapdecode.generate(runner, p, method=method, options=options, max_new_tokens=a.new, chat=chat)
             wall += time.perf_counter() - t0
             tokens += len(r.tokens)
             forwards += r.stats.get("target_forwards", 0)

@@ -279,8 +279,10 @@ class KernelDraftKV(DraftKV):
     kernel = True
     CHUNK = 64  # rows of one stack call at most (qkernel.MAX_ROWS)
 
-    def __init__(self, net: EagleHead, stack: LayerStack, dtype: torch.dtype, capacity: int = 512) -> None:
+    def __init__(self, net: EagleHead, stack: LayerStack, norms: list[torch.Tensor], dtype: torch.dtype,
+                 capacity: int = 512) -> None:
         self.net, self.stack, self.dtype = net, stack, dtype
+        self.norms = norms  # the bf16 norm weights the stack reads: alive as long as it is
         self.n = 0  # committed entries
         self.pending = 0
         self.kv = torch.zeros(2, 1, 1, net.n_heads, capacity, net.head_dim, dtype=torch.bfloat16)
@@ -294,15 +296,13 @@ class KernelDraftKV(DraftKV):
             return None
         cfg = net.config
         h, d = net.n_heads, net.head_dim
-        # (the stack reads bf16 norm weights; the copies live as long as it does)
         norms = [w.detach().to(torch.bfloat16).contiguous() for w in (net.attn_norm, net.mlp_norm)]
         stack = LayerStack.of([(net.wqkv, net.wo, net.w_gate_up, net.w_down, *norms)], hidden=cfg["hidden"],
                               inter=cfg["intermediate"], n_heads=h, n_kv_heads=h, head_dim=d, eps=net.eps)
         if stack is None or not attention_supported(torch.empty(0, dtype=torch.bfloat16),
                                                     torch.empty(1, h, 1, d, dtype=torch.bfloat16), h):
             return None
-        stack.keep_norms = norms
-        return cls(net, stack, dtype, capacity)
+        return cls(net, stack, norms, dtype, capacity)
 
     @property
     def committed(self) -> int:
