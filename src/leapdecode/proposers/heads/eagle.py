@@ -26,7 +26,9 @@ the ``budget`` best candidates form the tree (greedy).  Under sampling the child
 drawn without replacement from the head's processed distribution (Gumbel-top-k) and all are kept,
 its distribution recorded as the node's ``q`` for the verifier's recursive rejection sampling, and
 expansion stops before the budget would be exceeded.  The draft's pending entries are dropped after
-each proposal.
+each proposal.  Those keys and values, and the layer run over them, are a ``DraftKV``: op by op in
+torch, or (``KernelDraftKV``, wherever the head's projections run on the block kernel) the layer in
+one ``LayerStack`` call over static buffers, as the target's layers run.
 
 The draft's context starts with the prompt's last ``prompt_window`` tokens, whose features the
 prefill's own forwards hand over (``prompt_features``/``observe_prompt``: no extra target forward);
