@@ -24,6 +24,7 @@ from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import HeadMismatchError, InvalidParameterError
 from leapdecode.heads_train import chain_hits, eagle_loss, ttt_outputs
+from leapdecode.models.qkernel import kernel_problem
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, EagleProposer, default_layers
@@ -252,17 +253,27 @@ class FlatQ(EagleProposer):
         return tree
 
 
-@pytest.mark.parametrize("variant", ["exact", "flat_q"])
+@pytest.mark.parametrize("variant", ["exact", "exact_kernel_route", "flat_q"])
 def test_sampling_distribution(no_eos, trained_eagle3, chi2, variant):
+    # exact_kernel_route: int8 head weights, so the draft layer runs on the kernels' route (KernelDraftKV)
+    if variant == "exact_kernel_route" and kernel_problem() is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {kernel_problem()}")
     params = dict(temperature=1.0, top_k=4)
     ids = no_eos.tokenizer.encode("the cat sat on")
-    cls = EagleProposer if variant == "exact" else FlatQ
+    cls = FlatQ if variant == "flat_q" else EagleProposer
+    weights = "int8" if variant == "exact_kernel_route" else "auto"
+    made = []
+
+    def make():
+        made.append(cls(no_eos, trained_eagle3, tree_budget=12, top_k=2, beam=2, head_weights=weights))
+        return made[-1]
+
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, lambda: cls(no_eos, trained_eagle3, tree_budget=12, top_k=2,
-                                                                   beam=2), n, params)
+    counts, drafted, accepted = _counts(no_eos, ids, make, n, params)
+    assert made[-1].stats()["eagle_layer_kernel"] == int(variant == "exact_kernel_route")
     stat, df, pval = _chi2_against(chi2, counts, _joint3(no_eos, ids, SamplingParams(**params)))
     assert drafted > 0.9 * n and accepted > 0.05 * n, (drafted, accepted)
-    if variant == "exact":
+    if variant != "flat_q":
         assert pval > ALPHA, (stat, df, pval, drafted, accepted)
     else:
         assert pval < ALPHA, (stat, df, pval)

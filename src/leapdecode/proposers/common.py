@@ -16,6 +16,7 @@ from ..errors import InvalidParameterError
 from ..models.qkernel import QLinear
 
 DRAFT_VOCAB = 32768  # FR-Spec's subset size for Llama-3's 128k vocabulary
+HEAD_WEIGHTS = ("auto", "bf16", "int8", "int4")  # the trained heads' ``head_weights`` (heads/common.py resolves it)
 ATTENTION_SINK = 4  # StreamingLLM keeps the first four tokens
 CONTEXT_WINDOW = 512  # prompt tokens a draft model reads besides the attention sink
 AUTO_DRAFT_WINDOW = 256  # the same for auto's draft (its automaton copies from the whole text)

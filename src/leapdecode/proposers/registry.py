@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.config import MethodConfig, option
 from ..errors import HeadFileError, HeadMismatchError, HeadNotFoundError, InvalidParameterError
-from .common import AUTO_DRAFT_WINDOW, CONTEXT_WINDOW, DRAFT_VOCAB
+from .common import AUTO_DRAFT_WINDOW, CONTEXT_WINDOW, DRAFT_VOCAB, HEAD_WEIGHTS
 
 if TYPE_CHECKING:
     from ..core.proposer import Proposer
@@ -149,7 +149,6 @@ class LayerSkipConfig(MethodConfig):
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the draft head (0: whole)", low=0)
 
 
-HEAD_WEIGHTS = ("auto", "bf16", "int8", "int4")  # the trained heads' ``head_weights`` (heads/common.py resolves it)
 HEAD_WEIGHTS_HELP = ("what the head's linear layers run on: int8 (per-row int8 weights, on the block-quantized "
                      "kernel where it runs, else torch's weight-only int8 kernel), int4 (4-bit weights in groups "
                      "of 32 on the block-quantized kernel), bf16 (the head's float weights as loaded), or auto "

@@ -26,9 +26,8 @@ from ...errors import InvalidParameterError
 from ...models import qkernel
 from ...models.native import rms_norm
 from ...models.quant import Int8Linear, kernel_problem
-from ..common import coupled_first, subset_head
+from ..common import HEAD_WEIGHTS, coupled_first, subset_head
 
-HEAD_WEIGHTS = ("auto", "bf16", "int8", "int4")  # the ``head_weights`` option of medusa, hydra and eagle (registry.py)
 
 
 def reads_target_head(target) -> bool:

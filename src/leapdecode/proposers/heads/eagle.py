@@ -75,13 +75,17 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
+def _rope_tables(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``cos``, ``sin`` (``[T, d]``, rotate-half layout) at ``positions`` ``[T]``."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
+    ang = positions.to(torch.float32)[:, None] * inv[None]
+    return torch.cat([ang.cos(), ang.cos()], -1).to(dtype), torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+
+
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[heads, T, d]`` at ``positions`` ``[T]`` (rotate-half layout)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.to(torch.float32)[:, None] * inv[None]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    cos, sin = _rope_tables(positions.to(x.device), d, theta, x.dtype)
     a, b = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-b, a], -1) * sin
 
@@ -288,8 +292,6 @@ class KernelDraftKV(DraftKV):
         self.n = 0  # committed entries
         self.pending = 0
         self.kv = torch.zeros(2, 1, 1, net.n_heads, capacity, net.head_dim, dtype=torch.bfloat16)
-        d = net.head_dim
-        self.inv_freq = 1.0 / (net.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
     @classmethod
     def of(cls, net: EagleHead, dtype: torch.dtype, device: torch.device,
@@ -319,9 +321,7 @@ class KernelDraftKV(DraftKV):
             kv[..., :slot0, :] = self.kv[..., :slot0, :]
             self.kv = kv
         x = self.net.fc(torch.cat([feats, embeds], -1).to(self.dtype)).to(torch.bfloat16).contiguous()
-        ang = positions.to(torch.float32)[:, None] * self.inv_freq[None]
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
-        sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+        cos, sin = _rope_tables(positions, self.net.head_dim, self.net.theta, torch.bfloat16)
         offsets = torch.tensor([0] + [int(r.numel()) for r in rows], dtype=torch.int64).cumsum(0)
         out = self.stack.run(x[None], cos, sin, self.kv[0], self.kv[1], slot0, torch.cat(rows), offsets, [0])
         return out[0].to(self.dtype)
@@ -367,7 +367,8 @@ class EagleProposer(Proposer):
         self.cost_aware = bool(cost_aware)
         self.target = target
         self.head = head
-        self.net: EagleHead = head  # what runs: the head, or its int8 copy (``begin``)
+        self.net: EagleHead = head  # what runs: the head, or its int8/int4 copy (``begin``)
+        self.kv: DraftKV | None = None  # the draft layer's keys and values (``begin``)
         self._prompt_feats: dict[int, torch.Tensor] = {}
         self.default_budget = tree_budget or 24
         self._steps = self._drafted = self._accepted = self._head_forwards = 0
@@ -557,6 +558,6 @@ class EagleProposer(Proposer):
         out = head_stats("eagle", self._steps, self._drafted, self._accepted, self._time)
         out["eagle_head_forwards"] = self._head_forwards
         out["head_int8_linears"] = int8_linears(self.net)
-        out["eagle_layer_kernel"] = int(getattr(self, "kv", None) is not None and self.kv.kernel)
+        out["eagle_layer_kernel"] = int(self.kv is not None and self.kv.kernel)
         return out
 
