@@ -191,7 +191,8 @@ class DiffusionLM(nn.Module):
         super().__init__()
         self.config = cfg
         base = cfg.base
-        self.embed = nn.Embedding(cfg.rows, base.hidden_size)
+        # zeros, not a random init: every caller assigns the weights (native.rope_tables says why)
+        self.embed = nn.Embedding(cfg.rows, base.hidden_size, _weight=torch.zeros(cfg.rows, base.hidden_size))
         self.blocks = nn.ModuleList(DiffusionBlock(base) for _ in range(base.n_layers))
         self.norm = nn.Parameter(torch.ones(base.hidden_size))
         self.head = None if base.tie_word_embeddings else nn.Linear(base.hidden_size, cfg.rows, bias=False)

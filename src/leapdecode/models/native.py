@@ -83,8 +83,11 @@ class ModelConfig:
 
 
 def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos and sin tables, on the CPU (also inside a ``torch.device("meta")`` block, where
+    a model is built before its weights are assigned: meta arithmetic imports torch._dynamo,
+    ~1.7 s of a load)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         # Llama 3.1 frequency-dependent scaling, as in transformers' _compute_llama3_parameters
@@ -97,7 +100,7 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
         inv_freq = torch.where(medium, smoothed, scaled)
-    t = torch.arange(max_len, dtype=torch.float32)
+    t = torch.arange(max_len, dtype=torch.float32, device="cpu")
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -400,7 +403,10 @@ class NativeCausalLM(nn.Module):
         self.attention = attention
         self.vocab_size = cfg.vocab_size
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # zeros, not nn.Embedding's random init: every caller assigns the weights, and normal_ on
+        # the meta device (load_packed) imports torch._dynamo (as rope_tables says)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
