@@ -499,6 +499,47 @@ def test_eagle_prompt_window_keeps_only_what_begin_reads(tiny, tmp_path, window)
 
 
 # ============================================================================ 3. bundled heads
+def test_eagle_fuses_observed_states_when_it_next_drafts(tiny, trained):
+    """``observe`` keeps the verified rows' states only; ``propose`` fuses everything observed since
+    its last call in one ``features_of`` call (so ``auto``'s steps by other drafters cost no fusing),
+    and the features it feeds are those the head computes from the forward's states directly."""
+    model = tiny(seed=0)
+    ids = model.tokenizer.encode(PROMPTS[0])
+    g = leapdecode.start_generation(ModelRunner(model), prompt_ids=ids, method="eagle", max_new_tokens=24,
+                                    options={"head": str(trained("eagle3")), "head_weights": "bf16"})
+    prop = g.proposer
+    observed, fused, propose, observe, fuse = {}, {}, prop.propose, prop.observe, prop._fuse_observed
+
+    def spy_observe(tokens, tree, verdict, logits, hidden=None):
+        observe(tokens, tree, verdict, logits, hidden)
+        first = len(tokens) - len(verdict.tokens) - 1
+        rows = [0] + [a + 1 for a in verdict.accepted]
+        with torch.inference_mode():
+            want = prop.net.input_features(model.model, hidden, rows)
+        for i in range(len(rows)):
+            assert first + i in prop._states and first + i not in prop.feats  # kept, not fused yet
+            observed[first + i] = want[i]
+
+    def spy_fuse():
+        pending = set(prop._states)
+        fuse()
+        assert not prop._states
+        fused.update((p, prop.feats[p].clone()) for p in pending)
+
+    def spy_propose(tokens, budget):
+        tree = propose(tokens, budget)
+        assert not prop._states
+        return tree
+
+    prop.observe, prop._fuse_observed, prop.propose = spy_observe, spy_fuse, spy_propose
+    out = g.run()
+    assert out.tokens == vanilla(model, ids, max_new_tokens=24).tokens
+    assert out.stats["mean_accepted"] > 1.0  # multi-row verdicts were observed
+    assert fused and set(fused) <= set(observed) and len(fused) >= len(observed) - 3
+    for p, f in fused.items():
+        assert torch.allclose(f, observed[p], atol=1e-5), p
+
+
 def test_bundled_head_found_after_the_store(tiny, tmp_path, _cache):
     bundled = _cache
     model = tiny(seed=0)

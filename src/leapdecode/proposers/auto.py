@@ -14,8 +14,9 @@ Arms (each one proposes a whole tree for one step):
 * ``head`` - when the model cache holds a trained head for the target (``leapdecode
   train-head``; the first of eagle3, eagle, hydra, medusa found, ``registry.AUTO_HEAD_KINDS``):
   that head's tree, with the automaton's continuation grafted as in ``hybrid``.  The head reads
-  the target's features from every verification forward (also on steps another arm drafted, so
-  its context stays current; its acceptance counters then include those steps);
+  the target's states from every verification forward (also on steps another arm drafted, so
+  its context stays current; its acceptance counters then include those steps); an EAGLE head
+  fuses and feeds them only when it next drafts, in one call;
 * ``none`` - no draft (a vanilla step), so auto can never lose much to vanilla decoding.
 
 Without a trained head (or with ``use_head=False``) the arms and behaviour are as before.

@@ -370,6 +370,8 @@ class EagleProposer(Proposer):
         self.net: EagleHead = head  # what runs: the head, or its int8/int4 copy (``begin``)
         self.kv: DraftKV | None = None  # the draft layer's keys and values (``begin``)
         self._prompt_feats: dict[int, torch.Tensor] = {}
+        self.feats: dict[int, torch.Tensor] = {}
+        self._states: dict[int, torch.Tensor] = {}
         self.default_budget = tree_budget or 24
         self._steps = self._drafted = self._accepted = self._head_forwards = 0
         self._time = 0.0
@@ -408,6 +410,7 @@ class EagleProposer(Proposer):
         last = len(tokens) - 2
         window = sorted(p for p in self._prompt_feats if last - self.prompt_window < p <= last)
         self.feats = {}
+        self._states = {}  # position -> the target's states there, observed but not yet fused (``_fuse_observed``)
         if window:
             with torch.inference_mode():
                 f = self.net.features_of(torch.stack([self._prompt_feats[p] for p in window]))
@@ -430,6 +433,7 @@ class EagleProposer(Proposer):
         t0 = time.perf_counter()
         n = len(tokens)
         tree = TokenTree()
+        self._fuse_observed()
         if (n - 2) not in self.feats or budget < 1:
             self.n_fed = max(self.n_fed, n)
             return tree  # no exact input for the root yet (the first step, or a step not observed)
@@ -546,13 +550,28 @@ class EagleProposer(Proposer):
             return
         rows = [0] + [a + 1 for a in verdict.accepted]
         first = len(tokens) - len(verdict.tokens) - 1  # the old root's position
+        # the states only (a copy of these rows): they become features when the head next drafts, so
+        # a step another drafter made (``auto``'s other arms) costs no fusing; the head's layer reads
+        # the features of every position anyway, in one call (``_feed_decided``)
         with torch.inference_mode():
-            f = self.net.input_features(self.model, hidden, rows)
+            states = self.net.input_states(self.model, hidden, rows)
         for i in range(len(rows)):
-            self.feats[first + i] = f[i]
+            self._states[first + i] = states[i]
+
+    def _fuse_observed(self) -> None:
+        """The observed states' features (``features_of``: EAGLE-3's fusion of its layers), for all
+        positions observed since the last call, in one call."""
+        if not self._states:
+            return
+        pos = sorted(self._states)
+        with torch.inference_mode():
+            f = self.net.features_of(torch.stack([self._states[p] for p in pos]))
+        self.feats.update((p, f[i]) for i, p in enumerate(pos))
+        self._states = {}
 
     def end(self) -> None:
         self.feats = {}
+        self._states = {}
 
     def stats(self) -> dict[str, Any]:
         out = head_stats("eagle", self._steps, self._drafted, self._accepted, self._time)
