@@ -414,6 +414,23 @@ def test_head_for_another_model_or_kind(tiny, tmp_path):
     assert fingerprint(a) == fingerprint(tiny(seed=0, copy=1))
 
 
+def test_fingerprint_is_remembered_until_the_weights_change():
+    """``fingerprint`` is remembered per embedding tensor (finding a head asks several times), and
+    an in-place change of the embedding or the final norm gives the new weights' fingerprint."""
+    from leapdecode.models.tiny import tiny_loaded
+
+    model = tiny_loaded(seed=3)
+    first = fingerprint(model)
+    assert fingerprint(model) == first
+    for param in (model.model.embed.weight, model.model.norm):
+        with torch.no_grad():
+            param.mul_(2)
+        assert fingerprint(model) != first
+        first = fingerprint(model)
+    assert fingerprint(tiny_loaded(seed=3)) != first  # a fresh copy: the unchanged weights
+    assert fingerprint(tiny_loaded(seed=3)) == fingerprint(tiny_loaded(seed=3))
+
+
 def test_corrupt_files(tiny, tmp_path):
     model = tiny(seed=0)
     d = write_head("eagle", model, tmp_path / "h")
