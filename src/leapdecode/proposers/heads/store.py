@@ -174,8 +174,10 @@ def read_head(directory: str | Path, manifest: dict | None = None) -> tuple[torc
         manifest = read_manifest(directory)
     try:
         state = decode_state(load((directory / WEIGHTS).read_bytes()), manifest.get("storage"), directory / WEIGHTS)
-        module = KINDS[manifest["kind"]].from_config(manifest["config"])
-        module.load_state_dict(state, strict=True)
+        with torch.device("meta"):  # no random init of weights about to be replaced (~0.2 s for the 1.5B's head)
+            module = KINDS[manifest["kind"]].from_config(manifest["config"])
+        module.load_state_dict(state, strict=True, assign=True)
+        module = module.to(torch.float32)  # (as loading into the float parameters did)
     except HeadFileError:
         raise
     except FileNotFoundError:
