@@ -509,6 +509,11 @@ def test_eagle_fuses_observed_states_when_it_next_drafts(tiny, trained):
                                     options={"head": str(trained("eagle3")), "head_weights": "bf16"})
     prop = g.proposer
     observed, fused, propose, observe, fuse = {}, {}, prop.propose, prop.observe, prop._fuse_observed
+    begin = prop.begin
+
+    def spy_begin(ctx, tokens):
+        begin(ctx, tokens)
+        fused.clear()  # the prompt window's features, fused in begin (test_eagle_prompt_window_...)
 
     def spy_observe(tokens, tree, verdict, logits, hidden=None):
         observe(tokens, tree, verdict, logits, hidden)
@@ -531,7 +536,7 @@ def test_eagle_fuses_observed_states_when_it_next_drafts(tiny, trained):
         assert not prop._states
         return tree
 
-    prop.observe, prop._fuse_observed, prop.propose = spy_observe, spy_fuse, spy_propose
+    prop.begin, prop.observe, prop._fuse_observed, prop.propose = spy_begin, spy_observe, spy_fuse, spy_propose
     out = g.run()
     assert out.tokens == vanilla(model, ids, max_new_tokens=24).tokens
     assert out.stats["mean_accepted"] > 1.0  # multi-row verdicts were observed

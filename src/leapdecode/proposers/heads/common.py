@@ -67,15 +67,16 @@ def fingerprint(target) -> str:
     model = target.model
     cfg = model.cfg
     emb, norm = model.embed.weight, model.norm
+    shape = (cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads)
     try:
-        stamp = (id(norm), norm._version, emb._version, cfg.vocab_size, cfg.hidden_size, cfg.n_layers)
+        stamp = (id(norm), norm._version, emb._version, shape)
     except RuntimeError:  # inference tensors have no version counter: not remembered
         stamp = None
     kept = _FINGERPRINTS.get(id(emb))
     if stamp is not None and kept is not None and kept[0]() is emb and kept[1] == stamp:
         return kept[2]
     h = hashlib.sha256()
-    h.update(repr((cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads)).encode())
+    h.update(repr(shape).encode())
     with torch.no_grad():
         for t in (model.embed.weight, model.norm):
             flat = t.detach().reshape(-1)

@@ -408,13 +408,11 @@ class EagleProposer(Proposer):
         # position -> the target's feature there: the prompt's last ``prompt_window`` from the prefill
         # (those the prefix cache restored are missing: the draft then starts later)
         last = len(tokens) - 2
-        window = sorted(p for p in self._prompt_feats if last - self.prompt_window < p <= last)
         self.feats = {}
-        self._states = {}  # position -> the target's states there, observed but not yet fused (``_fuse_observed``)
-        if window:
-            with torch.inference_mode():
-                f = self.net.features_of(torch.stack([self._prompt_feats[p] for p in window]))
-            self.feats = {p: f[i] for i, p in enumerate(window)}
+        # position -> the target's states there, observed but not yet fused (``_fuse_observed``): here
+        # the prompt's window, fused right away (``n_fed`` below starts from it)
+        self._states = {p: s for p, s in self._prompt_feats.items() if last - self.prompt_window < p <= last}
+        self._fuse_observed()
         self._prompt_feats = {}
         # positions below n_fed are fed to the draft's cache (or skipped): from the first prompt
         # position whose previous feature is known
