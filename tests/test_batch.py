@@ -35,7 +35,7 @@ from leapdecode import ModelRunner
 from leapdecode.api import start_generation
 from leapdecode.core.batch import Outcome, step_batch
 from leapdecode.core.cost_model import VerifyCost
-from leapdecode.core.generate import PREFILL_CHUNK
+from leapdecode.core.generate import PREFILL_CHUNK, prefill_chunk
 from leapdecode.core.prefix_cache import PrefixCache
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.models import qkernel
@@ -183,20 +183,24 @@ def test_step_batch_greedy_equals_each_alone(q4, monkeypatch, caps_mode, max_pre
 
 def test_waiting_prefill_chunks_report_no_output(q4):
     """Two generations mid-prefill, ``max_prefill_chunks=1``: one chunk runs per iteration, the other
-    waits (``Outcome.output`` None, its cache untouched); chunks are 256 tokens aligned to 0."""
+    waits (``Outcome.output`` None, its cache untouched); chunks are ``prefill_chunk`` tokens (256, or
+    64 on a model that prefills cut-invariantly) aligned to 0."""
     model, _ = q4
+    chunk = prefill_chunk(model.model)
+    assert chunk == (64 if model.model.prefill_cut_invariant else PREFILL_CHUNK)
+    n = 2 * chunk + chunk // 2 + 1  # two whole chunks and a shorter third one before the root
     runner = new_runner(model, prefix_cache_bytes=0)
-    a, b = (start_generation(runner, prompt_ids=prompt_ids(model.tokenizer, 600, seed=s), method="vanilla",
+    a, b = (start_generation(runner, prompt_ids=prompt_ids(model.tokenizer, n, seed=s), method="vanilla",
                              max_new_tokens=2) for s in (1, 2))
     step_batch([a])  # a takes its first chunk alone
     step_batch([b])  # so does b: both are now "prefilling"
-    assert a.prefilling and b.prefilling and a.cache.length == b.cache.length == PREFILL_CHUNK
+    assert a.prefilling and b.prefilling and a.cache.length == b.cache.length == chunk
     out = step_batch([a, b], max_prefill_chunks=1)
     assert out[0].output is not None and out[1].output is None and out[1].error is None
-    assert (a.cache.length, b.cache.length) == (2 * PREFILL_CHUNK, PREFILL_CHUNK)
+    assert (a.cache.length, b.cache.length) == (2 * chunk, chunk)
     out = step_batch([a, b], max_prefill_chunks=2)
     assert all(o.output is not None for o in out)
-    assert (a.cache.length, b.cache.length) == (599, 2 * PREFILL_CHUNK)
+    assert (a.cache.length, b.cache.length) == (n - 1, 2 * chunk)
     for g in (a, b):
         g.close()
     assert runner.caches_in_use == 0
@@ -210,7 +214,7 @@ def test_max_prefill_chunks_also_bounds_generations_that_join(q4):
     try:
         step_batch(gens, max_prefill_chunks=1)
         computed = sum(g.cache.length if g.cache is not None else 0 for g in gens)
-        assert computed == PREFILL_CHUNK, [g.cache.length if g.cache is not None else 0 for g in gens]
+        assert computed == prefill_chunk(model.model), [g.cache.length if g.cache is not None else 0 for g in gens]
     finally:
         for g in gens:
             g.close()
@@ -472,8 +476,11 @@ def _shared_prefix_prompts(tokenizer):
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_prefix_cache_reuses_whole_chunks_exactly(tiny, request, fmt):
+def test_prefix_cache_reuses_whole_chunks_exactly(tiny, request, monkeypatch, fmt):
+    """Whole chunks of 256: fp32, and int4 where a layer prefills on its bf16 copy (as on a CPU with
+    AMX; forced here: the blocks of a model that prefills cut-invariantly have tests of their own)."""
     model = tiny(seed=0) if fmt == "fp32" else request.getfixturevalue("q4")[0]
+    monkeypatch.setattr(type(model.model), "prefill_cut_invariant", property(lambda self: False))
     a_ids, b_ids = _shared_prefix_prompts(model.tokenizer)
     cached = new_runner(model)
     plain = new_runner(model, prefix_cache_bytes=0)
@@ -533,7 +540,8 @@ def test_short_prompts_share_blocks_of_16_on_a_cut_invariant_model(tiny, request
         return
     assert model.model.cut_invariant_tokens == 64
     assert rb.stats["prefix_reused"] == 32 and pc.reused_tokens == 32
-    assert len(pc) == 2 + 1  # a's two blocks (45 prompt tokens before its root), b's third (52)
+    if not model.model.prefill_cut_invariant:  # (else the outputs' blocks are kept too: see below)
+        assert len(pc) == 2 + 1  # a's two blocks (45 prompt tokens before its root), b's third (52)
     g1, g2 = start_generation(cached, prompt_ids=b_ids, **kw), start_generation(plain, prompt_ids=b_ids, **kw)
     try:
         g1.start()
@@ -545,11 +553,49 @@ def test_short_prompts_share_blocks_of_16_on_a_cut_invariant_model(tiny, request
     finally:
         g1.close()
         g2.close()
-    # a prompt longer than a cut-invariant forward keeps the whole-chunk scheme: no blocks of 16
+    # a prompt longer than a cut-invariant forward: blocks too where the model prefills cut-invariantly
+    # (in forwards of at most 64 tokens), else the whole-chunk scheme (no blocks of 16)
     long_ids = common + prompt_ids(model.tokenizer, 60, seed=63)
     before = len(pc)
-    assert leapdecode.generate(cached, prompt_ids=long_ids, **kw).stats["prefix_reused"] == 0
-    assert len(pc) == before
+    reused = leapdecode.generate(cached, prompt_ids=long_ids, **kw).stats["prefix_reused"]
+    if model.model.prefill_cut_invariant:
+        assert reused == 32 and len(pc) > before
+    else:
+        assert reused == 0 and len(pc) == before
+
+
+@pytest.mark.parametrize("method", ["vanilla", "pld"])
+def test_a_chats_next_turn_reuses_the_earlier_turn_output_included(q4, monkeypatch, method):
+    """On a model that prefills cut-invariantly (in forwards of at most ``cut_invariant_tokens``;
+    forced here, as the measured profile would choose on a CPU without AMX) a generation keeps the
+    blocks of its prompt *and its output* when it ends: a next turn whose prompt starts with the
+    first turn's prompt and answer restores all their whole blocks, and its cache and tokens are
+    the bits it computes on a runner without a prefix cache."""
+    model, _ = q4
+    monkeypatch.setattr(type(model.model), "prefill_cut_invariant", property(lambda self: self.cut_invariant_tokens > 0))
+    assert prefill_chunk(model.model) == model.model.cut_invariant_tokens == 64
+    cached, plain = new_runner(model), new_runner(model, prefix_cache_bytes=0)
+    turn1 = prompt_ids(model.tokenizer, 150, seed=70)  # longer than one cut-invariant forward
+    first = leapdecode.generate(cached, prompt_ids=turn1, method=method, max_new_tokens=40)
+    assert first.finish_reason == "length" and len(first.tokens) == 40
+    assert first.tokens == leapdecode.generate(plain, prompt_ids=turn1, method=method, max_new_tokens=40).tokens
+    history = turn1 + first.tokens  # all of it in the cache but the last token (no forward took it yet)
+    turn2 = history + prompt_ids(model.tokenizer, 30, seed=71)
+    second = leapdecode.generate(cached, prompt_ids=turn2, method=method, max_new_tokens=24)
+    assert second.stats["prefix_reused"] == (len(history) - 1) // 16 * 16 > len(turn1)
+    assert second.tokens == leapdecode.generate(plain, prompt_ids=turn2, method=method, max_new_tokens=24).tokens
+    g1 = start_generation(cached, prompt_ids=turn2, method=method, max_new_tokens=4)
+    g2 = start_generation(plain, prompt_ids=turn2, method=method, max_new_tokens=4)
+    try:
+        g1.start()
+        g2.start()
+        n = len(turn2) - 1
+        k1, v1 = g1.cache.committed_slice(0, n)
+        k2, v2 = g2.cache.committed_slice(0, n)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    finally:
+        g1.close()
+        g2.close()
 
 
 def test_a_prefill_entirely_from_the_prefix_cache(tiny):

@@ -418,7 +418,7 @@ class SpeculationScheduler:
                     caps[i] = 0
                 return caps
         items = decoding + (1 if prefilling else 0)
-        prefill_rows = min(len(prefilling[0].prompt_ids) - 1, 256) - 1 if prefilling else 0
+        prefill_rows = prefilling[0].next_chunk_tokens() - 1 if prefilling else 0
         host0 = (self._plain_host or 0.0) * decoding
         cache = next((g.cache for g in gens if g.cache is not None and not g.finished), None)
         cost = self.runner.batch_cost(cache) if cache is not None else None

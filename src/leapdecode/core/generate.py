@@ -36,9 +36,22 @@ from .verifier import Verdict, verify
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry)
-PREFIX_BLOCK = 16  # prompt tokens per prefix-cache entry of a short prompt on a cut-invariant model
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry), but see prefill_chunk
+PREFIX_BLOCK = 16  # tokens per prefix-cache entry of a prompt on a cut-invariant model
 FINE_KEY = b"blocks of 16"  # what the key chain of such blocks starts from (chunks' start from b"")
+
+
+def prefill_chunk(decoder: Any, policy: KVPolicy | None = None) -> int:
+    """Prompt tokens per prefill forward: with a KV policy, the policy's chunk; on a model that
+    prefills cut-invariantly (``NativeCausalLM.prefill_cut_invariant``), its ``cut_invariant_tokens``
+    (every token's keys and values then depend on the tokens up to it only); else ``PREFILL_CHUNK``,
+    in chunks aligned to position 0.  Everything that prefills a prompt whose output must equal a
+    ``Generation``'s (search strategies, teacher-forced passes) cuts it so."""
+    if policy is not None:
+        return POLICY_PREFILL_CHUNK
+    if getattr(decoder, "prefill_cut_invariant", False):
+        return decoder.cut_invariant_tokens
+    return PREFILL_CHUNK
 TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
 
 
@@ -268,15 +281,22 @@ class Generation:
         # the prompt but its last token, in chunks aligned to position 0: the same chunks whatever
         # else runs, so a chunk's keys and values are the same bits wherever it is computed (the
         # runner's prefix cache reuses whole chunks; see core/prefix_cache.py)
-        self._chunk = min(PREFILL_CHUNK if policy is None else POLICY_PREFILL_CHUNK, cache.max_pending)
+        self._chunk = min(prefill_chunk(target, policy), cache.max_pending)
         self._prefilled = 0
         self._prefix_key = b""
         self._reused = 0
-        # a short prompt on a model whose prompt tokens have the same keys and values however the
-        # prompt is cut (``cut_invariant_tokens``) is prefilled in one forward after the longest
-        # run of ``PREFIX_BLOCK``-token blocks the prefix cache holds (a shared system prompt)
-        self._fine = (policy is None and self.runner.prefix_cache.enabled
-                      and 0 < len(ids) - 1 <= min(getattr(target, "cut_invariant_tokens", 0), self._chunk))
+        # where every prompt forward is at most ``cut_invariant_tokens`` long (a short prompt, or any
+        # prompt on a model that prefills cut-invariantly), a token's keys and values have the same
+        # bits however the prompt is cut: the prompt is keyed in ``PREFIX_BLOCK``-token blocks, the
+        # longest run of them the prefix cache holds is restored (a shared system prompt, a chat's
+        # earlier turns) and the rest computed.  On a model that prefills cut-invariantly the
+        # generated tokens' blocks are kept too when the generation ends (``_keep_blocks``): a
+        # decoding step computes a token's keys and values with the bits of a prefill
+        cut = getattr(target, "cut_invariant_tokens", 0)
+        self._fine = (policy is None and self.runner.prefix_cache.enabled and len(ids) > 1
+                      and (len(ids) - 1 <= min(cut, self._chunk) or self._chunk <= cut))
+        self._keep_output = self._fine and self._chunk <= cut
+        self._blocked = 0  # prompt tokens covered by blocks restored from or stored in the prefix cache
         self._ready_done = False
 
     def adopt_prompt(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -309,24 +329,34 @@ class Generation:
         done = self._prefilled if self._started else 0
         return self.result is None and done < len(self.prompt_ids) - 1
 
+    def next_chunk_tokens(self) -> int:
+        """About how many prompt tokens this generation's next prefill forward computes (a cost
+        model's guess: blocks the prefix cache restores are not looked up)."""
+        left = len(self.prompt_ids) - 1 - (self._prefilled if self._started else 0)
+        chunk = self._chunk if self._started else prefill_chunk(self.model.model, self.kv_policy)
+        return max(min(left, chunk), 0)
+
     def _next_prefill(self) -> "Forward | None":
         """The next prompt chunk to compute, after taking every chunk the prefix cache has."""
         ids, cache, prefix = self.prompt_ids, self.cache, self.runner.prefix_cache
         end = len(ids) - 1
         if self._fine:
-            while self._prefilled + PREFIX_BLOCK <= end:
+            while self._prefilled == self._blocked and self._prefilled + PREFIX_BLOCK <= end:
                 s = self._prefilled
                 key = prefix.key(self._prefix_key or FINE_KEY, ids[s : s + PREFIX_BLOCK])
                 if not prefix.restore(key, cache):
                     break
                 self._prefix_key = key
                 self._prefilled += PREFIX_BLOCK
+                self._blocked += PREFIX_BLOCK
                 self._reused += PREFIX_BLOCK
             if self._prefilled >= end:
                 return None
+            s = self._prefilled
+            stop = min(s + self._chunk, end)
             want = self.proposer.prompt_features() if self.proposer is not None else 0
-            return Forward(torch.tensor(ids[self._prefilled : end], device=self.model.device),
-                           hidden=[] if want > 0 else None)
+            return Forward(torch.tensor(ids[s:stop], device=self.model.device),
+                           hidden=[] if want > 0 and stop > end - want else None)
         while self._prefilled < end:
             s = self._prefilled
             chunk = ids[s : min(s + self._chunk, end)]
@@ -470,17 +500,22 @@ class Generation:
                     self._prefix_key = work.prefill_key
                     self.runner.prefix_cache.store(work.prefill_key, self.cache, self._prefilled, work.tokens.numel())
                 elif self._fine:  # every whole block this forward computed
-                    prefix, ids = self.runner.prefix_cache, self.prompt_ids
-                    b = self._prefilled - work.tokens.numel()
-                    while b + PREFIX_BLOCK <= self._prefilled:
-                        self._prefix_key = prefix.key(self._prefix_key or FINE_KEY, ids[b : b + PREFIX_BLOCK])
-                        prefix.store(self._prefix_key, self.cache, b + PREFIX_BLOCK, PREFIX_BLOCK)
-                        b += PREFIX_BLOCK
+                    self._keep_blocks(self.prompt_ids, self._prefilled)
                 return StepOutput("", [], False)
             return self._accept(work, logits[0])
         except BaseException:
             self._release()
             raise
+
+    def _keep_blocks(self, ids: list[int], upto: int) -> None:
+        """Store in the prefix cache every whole ``PREFIX_BLOCK`` of ``ids`` (the prompt, or all the
+        tokens decided so far) whose keys and values are committed below slot ``upto``."""
+        prefix = self.runner.prefix_cache
+        while self._blocked + PREFIX_BLOCK <= upto:
+            b = self._blocked
+            self._prefix_key = prefix.key(self._prefix_key or FINE_KEY, ids[b : b + PREFIX_BLOCK])
+            prefix.store(self._prefix_key, self.cache, b + PREFIX_BLOCK, PREFIX_BLOCK)
+            self._blocked += PREFIX_BLOCK
 
     def _accept(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
         cache, proposer, tree, hidden = self.cache, self.proposer, work.tree, work.hidden
@@ -572,6 +607,10 @@ class Generation:
                                            {"method": self.method, "prefix_reused": self._reused})
             return StepOutput("", [], True, reason)
         try:
+            if self._keep_output:
+                # the cache's committed slots hold the keys and values of the tokens decided so far
+                # (a bonus token at the end has none yet; slots past a stop are never read)
+                self._keep_blocks(self.tokens, min(self.cache.length, len(self.tokens)))
             if self.proposer is not None:
                 self.proposer.end()
         finally:

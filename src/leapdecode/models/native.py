@@ -24,8 +24,8 @@ from torch import nn
 
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
-from .qkernel import (DENSE_MIN_ROWS, LayerStack, attend_rows, attention_supported, rms_norm_bf16,
-                      rope_attend_segments, rope_store, silu_mul)
+from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, kernel_problem,
+                      rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -396,6 +396,22 @@ class NativeCausalLM(nn.Module):
         if not self.quantization or self.attention != "invariant":
             return 0
         return min(self.INVARIANT_MAX_TOKENS, DENSE_MIN_ROWS)
+
+    @property
+    def prefill_cut_invariant(self) -> bool:
+        """Whether prompts are best prefilled in forwards of ``cut_invariant_tokens`` tokens: then
+        every token's keys and values are a function of the tokens up to it alone, whatever the
+        prompt's length and however it is cut, and a decoded token's are the bits a prefill would
+        compute (the prefix cache reuses a chat's earlier turns: ``core/prefix_cache.py``).  True
+        where the invariant attention runs on its kernel (CPU) and no block layer measured faster
+        prefilling on its bf16 copy (``QLinear.prefills_on_dense``: e.g. AMX bf16 tiles), which
+        only forwards of more than ``DENSE_MIN_ROWS`` rows may use.  Larger forwards would gain only
+        SDPA's attention in place of the kernel's (docs/benchmarks.md section 38)."""
+        if (self.cut_invariant_tokens == 0 or not self.attention_kernel or self.device.type != "cpu"
+                or self.dtype not in (torch.bfloat16, torch.float32) or kernel_problem() is not None):
+            return False
+        linears = [m for b in self.layers for m in b.modules() if isinstance(m, QLinear)]
+        return bool(linears) and not any(m.prefills_on_dense() for m in linears)
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None, attention: str = "sdpa") -> None:
         super().__init__()

@@ -584,7 +584,9 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x, rowwise=False)
 
-    def _prefill_dense(self) -> bool:
+    def prefills_on_dense(self) -> bool:
+        """Whether a forward of more than ``DENSE_MIN_ROWS`` rows runs on the bf16 copy
+        (``prefill_on_dense``, decided once and kept)."""
         if self._on_dense is None:
             self._on_dense = prefill_on_dense(self.parts)
         return self._on_dense
@@ -603,7 +605,7 @@ class QLinear(nn.Module):
         # (Python work was ~16 us of a small layer's ~26 us call)
         x2 = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.reshape(-1, k).to(torch.bfloat16).contiguous()
         m = x2.numel() // k if k else 0
-        if m > DENSE_MIN_ROWS and not self.out_fp32 and not rowwise and self._prefill_dense():
+        if m > DENSE_MIN_ROWS and not self.out_fp32 and not rowwise and self.prefills_on_dense():
             # (the head keeps fp32 logits: always the kernel)
             layer, bias = self.dense()
             y = layer(x2.reshape(-1, k))

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..core.constraint import Constraint
-from ..core.generate import GenerationResult, PREFILL_CHUNK, encode_prompt
+from ..core.generate import GenerationResult, encode_prompt, prefill_chunk
 from ..core.runner import ModelRunner, runner_for
 from ..errors import InvalidParameterError
 from .grammar import GrammarConstraint, compile_constraint
@@ -153,8 +153,9 @@ class ASApSampler:
         try:
             rows = []
             first = len(self.prompt_ids) - 1  # the logits after the prompt's last token come first
-            for s in range(0, len(ids), PREFILL_CHUNK):
-                chunk = torch.tensor(ids[s : s + PREFILL_CHUNK], device=model.device)
+            step = prefill_chunk(model.model)  # cut as a Generation cuts it: the same bits
+            for s in range(0, len(ids), step):
+                chunk = torch.tensor(ids[s : s + step], device=model.device)
                 logits = model.model.forward(chunk[None], cache)
                 cache.commit()
                 lo = max(first - s, 0)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 import torch
 
 from ..core.config import OptionsConfig
-from ..core.generate import PREFILL_CHUNK, GenerationResult
+from ..core.generate import FINE_KEY, PREFIX_BLOCK, GenerationResult, prefill_chunk
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..models.native import rms_norm
 
@@ -177,10 +177,20 @@ class TreeKV:
         ids, cache, prefix = self.prompt_ids, self.cache, self.prefix_cache
         every = on_hidden is not None and whole_prompt
         end, done, key = len(ids) - 1, 0, b""
-        chunk_len = min(PREFILL_CHUNK, cache.max_pending)
+        chunk_len = min(prefill_chunk(self.decoder), cache.max_pending)
+        # the prompt cut and keyed as a Generation cuts and keys it (core/generate.py): blocks of
+        # PREFIX_BLOCK tokens where every forward is cut-invariant, else whole chunks
+        cut = getattr(self.decoder, "cut_invariant_tokens", 0)
+        fine = prefix is not None and prefix.enabled and (end <= min(cut, chunk_len) or chunk_len <= cut)
+        while fine and not every and done + PREFIX_BLOCK <= end:
+            k = prefix.key(key or FINE_KEY, ids[done : done + PREFIX_BLOCK])
+            if not prefix.restore(k, cache):
+                break
+            key, done, self.reused = k, done + PREFIX_BLOCK, self.reused + PREFIX_BLOCK
+        blocked = done
         while done < end:
             chunk = ids[done : min(done + chunk_len, end)]
-            k = prefix.key(key, chunk) if prefix is not None and len(chunk) == chunk_len else None
+            k = prefix.key(key, chunk) if not fine and prefix is not None and len(chunk) == chunk_len else None
             if k is not None and not every and prefix.restore(k, cache):
                 key, done, self.reused = k, done + len(chunk), self.reused + len(chunk)
                 continue
@@ -194,6 +204,10 @@ class TreeKV:
             if k is not None:
                 key = k
                 prefix.store(k, cache, done, len(chunk))
+            while fine and blocked + PREFIX_BLOCK <= done:
+                key = prefix.key(key or FINE_KEY, ids[blocked : blocked + PREFIX_BLOCK])
+                prefix.store(key, cache, blocked + PREFIX_BLOCK, PREFIX_BLOCK)
+                blocked += PREFIX_BLOCK
         states = [] if on_hidden is not None else None
         logits = self.decoder.forward(torch.tensor([[ids[-1]]], device=self.decoder.device), cache,
                                       hidden_states=states)
