@@ -228,7 +228,8 @@ def test_load_guard_looks_back_less_often_while_the_order_holds_and_soon_again_w
 def test_a_prefill_iteration_follows_the_guards_leader():
     gens = [fake_gen() for _ in range(4)]
     newcomer = SimpleNamespace(proposer=object(), finished=False, tree_budget=8, decoding=False, prefilling=True,
-                               cache=object(), prompt_ids=list(range(40)), params=SamplingParams())
+                               cache=object(), prompt_ids=list(range(40)), params=SamplingParams(),
+                               next_chunk_tokens=lambda: 39)
     sched = scheduler_with(row=1e-5)
     for g in gens:
         teach(sched, g, 8, 8)

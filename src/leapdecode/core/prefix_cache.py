@@ -22,8 +22,14 @@ weights on the batch-invariant kernels with the invariant attention: a forward o
 the same bits however the prompt is cut) a prompt of at most that many tokens before its root is
 keyed in blocks of ``PREFIX_BLOCK`` (16) tokens, on a key chain of its own: a request restores
 the longest run of blocks stored here (a chat template's system prompt, shared by every chat
-request) and computes the rest in one forward.  Longer prompts, and other models, use whole
-chunks only (a prefix shorter than a chunk is not reused).  Least recently used out past
+request) and computes the rest.  A model that also prefills cut-invariantly
+(``NativeCausalLM.prefill_cut_invariant``: every prompt in forwards of at most that many tokens,
+where no layer measured faster on its bf16 prefill copy) keys every prompt so, whatever its
+length; and since a decoding step then computes a token's keys and values with the bits a
+prefill would, a generation stores its output's whole blocks too when it ends (the multi-turn
+reuse of SGLang's RadixAttention, exactly): a chat's next turn, whose prompt holds the earlier
+turns and answers, restores them and computes only what is new.  Other models use whole chunks
+only (a prefix shorter than a chunk is not reused).  Least recently used out past
 ``max_bytes``.  One store per runner (one target model).
 """
 
