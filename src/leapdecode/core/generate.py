@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry), but see prefill_chunk
 PREFIX_BLOCK = 16  # tokens per prefix-cache entry of a prompt on a cut-invariant model
 FINE_KEY = b"blocks of 16"  # what the key chain of such blocks starts from (chunks' start from b"")
+TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
 
 
 def prefill_chunk(decoder: Any, policy: KVPolicy | None = None) -> int:
@@ -52,7 +53,6 @@ def prefill_chunk(decoder: Any, policy: KVPolicy | None = None) -> int:
     if getattr(decoder, "prefill_cut_invariant", False):
         return decoder.cut_invariant_tokens
     return PREFILL_CHUNK
-TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
 
 
 @dataclass
@@ -278,9 +278,9 @@ class Generation:
                 model, cache_tokens(model, len(ids), self.max_new_tokens, policy), kind=policy.cache_kind)
             self._kv = policy.start(model, cache)
         self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
-        # the prompt but its last token, in chunks aligned to position 0: the same chunks whatever
-        # else runs, so a chunk's keys and values are the same bits wherever it is computed (the
-        # runner's prefix cache reuses whole chunks; see core/prefix_cache.py)
+        # the prompt but its last token, in chunks aligned to position 0 (``prefill_chunk``): the
+        # same chunks whatever else runs, so a chunk's keys and values are the same bits wherever
+        # it is computed (the runner's prefix cache reuses them; see core/prefix_cache.py)
         self._chunk = min(prefill_chunk(target, policy), cache.max_pending)
         self._prefilled = 0
         self._prefix_key = b""
