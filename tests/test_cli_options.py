@@ -85,3 +85,28 @@ def test_max_new_tokens_is_capped_at_the_context(capsys):
     ctx = tiny_loaded().max_seq_len
     assert out["finish_reason"] in ("length", "stop")
     assert len(out["tokens"]) + 2 <= ctx  # prompt "hi" is 2 byte tokens
+
+
+def test_chat_keeps_the_conversation_and_reports_what_the_prefix_cache_gave(monkeypatch, capsys):
+    """``leapdecode chat --stats``: each reply goes back into the conversation, and on a model that
+    prefills cut-invariantly (forced: a CPU with AMX would not) the second turn's prompt (over 64
+    tokens: whole 256-token chunks only, before) restores blocks the first turn kept."""
+    import io
+    import re
+
+    from leapdecode.models import qkernel
+    from leapdecode.models.native import NativeCausalLM
+
+    if qkernel.kernel_problem() is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {qkernel.kernel_problem()}")
+    monkeypatch.setattr(NativeCausalLM, "prefill_cut_invariant", property(lambda self: self.cut_invariant_tokens > 0))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nand then?\n\n"))
+    rc = cli.main(["chat", "-m", "tiny-random", "--weights", "int4", "--method", "pld", "--max-new-tokens", "40",
+                   "--stats"])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out.count("bot> ") == 2
+    stats = re.findall(r"\[(\d+) tokens, .* (\d+) of (\d+) prompt tokens from the prefix cache\]", captured.err)
+    assert len(stats) == 2, captured.err
+    (new1, reused1, prompt1), (_, reused2, prompt2) = [tuple(map(int, s)) for s in stats]
+    assert reused1 == 0 and int(new1) == 40
+    assert prompt2 > max(prompt1, 64) and 16 <= reused2 <= prompt2 - 1 and reused2 % 16 == 0

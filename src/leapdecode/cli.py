@@ -379,7 +379,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
             if a.stats:
                 s = gen.result.stats
                 print(f"[{s.get('new_tokens', 0)} tokens, {s.get('tokens_per_s', 0)} tok/s, "
-                      f"{s.get('mean_accepted', '-')} accepted/forward]", file=sys.stderr)
+                      f"{s.get('mean_accepted', '-')} accepted/forward, {s.get('prefix_reused', 0)} of "
+                      f"{s.get('prompt_tokens', 0)} prompt tokens from the prefix cache]", file=sys.stderr)
 
 
 def cmd_models(a: argparse.Namespace) -> int:
@@ -502,7 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(c)
     add_decoding_args(c)
     c.add_argument("--system", help="system message")
-    c.add_argument("--stats", action="store_true", help="print speed after each reply")
+    c.add_argument("--stats", action="store_true",
+                   help="print speed after each reply, and how much of the prompt (the conversation so far) came "
+                        "from the prefix cache")
     c.set_defaults(func=cmd_chat)
 
     mt = sub.add_parser("methods", help="decoding methods and their options (--option KEY=VALUE)")
