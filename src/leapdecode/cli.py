@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
                    help="weight format of the native backend. auto (default): int4 for a GGUF model on "
-                        "a CPU with AVX512-VNNI (the file's own quantized blocks on leapdecode's "
+                        "a CPU with AVX512-VNNI or AVX2 (the file's own quantized blocks on leapdecode's "
                         "batch-invariant kernel), "
                         "else as --dtype; int4: that kernel (4-bit groups of 32 for a float checkpoint; "
                         "torch's int4 kernel on CUDA); int8: torch's per-channel int8 kernel; bf16/fp32: "
