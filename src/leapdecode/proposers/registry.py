@@ -164,6 +164,9 @@ class MedusaConfig(MethodConfig):
     top_k: int = option(4, "candidates per head (children per node)", low=1)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
     head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
+    cost_aware: bool = option(True, "greedy: verify only as many of the best candidates (by calibrated head "
+                                    "probability) as raise the expected tokens per second under the measured "
+                                    "verify cost")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,7 +348,8 @@ def _build_medusa(cfg: MedusaConfig, runner: "ModelRunner") -> "Proposer":
     from .heads.medusa import MedusaProposer
 
     return MedusaProposer(runner.model, _trained_head("medusa", cfg.head, runner), tree_budget=cfg.tree_budget,
-                          top_k=cfg.top_k, draft_vocab=cfg.draft_vocab, head_weights=cfg.head_weights)
+                          top_k=cfg.top_k, draft_vocab=cfg.draft_vocab, head_weights=cfg.head_weights,
+                          cost_aware=cfg.cost_aware)
 
 
 def _build_hydra(cfg: HydraConfig, runner: "ModelRunner") -> "Proposer":

@@ -17,6 +17,14 @@ replacement from head ``d``'s processed distribution and records it as the node'
 verifier's recursive rejection sampling then keeps the target's distribution exactly); sampled
 children are never dropped: a node is expanded only when all its children fit the budget.
 
+Cost-aware (greedy, ``cost_aware=True``, the default): the heads' probabilities are mapped
+through an acceptance calibration learned from the verifier's verdicts (``tree_cost.TreeSizer``,
+Sequoia's hardware-aware sizing with EAGLE-2's confidence ranking, as ``eagle`` does), a node's score is
+its path's calibrated log acceptance, and only as many of the best candidates are verified as
+raise the expected tokens per second of the step under the target's measured verification cost
+(on a CPU whose tree rows cost a quarter of a one-row forward each, 24 nodes would cost more than
+they bring).  Any greedy tree gives vanilla's tokens, so timings may steer it.
+
 The head holds weights only (``MedusaHeads``); the feature of the last decided token, which comes
 from the verification forward (``wants_hidden``), lives on the proposer.  The first step of a
 generation drafts from the last prompt token's feature, which the prefill's forward hands over
@@ -27,6 +35,7 @@ first step drafts nothing).
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from typing import Any
 
@@ -37,8 +46,9 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import DRAFT_VOCAB, check_int, draw_children
-from .common import (HeadVocab, best_first, check_head_weights, head_stats, int8_linears, node_dist, require_native,
-                     running_head, target_features)
+from ..tree_cost import TreeSizer
+from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
+                     require_native, running_head, target_features)
 
 
 class ResBlock(nn.Module):
@@ -82,7 +92,7 @@ class MedusaProposer(Proposer):
     name = "medusa"
 
     def __init__(self, target, heads: MedusaHeads, tree_budget: int | None = None, top_k: int = 4,
-                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto") -> None:
+                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto", cost_aware: bool = True) -> None:
         require_native(target, "medusa")
         if not isinstance(heads, MedusaHeads):
             raise InvalidParameterError(f"medusa needs MedusaHeads, got {type(heads).__name__}")
@@ -91,6 +101,7 @@ class MedusaProposer(Proposer):
         self.top_k = check_int("top_k", top_k)
         self.draft_vocab = check_int("draft_vocab", draft_vocab, low=0)
         self.head_weights = check_head_weights(head_weights)
+        self.cost_aware = bool(cost_aware)
         self.target = target
         self.heads = heads
         self.dtype = next(heads.parameters()).dtype
@@ -102,6 +113,9 @@ class MedusaProposer(Proposer):
     def prompt_features(self) -> int:
         return 1  # the last prompt token before the root: the first step drafts from it
 
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
+
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
         with torch.inference_mode():
             self._prompt_feature = (start + hidden[-1].shape[1] - 1,
@@ -112,6 +126,11 @@ class MedusaProposer(Proposer):
         self.model = ctx.target.model
         self.out = HeadVocab(ctx, self.draft_vocab, tokens)
         self.net = running_head(ctx, self.heads, self.head_weights)
+        # greedy trees sized by expected tokens per second: the calibration is learned across
+        # generations, per head and target (proposers/tree_cost.py)
+        self._verify_cost = ctx.verify_cost if self.cost_aware and ctx.params.greedy else None
+        self.sizer = ctx.remember(("medusa", "tree_sizer", id(self.heads)), TreeSizer)
+        self._node_p: list[tuple[int, float]] = []  # the greedy tree's nodes: (token, head probability)
         self.feature: torch.Tensor | None = None  # of the last decided token before the root
         self.feature_pos = -1
         pos, feature = getattr(self, "_prompt_feature", (-1, None))
@@ -135,26 +154,35 @@ class MedusaProposer(Proposer):
         greedy = params.greedy
         k = min(self.top_k, budget)
         gen = self.ctx.generator
+        self._node_p = []
         if greedy:
             # candidates: every depth's top-k under every kept node, best-first by path log-probability
+            # (cost-aware: by the path's calibrated log acceptance)
+            sizer = self.sizer if self._verify_cost is not None else None
             per_depth = [draw_children(logp[d], k, params, gen) for d in range(n_heads)]
-            per_depth = [(self.out.ids(idx), vals) for idx, vals in per_depth]
+            per_depth = [(self.out.ids(idx), vals, [sizer.log_accept(math.exp(v)) for v in vals] if sizer else vals)
+                         for idx, vals in per_depth]
             toks: list[int] = []
             pars: list[int] = []
             scores: list[float] = []
-            heap = [(-v, 0, -1, t) for t, v in zip(*per_depth[0])]
+            probs: list[float] = []
+            heap = [(-s, 0, -1, t, v) for t, v, s in zip(*per_depth[0])]
             heapq.heapify(heap)
             while heap and len(toks) < budget:
-                neg, depth, parent, t = heapq.heappop(heap)
+                neg, depth, parent, t, v = heapq.heappop(heap)
                 node = len(toks)
                 toks.append(t)
                 pars.append(parent)
                 scores.append(-neg)
+                probs.append(math.exp(v))
                 if depth + 1 < n_heads:
-                    for ct, cv in zip(*per_depth[depth + 1]):
-                        heapq.heappush(heap, (neg - cv, depth + 1, node, ct))
-            for c in best_first(scores, pars, budget):
-                tree.add(toks[c], pars[c], source="medusa")
+                    for ct, cv, cs in zip(*per_depth[depth + 1]):
+                        heapq.heappush(heap, (neg - cs, depth + 1, node, ct, cv))
+            if sizer is not None and toks:
+                budget = sizer.keep(scores, budget, time.perf_counter() - t0, self._verify_cost)
+            order = best_first(scores, pars, budget)
+            tree = candidate_tree(toks, pars, scores, {}, budget, True, "medusa", order=order)
+            self._node_p = [(toks[c], probs[c]) for c in order]
         else:
             # sampled: a node's children are drawn (without replacement) from its depth's head and kept
             # whole; nodes are expanded best-first while their children fit the budget
@@ -181,6 +209,12 @@ class MedusaProposer(Proposer):
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._steps += 1
         self._accepted += len(verdict.accepted)
+        if self._verify_cost is not None and self._node_p:
+            # calibrate: every verified node whose parent was accepted (or is the root) had its chance
+            accepted = set(verdict.accepted)
+            self.sizer.update([(self._node_p[i][1], i in accepted) for i in range(min(len(tree), len(self._node_p)))
+                               if self._node_p[i][0] == tree.tokens[i]  # (a grammar may have pruned the tree)
+                               and (tree.parents[i] < 0 or tree.parents[i] in accepted)])
         self.feature = None
         if hidden:
             row = verdict.accepted[-1] + 1 if verdict.accepted else 0
