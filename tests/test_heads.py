@@ -51,10 +51,15 @@ def _cache(tmp_path, monkeypatch):
 
 def random_head(kind: str, model, seed: int = 0, std: float = 0.05) -> torch.nn.Module:
     torch.manual_seed(seed)
-    head = MedusaHeads.for_target(model, heads=3) if kind == "medusa" else EagleHead.for_target(model)
+    if kind == "hydra":
+        from leapdecode.proposers.heads.hydra import HydraHeads
+
+        head = HydraHeads.for_target(model, heads=3)
+    else:
+        head = MedusaHeads.for_target(model, heads=3) if kind == "medusa" else EagleHead.for_target(model)
     with torch.no_grad():
         for p in head.parameters():
-            if p.dim() > 1 or kind == "medusa":
+            if p.dim() > 1 or kind in ("medusa", "hydra"):
                 p.normal_(0, std)
     return head.eval()
 
@@ -622,21 +627,22 @@ def test_cost_aware_eagle_drafts_less_for_a_useless_head_same_tokens(tiny, tmp_p
     assert drafted[True] < 0.5 * drafted[False], drafted
 
 
-def test_cost_aware_medusa_verifies_less_of_a_useless_head_same_tokens(tiny, tmp_path):
-    """A random medusa head on a random target is rarely right: with its calibration learned and the
-    measured verify cost, the cost-aware tree keeps far fewer of its 24 candidates; greedy tokens
-    stay vanilla's either way."""
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_cost_aware_medusa_and_hydra_verify_less_of_a_useless_head_same_tokens(tiny, tmp_path, kind):
+    """A random medusa or hydra head on a random target is rarely right: with its calibration learned
+    and the measured verify cost, the cost-aware tree keeps far fewer of its 24 candidates; greedy
+    tokens stay vanilla's either way."""
     model = tiny(seed=0)
-    head_dir = write_head("medusa", model, tmp_path / "medusa", seed=0)
+    head_dir = write_head(kind, model, tmp_path / kind, seed=0)
     ids = model.tokenizer.encode(PROMPTS[1])
     ref = vanilla(model, ids, max_new_tokens=60)
     runs = {}
     for aware in (False, True):
         runner = ModelRunner(model)
         for _ in range(2):  # the second generation starts from the calibration the first one learned
-            out = leapdecode.generate(runner, prompt_ids=ids, method="medusa", max_new_tokens=60,
+            out = leapdecode.generate(runner, prompt_ids=ids, method=kind, max_new_tokens=60,
                                       options={"head": str(head_dir), "cost_aware": aware})
             assert out.tokens == ref.tokens
         runs[aware] = out.stats
-    drafted = {a: s["draft_nodes"] / max(s["medusa_steps"], 1) for a, s in runs.items()}
+    drafted = {a: s["draft_nodes"] / max(s[f"{kind}_steps"], 1) for a, s in runs.items()}
     assert drafted[True] < 0.5 * drafted[False], drafted

@@ -178,6 +178,8 @@ class HydraConfig(MethodConfig):
     beam: int = option(4, "nodes expanded per round", low=1)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
     head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
+    cost_aware: bool = option(True, "greedy: draft another round and keep candidates only while the expected "
+                                    "tokens per second rise (calibrated head probabilities, measured verify cost)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,7 +359,7 @@ def _build_hydra(cfg: HydraConfig, runner: "ModelRunner") -> "Proposer":
 
     return HydraProposer(runner.model, _trained_head("hydra", cfg.head, runner), tree_budget=cfg.tree_budget,
                          top_k=cfg.top_k, beam=cfg.beam, draft_vocab=cfg.draft_vocab,
-                         head_weights=cfg.head_weights)
+                         head_weights=cfg.head_weights, cost_aware=cfg.cost_aware)
 
 
 def _build_eagle(cfg: EagleConfig, runner: "ModelRunner") -> "Proposer":

@@ -24,10 +24,17 @@ processed distribution (Gumbel-top-k), all kept, the distribution recorded as th
 the verifier's recursive rejection sampling, and expansion stops before the budget would be
 exceeded.  The heads hold weights only; the feature of the last decided token lives on the
 proposer (from the verification forward's hidden states, or for the first step the prefill's).
+
+Cost-aware (greedy, ``cost_aware=True``, the default), as ``eagle``: the heads' probabilities are
+mapped through an acceptance calibration learned from the verifier's verdicts
+(``tree_cost.TreeSizer``), another round is drafted only while it is expected to raise the tokens
+per second of the step (the heads' measured call time against the target's measured verification
+cost), and only as many of the best candidates are verified as pay for their rows.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -38,7 +45,8 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import DRAFT_VOCAB, check_int, draw_children
-from .common import (HeadVocab, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
+from ..tree_cost import TreeSizer
+from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
                      require_native, running_head, target_features)
 from .medusa import ResBlock  # Hydra's later blocks are Medusa's residual block
 
@@ -101,7 +109,7 @@ class HydraProposer(Proposer):
     name = "hydra"
 
     def __init__(self, target, heads: HydraHeads, tree_budget: int | None = None, top_k: int = 4, beam: int = 4,
-                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto") -> None:
+                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto", cost_aware: bool = True) -> None:
         require_native(target, "hydra")
         if not isinstance(heads, HydraHeads):
             raise InvalidParameterError(f"hydra needs HydraHeads, got {type(heads).__name__}")
@@ -110,6 +118,7 @@ class HydraProposer(Proposer):
         self.top_k, self.beam = check_int("top_k", top_k), check_int("beam", beam)
         self.draft_vocab = check_int("draft_vocab", draft_vocab, low=0)
         self.head_weights = check_head_weights(head_weights)
+        self.cost_aware = bool(cost_aware)
         self.target = target
         self.heads = heads
         self.net: nn.Module = heads  # what runs: the heads, or their int8 copy (``begin``)
@@ -119,6 +128,9 @@ class HydraProposer(Proposer):
 
     def prompt_features(self) -> int:
         return 1  # the last prompt token before the root: the first step drafts from it
+
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
 
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
         with torch.inference_mode():
@@ -131,6 +143,11 @@ class HydraProposer(Proposer):
         self.dtype = next(self.heads.parameters()).dtype
         self.out = HeadVocab(ctx, self.draft_vocab, tokens)
         self.net = running_head(ctx, self.heads, self.head_weights)
+        # greedy trees sized by expected tokens per second: calibration and the heads' call time are
+        # learned across generations, per head and target (proposers/tree_cost.py)
+        self._verify_cost = ctx.verify_cost if self.cost_aware and ctx.params.greedy else None
+        self.sizer = ctx.remember(("hydra", "tree_sizer", id(self.heads)), TreeSizer)
+        self._node_p: list[tuple[int, float]] = []  # the greedy tree's nodes: (token, head probability)
         self.feature: torch.Tensor | None = None  # of the last decided token before the root
         self.feature_pos = -1
         pos, feature = getattr(self, "_prompt_feature", (-1, None))
@@ -149,14 +166,16 @@ class HydraProposer(Proposer):
         if self.feature is None or self.feature_pos != len(tokens) - 2 or budget < 1:
             return TokenTree()  # no feature for the last decided token (the first step, or a step not observed)
         with torch.inference_mode():
-            tree = self._grow(tokens[-1], self.feature.to(self.dtype), budget)
+            tree = self._grow(tokens[-1], self.feature.to(self.dtype), budget, t0)
         self._drafted += len(tree)
         self._time += time.perf_counter() - t0
         return tree
 
-    def _grow(self, root: int, feature: torch.Tensor, budget: int) -> TokenTree:
+    def _grow(self, root: int, feature: torch.Tensor, budget: int, t0: float) -> TokenTree:
         params, gen = self.ctx.params, self.ctx.generator
         greedy = params.greedy
+        sizer = self.sizer if greedy and self._verify_cost is not None else None
+        prob: list[float] = []  # each candidate's head probability given its parent
         k = min(self.top_k, budget)
         n_heads = self.heads.n_heads
         tok: list[int] = []
@@ -167,6 +186,8 @@ class HydraProposer(Proposer):
 
         def expand(nodes: list[int]) -> None:
             """Children of ``nodes`` (all at one depth ``d``: head ``d + 1``; -1: the root, head 0)."""
+            t1 = time.perf_counter()
+            first_new = len(tok)
             paths = [path[c] if c >= 0 else [root] for c in nodes]
             i = len(paths[0]) - 1
             states = self.net(i, feature.expand(len(nodes), -1), self._embed(paths))
@@ -182,8 +203,11 @@ class HydraProposer(Proposer):
                 for t, v in zip(self.out.ids(idx), vals):
                     tok.append(t)
                     par.append(c)
-                    score.append(base + v)
+                    score.append(base + (sizer.log_accept(math.exp(v)) if sizer is not None else v))
+                    prob.append(math.exp(v))
                     path.append(paths[j] + [t])
+            if sizer is not None:
+                sizer.note_forward(time.perf_counter() - t1, prob[first_new:])
 
         expand([-1])
         frontier = list(range(len(tok)))
@@ -197,6 +221,9 @@ class HydraProposer(Proposer):
                 break  # sampled children are never pruned: stop before the budget is exceeded
             if greedy and len(tok) >= budget and score[chosen[0]] <= sorted(score)[-budget]:
                 break  # nothing deeper can enter the best ``budget``
+            if sizer is not None and not sizer.worth_expanding(score, [score[c] for c in chosen], budget,
+                                                               time.perf_counter() - t0, self._verify_cost):
+                break  # another round costs more than it is expected to bring
             before = len(tok)
             by_depth: dict[int, list[int]] = {}
             for c in chosen:
@@ -204,11 +231,24 @@ class HydraProposer(Proposer):
             for nodes in by_depth.values():
                 expand(nodes)
             frontier = [c for c in frontier if c not in chosen] + list(range(before, len(tok)))
-        return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra")
+        if not greedy:
+            return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra")
+        if sizer is not None and tok:
+            budget = sizer.keep(score, budget, time.perf_counter() - t0, self._verify_cost)
+        order = best_first(score, par, budget)
+        self._node_p = [(tok[c], prob[c]) for c in order]
+        return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra", order=order)
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._steps += 1
         self._accepted += len(verdict.accepted)
+        if self._verify_cost is not None and self._node_p:
+            # calibrate: every verified node whose parent was accepted (or is the root) had its chance
+            accepted = set(verdict.accepted)
+            self.sizer.update([(self._node_p[i][1], i in accepted) for i in range(min(len(tree), len(self._node_p)))
+                               if self._node_p[i][0] == tree.tokens[i]  # (a grammar may have pruned the tree)
+                               and (tree.parents[i] < 0 or tree.parents[i] in accepted)])
+        self._node_p = []
         self.feature = None
         if hidden:
             row = verdict.accepted[-1] + 1 if verdict.accepted else 0
