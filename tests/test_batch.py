@@ -516,6 +516,22 @@ def test_prefix_cache_reuses_whole_chunks_exactly(tiny, request, monkeypatch, fm
     assert cached.caches_in_use == plain.caches_in_use == 0
 
 
+def assert_same_prompt_kv(cached: ModelRunner, plain: ModelRunner, ids: list[int], **kw) -> None:
+    """The prompt's keys and values after the prefill, with what ``cached``'s prefix cache restores,
+    are the bits ``plain`` (no prefix cache) computes."""
+    g1, g2 = start_generation(cached, prompt_ids=ids, **kw), start_generation(plain, prompt_ids=ids, **kw)
+    try:
+        g1.start()
+        g2.start()
+        n = len(ids) - 1
+        k1, v1 = g1.cache.committed_slice(0, n)
+        k2, v2 = g2.cache.committed_slice(0, n)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    finally:
+        g1.close()
+        g2.close()
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 def test_short_prompts_share_blocks_of_16_on_a_cut_invariant_model(tiny, request, fmt):
     """Short prompts (a chat's system prompt and a short question) on a model whose prompt keys and
@@ -542,17 +558,7 @@ def test_short_prompts_share_blocks_of_16_on_a_cut_invariant_model(tiny, request
     assert rb.stats["prefix_reused"] == 32 and pc.reused_tokens == 32
     if not model.model.prefill_cut_invariant:  # (else the outputs' blocks are kept too: see below)
         assert len(pc) == 2 + 1  # a's two blocks (45 prompt tokens before its root), b's third (52)
-    g1, g2 = start_generation(cached, prompt_ids=b_ids, **kw), start_generation(plain, prompt_ids=b_ids, **kw)
-    try:
-        g1.start()
-        g2.start()
-        n = len(b_ids) - 1
-        k1, v1 = g1.cache.committed_slice(0, n)
-        k2, v2 = g2.cache.committed_slice(0, n)
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    finally:
-        g1.close()
-        g2.close()
+    assert_same_prompt_kv(cached, plain, b_ids, **kw)
     # a prompt longer than a cut-invariant forward: blocks too where the model prefills cut-invariantly
     # (in forwards of at most 64 tokens), else the whole-chunk scheme (no blocks of 16)
     long_ids = common + prompt_ids(model.tokenizer, 60, seed=63)
@@ -584,18 +590,7 @@ def test_a_chats_next_turn_reuses_the_earlier_turn_output_included(q4, monkeypat
     second = leapdecode.generate(cached, prompt_ids=turn2, method=method, max_new_tokens=24)
     assert second.stats["prefix_reused"] == (len(history) - 1) // 16 * 16 > len(turn1)
     assert second.tokens == leapdecode.generate(plain, prompt_ids=turn2, method=method, max_new_tokens=24).tokens
-    g1 = start_generation(cached, prompt_ids=turn2, method=method, max_new_tokens=4)
-    g2 = start_generation(plain, prompt_ids=turn2, method=method, max_new_tokens=4)
-    try:
-        g1.start()
-        g2.start()
-        n = len(turn2) - 1
-        k1, v1 = g1.cache.committed_slice(0, n)
-        k2, v2 = g2.cache.committed_slice(0, n)
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    finally:
-        g1.close()
-        g2.close()
+    assert_same_prompt_kv(cached, plain, turn2, method=method, max_new_tokens=4)
 
 
 def test_a_prefill_entirely_from_the_prefix_cache(tiny):
