@@ -62,6 +62,14 @@ class TreeSizer:
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
         return best_tree_size(probs, spent, verify)[0]
 
+    def observe_tree(self, nodes: list[tuple[int, float]], tree, accepted: list[int]) -> None:
+        """Calibrate from a verified greedy tree: ``nodes`` are its drafted (token, drafter
+        probability given the parent) in tree order; every node whose parent was accepted (or is
+        the root) had its chance.  Nodes a grammar pruned (another token there now) are skipped."""
+        ok = set(accepted)
+        self.update([(nodes[i][1], i in ok) for i in range(min(len(tree), len(nodes)))
+                     if nodes[i][0] == tree.tokens[i] and (tree.parents[i] < 0 or tree.parents[i] in ok)])
+
     def update(self, verified: list[tuple[float, bool]]) -> None:
         """(drafter probability given the parent, accepted) of every verified node whose parent was
         accepted (or is the root)."""

@@ -243,11 +243,7 @@ class HydraProposer(Proposer):
         self._steps += 1
         self._accepted += len(verdict.accepted)
         if self._verify_cost is not None and self._node_p:
-            # calibrate: every verified node whose parent was accepted (or is the root) had its chance
-            accepted = set(verdict.accepted)
-            self.sizer.update([(self._node_p[i][1], i in accepted) for i in range(min(len(tree), len(self._node_p)))
-                               if self._node_p[i][0] == tree.tokens[i]  # (a grammar may have pruned the tree)
-                               and (tree.parents[i] < 0 or tree.parents[i] in accepted)])
+            self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
         self._node_p = []
         self.feature = None
         if hidden:
