@@ -28,6 +28,7 @@ from .cost_model import synchronize
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy, PolicyState
+from .prefix_cache import PrefixCache
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
 from .tree import TokenTree
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
     from .runner import ModelRunner
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry), but see prefill_chunk
-PREFIX_BLOCK = 16  # tokens per prefix-cache entry of a prompt on a cut-invariant model
-FINE_KEY = b"blocks of 16"  # what the key chain of such blocks starts from (chunks' start from b"")
 TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
 
 
@@ -53,6 +52,16 @@ def prefill_chunk(decoder: Any, policy: KVPolicy | None = None) -> int:
     if getattr(decoder, "prefill_cut_invariant", False):
         return decoder.cut_invariant_tokens
     return PREFILL_CHUNK
+
+
+def keyed_in_blocks(decoder: Any, prefix: PrefixCache, prompt_len: int, chunk: int) -> bool:
+    """Whether a prompt of ``prompt_len`` tokens (all but the last prefilled, in forwards of
+    ``chunk``) is keyed in the prefix cache's ``BLOCK``-token blocks: where every prompt forward is
+    at most ``cut_invariant_tokens`` long (a short prompt, or any prompt on a model that prefills
+    cut-invariantly), a token's keys and values have the same bits however the prompt is cut."""
+    cut = getattr(decoder, "cut_invariant_tokens", 0)
+    end = prompt_len - 1
+    return prefix.enabled and end > 0 and (end <= min(cut, chunk) or chunk <= cut)
 
 
 @dataclass
@@ -285,17 +294,12 @@ class Generation:
         self._prefilled = 0
         self._prefix_key = b""
         self._reused = 0
-        # where every prompt forward is at most ``cut_invariant_tokens`` long (a short prompt, or any
-        # prompt on a model that prefills cut-invariantly), a token's keys and values have the same
-        # bits however the prompt is cut: the prompt is keyed in ``PREFIX_BLOCK``-token blocks, the
-        # longest run of them the prefix cache holds is restored (a shared system prompt, a chat's
-        # earlier turns) and the rest computed.  On a model that prefills cut-invariantly the
-        # generated tokens' blocks are kept too when the generation ends (``_keep_blocks``): a
-        # decoding step computes a token's keys and values with the bits of a prefill
-        cut = getattr(target, "cut_invariant_tokens", 0)
-        self._fine = (policy is None and self.runner.prefix_cache.enabled and len(ids) > 1
-                      and (len(ids) - 1 <= min(cut, self._chunk) or self._chunk <= cut))
-        self._keep_output = self._fine and self._chunk <= cut
+        # a prompt keyed in blocks (``keyed_in_blocks``): the longest run of them the prefix cache
+        # holds is restored (a shared system prompt, a chat's earlier turns) and the rest computed.
+        # On a model that prefills cut-invariantly the generated tokens' blocks are kept too when the
+        # generation ends: a decoding step computes a token's keys and values with a prefill's bits
+        self._fine = policy is None and keyed_in_blocks(target, self.runner.prefix_cache, len(ids), self._chunk)
+        self._keep_output = self._fine and self._chunk <= getattr(target, "cut_invariant_tokens", 0)
         self._blocked = 0  # prompt tokens covered by blocks restored from or stored in the prefix cache
         self._ready_done = False
 
@@ -341,15 +345,10 @@ class Generation:
         ids, cache, prefix = self.prompt_ids, self.cache, self.runner.prefix_cache
         end = len(ids) - 1
         if self._fine:
-            while self._prefilled == self._blocked and self._prefilled + PREFIX_BLOCK <= end:
-                s = self._prefilled
-                key = prefix.key(self._prefix_key or FINE_KEY, ids[s : s + PREFIX_BLOCK])
-                if not prefix.restore(key, cache):
-                    break
-                self._prefix_key = key
-                self._prefilled += PREFIX_BLOCK
-                self._blocked += PREFIX_BLOCK
-                self._reused += PREFIX_BLOCK
+            if self._prefilled == self._blocked:  # (not after adopt_prompt)
+                self._prefix_key, s = prefix.restore_blocks(cache, ids, self._prefix_key, self._prefilled, end)
+                self._reused += s - self._prefilled
+                self._prefilled = self._blocked = s
             if self._prefilled >= end:
                 return None
             s = self._prefilled
@@ -508,14 +507,10 @@ class Generation:
             raise
 
     def _keep_blocks(self, ids: list[int], upto: int) -> None:
-        """Store in the prefix cache every whole ``PREFIX_BLOCK`` of ``ids`` (the prompt, or all the
-        tokens decided so far) whose keys and values are committed below slot ``upto``."""
-        prefix = self.runner.prefix_cache
-        while self._blocked + PREFIX_BLOCK <= upto:
-            b = self._blocked
-            self._prefix_key = prefix.key(self._prefix_key or FINE_KEY, ids[b : b + PREFIX_BLOCK])
-            prefix.store(self._prefix_key, self.cache, b + PREFIX_BLOCK, PREFIX_BLOCK)
-            self._blocked += PREFIX_BLOCK
+        """Store in the prefix cache every whole block of ``ids`` (the prompt, or all the tokens
+        decided so far) whose keys and values are committed below slot ``upto``."""
+        self._prefix_key, self._blocked = self.runner.prefix_cache.store_blocks(
+            self.cache, ids, self._prefix_key, self._blocked, upto)
 
     def _accept(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
         cache, proposer, tree, hidden = self.cache, self.proposer, work.tree, work.hidden

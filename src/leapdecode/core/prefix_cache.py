@@ -20,7 +20,7 @@ Short prompts get finer blocks where that stays exact.  On a *cut-invariant* mod
 weights on the batch-invariant kernels with the invariant attention: a forward of up to
 ``NativeCausalLM.cut_invariant_tokens`` (64) tokens computes each token's keys and values with
 the same bits however the prompt is cut) a prompt of at most that many tokens before its root is
-keyed in blocks of ``PREFIX_BLOCK`` (16) tokens, on a key chain of its own: a request restores
+keyed in blocks of ``BLOCK`` (16) tokens, on a key chain of its own: a request restores
 the longest run of blocks stored here (a chat template's system prompt, shared by every chat
 request) and computes the rest.  A model that also prefills cut-invariantly
 (``NativeCausalLM.prefill_cut_invariant``: every prompt in forwards of at most that many tokens,
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
 
 DEFAULT_BYTES = 512 * 2**20
+BLOCK = 16  # tokens per entry of a prompt (and an output) on a cut-invariant model
+BLOCKS_KEY = b"blocks of 16"  # what the key chain of such blocks starts from (whole chunks' starts from b"")
 
 
 class PrefixCache:
@@ -110,6 +112,27 @@ class PrefixCache:
             while self._bytes > self.max_bytes:
                 _, (k0, v0) = self._blocks.popitem(last=False)
                 self._bytes -= k0.numel() * k0.element_size() * 2
+
+    def restore_blocks(self, cache: "KVCache", ids: list[int], key: bytes, start: int, end: int) -> tuple[bytes, int]:
+        """Append to ``cache`` the longest run of ``BLOCK``-token blocks of ``ids`` stored here, from
+        ``start`` (a block boundary whose chain key is ``key``: ``b""`` at 0) to at most ``end``;
+        returns the chain key and position after the last block restored."""
+        while start + BLOCK <= end:
+            k = self.key(key or BLOCKS_KEY, ids[start : start + BLOCK])
+            if not self.restore(k, cache):
+                break
+            key, start = k, start + BLOCK
+        return key, start
+
+    def store_blocks(self, cache: "KVCache", ids: list[int], key: bytes, start: int, upto: int) -> tuple[bytes, int]:
+        """Keep every whole ``BLOCK`` of ``ids`` from ``start`` (a block boundary with chain key
+        ``key``) whose keys and values are committed in ``cache`` below slot ``upto``; returns the
+        chain key and position after the last block."""
+        while start + BLOCK <= upto:
+            key = self.key(key or BLOCKS_KEY, ids[start : start + BLOCK])
+            self.store(key, cache, start + BLOCK, BLOCK)
+            start += BLOCK
+        return key, start
 
     def clear(self) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 import torch
 
 from ..core.config import OptionsConfig
-from ..core.generate import FINE_KEY, PREFIX_BLOCK, GenerationResult, prefill_chunk
+from ..core.generate import GenerationResult, keyed_in_blocks, prefill_chunk
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..models.native import rms_norm
 
@@ -178,15 +178,12 @@ class TreeKV:
         every = on_hidden is not None and whole_prompt
         end, done, key = len(ids) - 1, 0, b""
         chunk_len = min(prefill_chunk(self.decoder), cache.max_pending)
-        # the prompt cut and keyed as a Generation cuts and keys it (core/generate.py): blocks of
-        # PREFIX_BLOCK tokens where every forward is cut-invariant, else whole chunks
-        cut = getattr(self.decoder, "cut_invariant_tokens", 0)
-        fine = prefix is not None and prefix.enabled and (end <= min(cut, chunk_len) or chunk_len <= cut)
-        while fine and not every and done + PREFIX_BLOCK <= end:
-            k = prefix.key(key or FINE_KEY, ids[done : done + PREFIX_BLOCK])
-            if not prefix.restore(k, cache):
-                break
-            key, done, self.reused = k, done + PREFIX_BLOCK, self.reused + PREFIX_BLOCK
+        # the prompt cut and keyed as a Generation cuts and keys it (core/generate.py): blocks where
+        # every forward is cut-invariant, else whole chunks
+        fine = prefix is not None and keyed_in_blocks(self.decoder, prefix, len(ids), chunk_len)
+        if fine and not every:
+            key, done = prefix.restore_blocks(cache, ids, key, 0, end)
+            self.reused += done
         blocked = done
         while done < end:
             chunk = ids[done : min(done + chunk_len, end)]
@@ -204,10 +201,8 @@ class TreeKV:
             if k is not None:
                 key = k
                 prefix.store(k, cache, done, len(chunk))
-            while fine and blocked + PREFIX_BLOCK <= done:
-                key = prefix.key(key or FINE_KEY, ids[blocked : blocked + PREFIX_BLOCK])
-                prefix.store(key, cache, blocked + PREFIX_BLOCK, PREFIX_BLOCK)
-                blocked += PREFIX_BLOCK
+            if fine:
+                key, blocked = prefix.store_blocks(cache, ids, key, blocked, done)
         states = [] if on_hidden is not None else None
         logits = self.decoder.forward(torch.tensor([[ids[-1]]], device=self.decoder.device), cache,
                                       hidden_states=states)
