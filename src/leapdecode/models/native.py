@@ -410,7 +410,7 @@ class NativeCausalLM(nn.Module):
         if (self.cut_invariant_tokens == 0 or not self.attention_kernel or self.device.type != "cpu"
                 or self.dtype not in (torch.bfloat16, torch.float32) or kernel_problem() is not None):
             return False
-        linears = [m for b in self.layers for m in b.modules() if isinstance(m, QLinear)]
+        linears = [m for b in self.layers for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down) if isinstance(m, QLinear)]
         return bool(linears) and not any(m.prefills_on_dense() for m in linears)
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None, attention: str = "sdpa") -> None:
