@@ -54,6 +54,7 @@ import torch
 class KVCache:
     observer = None  # observer(layer, q, keys) after each layer's write (see the module docstring)
     pos_offset = 0  # committed tokens evicted so far (``keep``): true position = slot + pos_offset
+    static = None  # the forwards captured over this cache's storage (``models/static_step.StaticSteps``)
 
     def __init__(
         self,

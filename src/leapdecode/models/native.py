@@ -26,6 +26,7 @@ from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
 from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, kernel_problem,
                       rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
+from .static_step import ROW_BUCKETS, StaticSteps, pad_inputs, resolve_mode, row_bucket, span_bucket
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -385,6 +386,11 @@ class NativeCausalLM(nn.Module):
     # ``Block.forward`` layer by layer.
     layers_kernel: bool = True
     _stack: tuple | None = None  # (signature of the layers' modules and weights, LayerStack or None)
+    # Forwards of up to 64 tokens padded to a few fixed shapes (``models/static_step.py``):
+    # "graphs" replays them from CUDA graphs, "padded" runs the padded forward without capture (the
+    # CPU's test of the padding), "off" never; "auto": "graphs" on CUDA, else "off".
+    static_steps: str = "auto"
+    static_rows: tuple[int, ...] = ROW_BUCKETS  # the row buckets; (16,): one shape for every forward
 
     @property
     def cut_invariant_tokens(self) -> int:
@@ -525,6 +531,10 @@ class NativeCausalLM(nn.Module):
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
+        if layers is None and head is None and embeds is None:
+            out = self._static_forward(tokens, cache, parents, logits_for, hidden_states)
+            if out is not None:
+                return out
         t = tokens.shape[1]
         cos, sin, mask, rows = self._plan(cache, parents, t)
         x = self.embed(tokens) if embeds is None else embeds.to(self.dtype).reshape(*tokens.shape, -1)
@@ -547,6 +557,37 @@ class NativeCausalLM(nn.Module):
             x = x[:, logits_for]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return (head or self.lm_head)(x).float()
+
+    def _static_forward(self, tokens: torch.Tensor, cache: KVCache, parents: list[int] | None,
+                        logits_for: slice | list[int] | None, hidden: list | None) -> torch.Tensor | None:
+        """``forward`` through the cache's static steps (``static_steps``), or None where this forward
+        does not take them (another mode, more rows than the largest bucket, a batched or policy
+        cache, no room for the padded rows)."""
+        mode = resolve_mode(self.static_steps, self.device)
+        t = tokens.shape[1]
+        rows = row_bucket(t, self.static_rows)
+        if (mode == "off" or rows is None or tokens.shape[0] != 1 or type(cache) is not KVCache
+                or cache.observer is not None or cache.k.shape[1] != 1 or cache.total + rows > cache.max_len):
+            return None
+        positions, _ = cache.plan_append(parents, t)
+        ins = pad_inputs(cache, tokens, positions, rows, span_bucket(cache.total, cache.max_len))
+        steps = cache.static
+        if steps is None or steps.capture != (mode == "graphs"):
+            steps = cache.static = StaticSteps(cache, capture=mode == "graphs")
+        picked = torch.arange(t)[logits_for if logits_for is not None else slice(None)]
+        logits, states = steps.run(self, self.weights_signature(), ins, hidden is not None, picked.numel() > 0)
+        if hidden is not None:
+            hidden.extend(states[j : j + 1, :t].clone() for j in range(states.shape[0]))
+        if logits is None:
+            return torch.zeros(1, 0, self.vocab_size, device=self.device)
+        return logits[picked.to(logits.device)][None]
+
+    norm_rows = staticmethod(rms_norm)  # the decoder's RMSNorm, for the static step's body
+
+    def weights_signature(self) -> tuple:
+        """The decoder's modules and weights (compared by identity): what a captured forward reads."""
+        return (self.embed.weight, self.lm_head, self.norm,
+                *(m for b in self.layers for m in (*b._modules.values(), *b._parameters.values())))
 
     def _layer_stack(self, x: torch.Tensor, cache: KVCache, rows: "QueryRows | None") -> LayerStack | None:
         """The ``LayerStack`` of this model's layers where this forward of one sequence can take it
