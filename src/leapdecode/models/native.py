@@ -26,7 +26,7 @@ from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
 from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, kernel_problem,
                       rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
-from .static_step import ROW_BUCKETS, StaticSteps, pad_inputs, resolve_mode, row_bucket, span_bucket
+from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
@@ -390,7 +390,10 @@ class NativeCausalLM(nn.Module):
     # "graphs" replays them from CUDA graphs, "padded" runs the padded forward without capture (the
     # CPU's test of the padding), "off" never; "auto": "graphs" on CUDA, else "off".
     static_steps: str = "auto"
-    static_rows: tuple[int, ...] = ROW_BUCKETS  # the row buckets; (16,): one shape for every forward
+    # "exact": one shape for every forward (16 rows over the whole cache: a token's logits the same
+    # bits in any forward, so speculation is exact); "buckets": the cheapest padded shape per forward
+    # (not guaranteed exact on a GPU).  See models/static_step.py.
+    static_shapes: str = "exact"
 
     @property
     def cut_invariant_tokens(self) -> int:
@@ -560,27 +563,39 @@ class NativeCausalLM(nn.Module):
 
     def _static_forward(self, tokens: torch.Tensor, cache: KVCache, parents: list[int] | None,
                         logits_for: slice | list[int] | None, hidden: list | None) -> torch.Tensor | None:
-        """``forward`` through the cache's static steps (``static_steps``), or None where this forward
-        does not take them (another mode, more rows than the largest bucket, a batched or policy
+        """``forward`` through the cache's static steps (``static_steps``, ``static_shapes``), or None
+        where this forward does not take them (mode off, more than 64 tokens, a batched or policy
         cache, no room for the padded rows)."""
         mode = resolve_mode(self.static_steps, self.device)
         t = tokens.shape[1]
-        rows = row_bucket(t, self.static_rows)
-        if (mode == "off" or rows is None or tokens.shape[0] != 1 or type(cache) is not KVCache
-                or cache.observer is not None or cache.k.shape[1] != 1 or cache.total + rows > cache.max_len):
+        chunks = plan_chunks(t, self.static_shapes)
+        if (mode == "off" or not chunks or tokens.shape[0] != 1 or type(cache) is not KVCache
+                or cache.observer is not None or cache.k.shape[1] != 1
+                or cache.total + chunks[-1][0] + chunks[-1][2] > cache.max_len):
             return None
-        positions, _ = cache.plan_append(parents, t)
-        ins = pad_inputs(cache, tokens, positions, rows, span_bucket(cache.total, cache.max_len))
         steps = cache.static
         if steps is None or steps.capture != (mode == "graphs"):
             steps = cache.static = StaticSteps(cache, capture=mode == "graphs")
         picked = torch.arange(t)[logits_for if logits_for is not None else slice(None)]
-        logits, states = steps.run(self, self.weights_signature(), ins, hidden is not None, picked.numel() > 0)
+        owner, several = self.weights_signature(), len(chunks) > 1
+        logits, states = [], []
+        for a, b, rows in chunks:
+            positions, _ = cache.plan_append(None if parents is None else parents[a:b], b - a)
+            ins = pad_inputs(cache, tokens[:, a:b], positions, rows,
+                             span_of(self.static_shapes, cache.total, cache.max_len))
+            lg, st = steps.run(self, owner, ins, hidden is not None, picked.numel() > 0)
+            # the graph's outputs are overwritten by its next replay: copies when a forward runs several
+            if lg is not None:
+                logits.append(lg[: b - a].clone() if several else lg[: b - a])
+            if st is not None:
+                states.append(st[:, : b - a].clone() if several else st[:, : b - a])
         if hidden is not None:
-            hidden.extend(states[j : j + 1, :t].clone() for j in range(states.shape[0]))
-        if logits is None:
+            st = torch.cat(states, 1) if several else states[0]
+            hidden.extend(st[j : j + 1].clone() for j in range(st.shape[0]))
+        if not logits:
             return torch.zeros(1, 0, self.vocab_size, device=self.device)
-        return logits[picked.to(logits.device)][None]
+        lg = torch.cat(logits) if several else logits[0]
+        return lg[picked.to(lg.device)][None]
 
     norm_rows = staticmethod(rms_norm)  # the decoder's RMSNorm, for the static step's body
 

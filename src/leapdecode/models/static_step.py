@@ -5,12 +5,22 @@ At batch 1 a GPU forward of a 1.5B decoder is ~28 layers x ~15 kernels launched 
 Python: the launches and the host's dispatch, not the GPU, set its time.  A CUDA graph
 (``torch.cuda.CUDAGraph``) records a forward's kernels once and replays them with one launch, but it
 replays fixed shapes at fixed addresses.  So, as vLLM and SGLang do for their decoding batches, a
-forward of ``T <= 64`` new tokens (a decoding step, a token tree to verify, a short prompt chunk) is
-padded to a few fixed shapes:
+forward of up to 64 new tokens (a decoding step, a token tree to verify, a short prompt chunk) is
+padded to a fixed shape of ``rows`` query rows over ``span`` cache slots.  Two shape policies
+(``NativeCausalLM.static_shapes``):
 
-* **rows**: ``T`` up to the next of ``ROW_BUCKETS`` (1, 2, 4, 8, 16, 32, 64);
-* **span**: the cache slots attention reads, up to the next power of two of at least ``MIN_SPAN``
-  slots that holds every slot in use (capped at the cache's length).
+* ``"exact"`` (the default): every forward has **one shape**: ``EXACT_ROWS`` (16) rows over the
+  whole cache (``span`` = the cache's length); a longer tree runs as consecutive forwards of 16
+  rows, the later ones attending to the earlier ones' keys like any pending tree node.  Every
+  matrix product and attention call then has the same shape and the same kernel whatever the
+  tree, so a token's logits have the same bits in a verification forward as in a plain decoding
+  step, and speculative decoding gives vanilla's tokens (measured on an H200: identical where
+  mixed shapes were not; docs/results.md).  A decoding step pays for 16 rows (on the H200 1.23x
+  one row) and attention over the whole slot.
+* ``"buckets"``: rows padded to the next of ``ROW_BUCKETS`` (1, 2, 4, ..., 64) and the span to
+  the next power of two of at least ``MIN_SPAN`` slots: the cheapest step for each forward, but
+  the GPU's GEMM library picks its kernel (split-K or not) by shape, so a token's logits may
+  differ between buckets in the last bits: not exact, off by default.
 
 One graph per (rows, span, hidden states wanted, logits wanted), captured on first use over one
 cache's storage, so the graphs of a cache live with the cache (``KVCache.static``: a runner's
@@ -28,15 +38,8 @@ The graph's body is ``padded_forward``: the same decoder layers as ``NativeCausa
 that share a key head stacked as that head's rows (no ``enable_gqa``, so the fused kernels take
 the mask).  On the CPU it runs without capture (``NativeCausalLM.static_steps = "padded"``):
 that is how the padding is tested where no GPU is (tests/test_static_step.py: with
-batch-invariant linear layers, padded rows and a longer span change no real row's logits bit).
-
-Exactness: speculative decoding gives vanilla's tokens where a token's logits have the same bits
-whatever the forward it is in.  Here the rows of a forward share each matrix product, so whether
-a token's logits depend on the row bucket depends on the GPU's GEMM kernels (cuBLAS picks its
-kernel by shape).  ``scripts/gpu_check.py`` measures it (the logits of one token at every row
-bucket, and greedy identity of speculative methods against vanilla) and docs/results.md says
-what held.  ``NativeCausalLM.static_rows = (16,)`` runs every eligible forward at one shape,
-decoding steps included, for configurations where the buckets' kernels differ.
+batch-invariant linear layers, padded rows, a longer span and a tree cut into 16-row forwards
+change no real row's logits bit).  ``scripts/gpu_check.py`` measures both policies on a GPU.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ import torch
 import torch.nn.functional as F
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+EXACT_ROWS = 16
 MIN_SPAN = 256
+MAX_ROWS = 64  # the longest forward that takes the static step (longer ones: prefill chunks, eager)
 STATIC_MODES = ("auto", "off", "padded", "graphs")
+SHAPE_POLICIES = ("exact", "buckets")
 
 
 def row_bucket(t: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
@@ -63,6 +69,23 @@ def span_bucket(total: int, max_len: int) -> int:
     while span < total:
         span *= 2
     return min(span, max_len)
+
+
+def plan_chunks(t: int, shapes: str) -> list[tuple[int, int, int]]:
+    """How a forward of ``t`` tokens runs: ``(start, stop, rows)`` per padded forward, under the
+    shape policy ``shapes`` (see the module docstring); empty: it does not take the static step."""
+    if shapes not in SHAPE_POLICIES:
+        raise ValueError(f"unknown static_shapes {shapes!r}; use one of {', '.join(SHAPE_POLICIES)}")
+    if not 0 < t <= MAX_ROWS:
+        return []
+    if shapes == "exact":
+        return [(a, min(a + EXACT_ROWS, t), EXACT_ROWS) for a in range(0, t, EXACT_ROWS)]
+    return [(0, t, row_bucket(t))]
+
+
+def span_of(shapes: str, total: int, max_len: int) -> int:
+    """The cache slots a padded forward reads: the whole cache (``"exact"``), or ``span_bucket``."""
+    return max_len if shapes == "exact" else span_bucket(total, max_len)
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -186,20 +209,21 @@ class _Graph:
 class StaticSteps:
     """A cache's static steps: ``run`` pads a forward to its shape and runs it, from a CUDA graph
     captured on the shape's first use (``capture``), or as plain operations (no capture: the CPU,
-    tests).  Counters: ``replays``, ``captures``."""
+    tests).  Counters: ``runs`` (forwards), ``captures`` (graphs recorded)."""
 
     def __init__(self, cache, capture: bool) -> None:
         self.cache = cache
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.replays = 0
+        self.runs = 0
         self.captures = 0
         self._owner: tuple = ()  # the weights the graphs read (``run``'s ``owner``), held
 
     def run(self, model, owner: tuple, ins: StepInputs, states: bool, logits: bool):
         """``owner``: identifies the decoder and its weights (``NativeCausalLM.weights_signature``);
         another one (weights replaced, another decoder on this storage) drops the graphs."""
+        self.runs += 1
         if not self.capture:
             return padded_forward(model, self.cache, ins, states, logits)
         if len(owner) != len(self._owner) or any(a is not b for a, b in zip(owner, self._owner)):
@@ -210,5 +234,4 @@ class StaticSteps:
         if graph is None:
             graph = self.graphs[key] = _Graph(model, self.cache, ins, states, logits, self.pool)
             self.captures += 1
-        self.replays += 1
         return graph.run(ins)
