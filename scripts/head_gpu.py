@@ -220,6 +220,8 @@ def main() -> int:
     ap.add_argument("--train-vocab", type=int, default=32768)
     ap.add_argument("--heldout", type=int, default=48, help="sequences held apart for accuracy")
     ap.add_argument("--save-every", type=float, default=45.0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the Magpie samples (another seed: other requests than an earlier run's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
@@ -230,7 +232,7 @@ def main() -> int:
     deadline = t0 + a.minutes * 60
     a.out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
 
     # ---- the target
     if a.gguf_parts:
