@@ -142,16 +142,19 @@ def pad_inputs(cache, tokens: torch.Tensor, positions: torch.Tensor, rows: int, 
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``q`` ``[1, H, R, D]`` over ``keys``/``values`` ``[1, KV, S, D]`` with ``mask`` ``[R, S]``:
-    the ``H / KV`` query heads of a key head go in as that head's rows (one SDPA call, no
-    ``enable_gqa``); returns ``[1, R, H * D]``."""
+    """``q`` ``[1, H, R, D]`` over ``keys``/``values`` ``[1, KV, S, D]`` with ``mask`` ``[1, 1, G * R,
+    S]`` (``grouped_mask``): the ``G = H / KV`` query heads of a key head go in as that head's rows
+    (one SDPA call, no ``enable_gqa``); returns ``[1, R, H * D]``."""
     _, h, r, d = q.shape
     kv = keys.shape[1]
-    g = h // kv
-    rows = q.reshape(1, kv, g * r, d)
-    bias = mask.repeat(g, 1)[None, None]
-    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=bias)
+    rows = q.reshape(1, kv, (h // kv) * r, d)
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask)
     return out.reshape(1, h, r, d).transpose(1, 2).reshape(1, r, h * d)
+
+
+def grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """The ``[R, S]`` mask repeated for the ``groups`` query heads of a key head: ``[1, 1, G * R, S]``."""
+    return mask.repeat(groups, 1)[None, None]
 
 
 def padded_forward(model, cache, ins: StepInputs, states: bool, logits: bool):
@@ -167,12 +170,13 @@ def padded_forward(model, cache, ins: StepInputs, states: bool, logits: bool):
     cos = model.rope_cos[ins.positions].to(model.dtype)
     sin = model.rope_sin[ins.positions].to(model.dtype)
     kept = [x] if states else None
+    mask = grouped_mask(ins.mask, cfg.n_heads // cfg.n_kv_heads)  # once for every layer
     for i, block in enumerate(model.layers):
         h = rms_norm(x, block.attn_norm, cfg.rms_norm_eps)
         q, k, v = block.rotary_qkv(block.wqkv(h), cos, sin)
         cache.k[i].index_copy_(2, ins.slots, k)
         cache.v[i].index_copy_(2, ins.slots, v)
-        attn = grouped_attention(q, cache.k[i, :, :, :span], cache.v[i, :, :, :span], ins.mask)
+        attn = grouped_attention(q, cache.k[i, :, :, :span], cache.v[i, :, :, :span], mask)
         x = x + block.wo(attn)
         x = x + block.mlp(x, block.w_gate_up, block.w_down)
         if kept is not None:
