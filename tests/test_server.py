@@ -237,6 +237,18 @@ def error_of(r: httpx.Response) -> dict:
     return body["error"]
 
 
+def test_a_body_that_is_not_declared_json_is_refused(server):
+    """Issue 45 (finding 4): a web page can make a browser POST text/plain, form or multipart bodies
+    to a local server without a CORS check; such a body must not run a generation."""
+    body = b'{"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": ctype})
+        assert r.status_code == 415 and error_of(r)["code"] == "unsupported_media_type", ctype
+    for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": ctype})
+        assert r.status_code == 200, (ctype, r.text)
+
+
 def test_malformed_and_missing(server):
     url = server.url
     r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "tiny-random", "messages": [',
@@ -728,6 +740,13 @@ def test_serve_default_drafts():
     (["--method", "pld", "--option", "max_ngram"], ["KEY=VALUE"]),
     (["--method", "telepathy"], ["telepathy"]),
     (["--max-body-bytes", "0"], ["--max-body-bytes"]),
+    # issue 45 (../shared/probe/report.md): an unset variable as the key, a blank or padded key,
+    # a timeout that is not a number
+    (["--api-key", ""], ["--api-key", "empty"]),
+    (["--api-key", "   "], ["--api-key", "empty"]),
+    (["--api-key", " s3cret "], ["--api-key", "spaces"]),
+    (["--request-timeout", "nan"], ["--request-timeout", "nan"]),
+    (["--request-timeout", "inf"], ["--request-timeout", "inf"]),
 ])
 def test_serve_cli_bad_options_exit_2(capsys, monkeypatch, argv, words):
     import leapdecode.models.loader as loader

@@ -115,6 +115,7 @@ def _build(target: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=".qgemm-build-", dir=target.parent) as work:
             objects = _compile_parts(cxx, Path(work))
             _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx)
+        _write_digest(target, _digest(Path(tmp)))  # first: a library is never there without its digest
         os.replace(tmp, target)
         _prune_builds(target)
     except (OSError, subprocess.SubprocessError) as e:
@@ -139,6 +140,37 @@ def _prune_builds(target: Path) -> None:
     for _, p in sorted(others, reverse=True)[KEEP_BUILDS - 1:]:
         with contextlib.suppress(OSError):
             p.unlink()
+            _digest_path(p).unlink()
+
+
+def _digest(path: Path) -> str:
+    """The sha256 of a file (a ~2 MB library: a few milliseconds)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _write_digest(target: Path, digest: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".sha256", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(digest + "\n")
+    os.replace(tmp, _digest_path(target))
+
+
+def library_intact(target: Path) -> bool:
+    """Whether the cached library is the one its build wrote: its sha256 equals the digest recorded
+    beside it (a truncated, zeroed or replaced file, or one without its digest, is not loaded: a
+    damaged shared library can crash the process inside the loader)."""
+    try:
+        return _digest_path(target).read_text().strip() == _digest(target)
+    except OSError:
+        return False
 
 
 # The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row
@@ -204,18 +236,61 @@ def build_in_background() -> None:
     threading.Thread(target=kernel_problem, name="leapdecode-kernel-build", daemon=True).start()
 
 
-@functools.lru_cache(maxsize=None)
+def cached_library_problem() -> str | None:
+    """What is wrong with this machine's cached kernel library (None: intact, or not built yet)."""
+    target = _target()
+    if target.is_file() and not library_intact(target):
+        return (f"the compiled kernel library {target} is damaged or unverified (its sha256 is not the one its "
+                "build recorded); it is built again at the next load")
+    return None
+
+
 def _library() -> ctypes.CDLL:
+    """The kernel library, built and loaded once per process; a failure is remembered too (raised
+    again at once, never retried from a hot path)."""
+    lib = _loaded()
+    if isinstance(lib, KernelUnavailable):
+        raise KernelUnavailable(str(lib))
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded() -> "ctypes.CDLL | KernelUnavailable":
+    try:
+        return _open_library()
+    except KernelUnavailable as e:
+        return e
+
+
+def _open_library() -> ctypes.CDLL:
+    """Build the library where the cache has none, check it (``library_intact``) and load it; a
+    damaged or foreign library in the cache is removed and built again, once."""
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
     target = _target()
-    with _BUILD_LOCK:
-        if not target.is_file():
-            _build(target)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        raise KernelUnavailable(f"cannot load {target}: {e}") from None
+    for attempt in (1, 2):
+        with _BUILD_LOCK:
+            if target.is_file() and not library_intact(target):
+                say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its build recorded): building it again")
+                for p in (target, _digest_path(target)):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+            if not target.is_file():
+                _build(target)
+        try:
+            return _bind(ctypes.CDLL(str(target)))
+        except (OSError, AttributeError) as e:
+            if attempt == 2:
+                raise KernelUnavailable(f"cannot load {target} even after building it again: {e}") from None
+            say(f"cannot load the cached kernel library {target} ({e}): building it again")
+            for p in (target, _digest_path(target)):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+    raise AssertionError("unreachable")
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's functions (``AttributeError`` where one is missing: not our library)."""
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, vp, vp, i64,
                              i32, i32, vp]

@@ -287,4 +287,9 @@ def verify(name: str) -> tuple[bool, str]:
         return False, f"{name}: converted copy {target} is unreadable ({type(e).__name__}: {e}); run `leapdecode models fetch {name} --force`"
     if n == 0:
         return False, f"{name}: converted copy {target} holds no weights"
+    from .qkernel import cached_library_problem
+
+    problem = cached_library_problem()
+    if problem is not None:
+        return False, f"{name}: weights ok, but {problem}"
     return True, f"{name}: ok (sha256 {got[:16]}..., {n} tensors in {target})"

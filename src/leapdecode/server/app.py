@@ -45,7 +45,7 @@ from .config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from .engine import Engine, build_runner
 from .errors import ApiError, api_error
 from .metrics import Metrics, MetricsMiddleware
-from .prepare import Kind, Preparer, read_body
+from .prepare import Kind, Preparer, check_json_body, read_body
 from .protocol import ModelCard, ModelList, resolve_method
 from .respond import answer
 
@@ -180,6 +180,7 @@ def create_app(
 
     async def complete(request: Request, kind: Kind):
         check_auth(request, cfg.api_key)
+        check_json_body(request)
         raw = await read_body(request, cfg.max_body_bytes)
         prep = await preparer(kind, raw)
         return await answer(request, engine, prep, cfg)

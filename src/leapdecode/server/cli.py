@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -190,8 +191,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if v is not None and v < lo:
             raise LeapdecodeError(f"{name} must be >= {lo}, got {v}")
     method_config(a.method, {**({"tree_budget": a.tree_budget} if a.tree_budget else {}), **options})
-    if a.request_timeout <= 0:
-        raise LeapdecodeError(f"--request-timeout must be > 0, got {a.request_timeout}")
+    if not (math.isfinite(a.request_timeout) and a.request_timeout > 0):
+        raise LeapdecodeError(f"--request-timeout must be a number of seconds > 0, got {a.request_timeout}")
+    if a.api_key is not None and (not a.api_key.strip() or a.api_key != a.api_key.strip()):
+        # an unset variable (--api-key "$KEY") would serve without authentication; a blank or padded
+        # key could never be sent back (clients strip the header's value)
+        raise LeapdecodeError("--api-key (or $LEAPDECODE_API_KEY) is empty or has leading or trailing spaces: "
+                              "give the key itself, or leave both out to serve without authentication")
     if not 0 <= a.port <= 65535:
         raise LeapdecodeError(f"--port must be in 0..65535, got {a.port}")
     if a.threads is not None and a.threads < 1:

@@ -69,6 +69,19 @@ class Prepared:
 
 
 # ---------------------------------------------------------------------------- the body
+def check_json_body(request: Request) -> None:
+    """A request body must be declared JSON (``application/json`` or a ``+json`` type) where its type
+    is given: a web page can make a browser send ``text/plain``, form or multipart bodies to any
+    address without a CORS check, and such a body must not drive the server (issue 45, finding 4)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), not {media or 'empty'!r}",
+                       code="unsupported_media_type")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, or ``BodyTooLarge`` as soon as it is known to exceed ``limit`` bytes (from
     Content-Length, before reading anything, or while reading a chunked body)."""

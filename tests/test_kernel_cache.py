@@ -1,0 +1,132 @@
+"""A damaged compiled kernel in the model cache is never loaded (issue 45, finding 1 of
+../shared/probe/report.md: `truncate -s 4096 C/kernels/qgemm-*.so` gave a bus error, zeros inside
+it a segmentation fault, a foreign library an AttributeError traceback).  The library is loaded
+only when its sha256 equals the digest its build recorded beside it; otherwise it is removed and
+built again, once; a failure is remembered, not retried from hot paths.
+
+The tests work on a copy of the cache (``LEAPDECODE_CACHE``) with ``_build`` replaced by a copy
+of the real library (no compiler run); a check that let the damaged file through would crash this
+process inside the loader, or leave the test's assertions unmet."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from leapdecode.models import qkernel
+
+pytestmark = pytest.mark.skipif(qkernel.kernel_problem() is not None,
+                                reason=f"no kernel here: {qkernel.kernel_problem()}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty model cache and a fake build that copies this process's real library into it
+    (with its digest, as ``_build`` writes it); returns (target path, list of builds)."""
+    real = qkernel._target()
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path))
+    target = qkernel._target()
+    assert target != real and not target.exists()
+    builds: list[Path] = []
+
+    def fake_build(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(real, path.with_suffix(".tmp"))
+        qkernel._write_digest(path, qkernel._digest(path.with_suffix(".tmp")))
+        os.replace(path.with_suffix(".tmp"), path)
+        builds.append(path)
+
+    monkeypatch.setattr(qkernel, "_build", fake_build)
+    return target, builds
+
+
+def test_an_intact_library_loads_without_a_build(cache):
+    target, builds = cache
+    qkernel._build(target)
+    assert qkernel.library_intact(target)
+    lib = qkernel._open_library()
+    assert lib.ld_simd() in (0, 1, 2) and len(builds) == 1  # the one above: none at load
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "foreign", "no digest"])
+def test_a_damaged_library_is_built_again_not_loaded(cache, damage):
+    """Probe 1 (kernel corruption): truncated to 4096 bytes, zeros written inside, another valid
+    shared library in its place, or a library without its recorded digest."""
+    target, builds = cache
+    qkernel._build(target)
+    if damage == "truncated":
+        os.truncate(target, 4096)
+    elif damage == "zeroed":
+        with open(target, "r+b") as f:
+            f.seek(4096)
+            f.write(bytes(65536))
+    elif damage == "foreign":
+        shutil.copyfile(_libm(), target)
+    else:
+        qkernel._digest_path(target).unlink()
+    assert not qkernel.library_intact(target)
+    assert qkernel.cached_library_problem() is not None
+    lib = qkernel._open_library()
+    assert len(builds) == 2 and qkernel.library_intact(target) and lib.ld_simd() in (0, 1, 2)
+    assert qkernel.cached_library_problem() is None
+
+
+def _libm() -> str:
+    """A real shared library of the system (the C math library) to plant in the kernel's place."""
+    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib/aarch64-linux-gnu"):
+        for name in ("libm.so.6",):
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+    pytest.skip("no libm.so.6 found to plant")
+
+
+def test_a_foreign_library_with_a_forged_digest_is_a_clean_error(cache, monkeypatch):
+    """A loadable library that is not ours, digest and all (and rebuilt the same way): after one
+    rebuild, ``KernelUnavailable`` naming the file, never an ``AttributeError``."""
+    target, builds = cache
+    libm = _libm()
+
+    def foreign_build(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(libm, path)
+        qkernel._write_digest(path, qkernel._digest(path))
+        builds.append(path)
+
+    monkeypatch.setattr(qkernel, "_build", foreign_build)
+    with pytest.raises(qkernel.KernelUnavailable, match="even after building it again"):
+        qkernel._open_library()
+    assert len(builds) == 2
+
+
+def test_a_failed_load_is_remembered(monkeypatch):
+    calls = []
+
+    def failing() -> ctypes.CDLL:
+        calls.append(1)
+        raise qkernel.KernelUnavailable("no compiler here")
+
+    monkeypatch.setattr(qkernel, "_open_library", failing)
+    qkernel._loaded.cache_clear()
+    try:
+        for _ in range(3):
+            with pytest.raises(qkernel.KernelUnavailable, match="no compiler here"):
+                qkernel._library()
+        assert qkernel.kernel_problem() == "no compiler here"
+        assert len(calls) == 1
+    finally:
+        qkernel._loaded.cache_clear()  # the next test loads the real library again
+
+
+def test_the_damage_is_named_for_models_verify(cache):
+    """``models verify`` appends ``cached_library_problem`` to a model's own checks."""
+    target, _ = cache
+    assert qkernel.cached_library_problem() is None  # not built yet: nothing wrong
+    qkernel._build(target)
+    assert qkernel.cached_library_problem() is None
+    os.truncate(target, 4096)
+    problem = qkernel.cached_library_problem()
+    assert problem is not None and str(target) in problem and "damaged" in problem
