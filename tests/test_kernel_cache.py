@@ -1,6 +1,7 @@
 """A damaged compiled kernel in the model cache is never loaded (issue 45, finding 1 of
-../shared/probe/report.md: `truncate -s 4096 C/kernels/qgemm-*.so` gave a bus error, zeros inside
-it a segmentation fault, a foreign library an AttributeError traceback).  The library is loaded
+../shared/probe/report.md: probe F07 `truncate -s 4096 C/kernels/qgemm-*.so` gave a bus error, F08
+zeros inside it a segmentation fault, F06/F06b random bytes a silent float fallback, the libm copy of
+the F17-F24 row an AttributeError traceback; F25: `models verify` did not look at it).  The library is loaded
 only when its sha256 equals the digest its build recorded beside it; otherwise it is removed and
 built again, once; a failure is remembered, not retried from hot paths.
 

@@ -238,7 +238,7 @@ def error_of(r: httpx.Response) -> dict:
 
 
 def test_a_body_that_is_not_declared_json_is_refused(server):
-    """Issue 45 (finding 4): a web page can make a browser POST text/plain, form or multipart bodies
+    """Issue 45 (probe HS02): a web page can make a browser POST text/plain, form or multipart bodies
     to a local server without a CORS check; such a body must not run a generation."""
     body = b'{"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
@@ -740,8 +740,8 @@ def test_serve_default_drafts():
     (["--method", "pld", "--option", "max_ngram"], ["KEY=VALUE"]),
     (["--method", "telepathy"], ["telepathy"]),
     (["--max-body-bytes", "0"], ["--max-body-bytes"]),
-    # issue 45 (../shared/probe/report.md): an unset variable as the key, a blank or padded key,
-    # a timeout that is not a number
+    # issue 45 (../shared/probe/report.md): SV21 an unset variable as the key, SV22 a blank or padded
+    # key, SV16/SV16b a timeout that is not a number
     (["--api-key", ""], ["--api-key", "empty"]),
     (["--api-key", "   "], ["--api-key", "empty"]),
     (["--api-key", " s3cret "], ["--api-key", "spaces"]),
