@@ -827,3 +827,47 @@ def test_loadtest_short():
     assert s["completed"] > 0 and s["rejected"] + s["completed"] + s["disconnected"] == s["requests"]
     assert s["solo_checked"] > 10 and s["solo_mismatches"] == 0 and s["mean_batch_size"] > 2
     assert not s["server_exited_during_run"]
+
+
+# ---------------------------------------------------------------------------- paths named by requests
+def test_a_request_names_a_servers_file_never_a_path(server, monkeypatch):
+    """Issue 45 (probes HE12, HE26-HE32): a request's ``datastore`` / ``head`` option is one of the
+    names given at start-up (``--datastore NAME=PATH``, ``--head NAME=PATH``); any other value, an
+    existing file, a missing one or a directory, gets the same 400 and no file is opened."""
+    import leapdecode.proposers.rest as rest
+
+    monkeypatch.setattr(rest, "resolve_datastore", lambda *a, **k: pytest.fail("opened a datastore a request named"))
+    messages = []
+    for method, key, value in (("rest", "datastore", "/etc/passwd"), ("rest", "datastore", "/nonexistent.npz"),
+                               ("rest", "datastore", "~"), ("eagle", "head", "/tmp"), ("medusa", "head", "/no/such")):
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": "tiny-random", "messages": CHAT, "max_tokens": 2,
+                             "leapdecode": {"method": method, "options": {key: value}}})
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == f"leapdecode.options.{key}", r.text
+        messages.append(err["message"].replace(json.dumps(value), "VALUE"))
+    assert len(set(messages[:3])) == 1 and len(set(messages[3:])) == 1  # no existence oracle
+
+
+def test_resolve_method_maps_a_servers_names_to_their_paths():
+    from leapdecode.server.protocol import LeapdecodeExtension, ServerDefaults, resolve_method
+
+    d = ServerDefaults(files={"datastore": {"docs": "/srv/docs.npz"}, "head": {}})
+    cfg = resolve_method(LeapdecodeExtension(method="rest", options={"datastore": "docs"}), d)
+    assert cfg.datastore == "/srv/docs.npz"
+    # the operator's own --option is a path and stays one
+    d = ServerDefaults(default_method="rest", default_options={"datastore": "/srv/own.npz"})
+    assert resolve_method(LeapdecodeExtension(), d).datastore == "/srv/own.npz"
+
+
+def test_serve_named_paths(tmp_path):
+    from leapdecode.errors import LeapdecodeError
+    from leapdecode.server.cli import named_paths
+
+    f = tmp_path / "ds.npz"
+    f.write_bytes(b"x")
+    assert named_paths("--datastore", [f"docs={f}"]) == {"docs": str(f)}
+    for bad, words in (([f"{f}"], "NAME=PATH"), ([f"docs={tmp_path}/missing.npz"], "does not exist"),
+                       ([f"a={f}", f"a={f}"], "twice"), (["=x"], "NAME=PATH")):
+        with pytest.raises(LeapdecodeError, match=words):
+            named_paths("--datastore", bad)

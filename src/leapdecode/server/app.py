@@ -93,6 +93,8 @@ def create_app(
     kv_budget_bytes: int | None = None,
     speculate_under_load: bool = True,
     prefix_cache_bytes: int | None = None,
+    datastores: Mapping[str, str] | None = None,
+    heads: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model`` (a LoadedModel) with one engine thread.
 
@@ -108,7 +110,9 @@ def create_app(
     seconds from arrival until the request's generation is cancelled (504);
     ``max_tokens_limit``: the largest ``max_tokens`` accepted (default: the model's context);
     ``default_max_tokens``: for chat requests without ``max_tokens`` (completions default to
-    16, as OpenAI's); ``max_body_bytes``: larger request bodies get 413.
+    16, as OpenAI's); ``max_body_bytes``: larger request bodies get 413; ``datastores`` / ``heads``:
+    name -> path of the datastores and head directories requests may name (a request names one of
+    these, never a path: the server opens no file a request names).
     """
     default_method = default_method or DEFAULT_METHOD
     default_options = dict(default_options or {})
@@ -138,6 +142,7 @@ def create_app(
         default_max_tokens=int(default_max_tokens),
         max_n=int(max_n),
         max_body_bytes=int(max_body_bytes),
+        files={"datastore": dict(datastores or {}), "head": dict(heads or {})},
     )
     try:
         default_config = resolve_method(None, cfg.defaults(runner))

@@ -30,6 +30,12 @@ def add_parser(subparsers) -> None:
                         "take a draft, except the model's registered draft, which they find by themselves: auto "
                         "then leaves it out beside a trained head); requests may use only these (default: the "
                         "model's registered draft when the default method uses one)")
+    p.add_argument("--datastore", action="append", metavar="NAME=PATH",
+                   help="a retrieval datastore requests may name (repeatable; `rest`'s datastore option takes "
+                        "NAME: the server opens no path a request names)")
+    p.add_argument("--head", action="append", metavar="NAME=PATH",
+                   help="a trained head directory requests may name (repeatable; the head option of medusa, "
+                        "hydra and eagle takes NAME; without it they use the store's head for the model)")
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"default decoding method: {', '.join(METHODS)} (default: %(default)s); a request may "
                         "choose another with \"leapdecode\": {\"method\": ...}")
@@ -172,6 +178,24 @@ def check_ray_args(a: argparse.Namespace) -> None:
         raise LeapdecodeError("--port 0 (a free port) needs the local Ray head: give a port with --ray-address")
 
 
+def named_paths(flag: str, values: list[str] | None) -> dict[str, str]:
+    """``NAME=PATH`` arguments of ``flag`` as {name: absolute path}; a missing path, a repeated name
+    or another form is a start-up error."""
+    out: dict[str, str] = {}
+    for v in values or []:
+        name, sep, path = v.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise LeapdecodeError(f"{flag} takes NAME=PATH, got {v!r}")
+        if name in out:
+            raise LeapdecodeError(f"{flag}: the name {name!r} is given twice")
+        full = os.path.abspath(os.path.expanduser(path))
+        if not os.path.exists(full):
+            raise LeapdecodeError(f"{flag} {name}: {full} does not exist")
+        out[name] = full
+    return out
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from ..core.config import parse_option_assignments
     from ..proposers import method_config, method_spec
@@ -203,6 +227,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.threads is not None and a.threads < 1:
         raise LeapdecodeError(f"--threads must be >= 1, got {a.threads}")
     check_ray_args(a)
+    files = {flag: named_paths(flag, getattr(a, flag.strip("-"))) for flag in ("--datastore", "--head")}
     if a.ray:
         from . import ray_serve
 
@@ -216,7 +241,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
                  served_model_name=a.served_model_name, tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes,
                  max_batch=a.max_batch, kv_budget_bytes=a.kv_budget_mib * 2**20,
-                 prefix_cache_bytes=a.prefix_cache_mib * 2**20, speculate_under_load=not a.no_speculation_under_load))
+                 prefix_cache_bytes=a.prefix_cache_mib * 2**20, speculate_under_load=not a.no_speculation_under_load,
+                 datastores=files["--datastore"], heads=files["--head"]))
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)

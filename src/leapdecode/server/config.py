@@ -23,9 +23,11 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_n: int = 16
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    files: dict[str, dict[str, str]] = field(default_factory=dict)  # option -> {name: path} (--datastore, --head)
 
     def defaults(self, runner: ModelRunner) -> ServerDefaults:
         """The validation context of a request."""
         return ServerDefaults(default_method=self.default_method, default_options=dict(self.default_options),
                               default_draft=self.default_draft, tree_budget=self.tree_budget,
-                              drafts=frozenset(runner.drafts), max_n=self.max_n, max_tokens_limit=self.max_tokens_limit)
+                              drafts=frozenset(runner.drafts), files=self.files, max_n=self.max_n,
+                              max_tokens_limit=self.max_tokens_limit)

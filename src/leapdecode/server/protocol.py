@@ -45,8 +45,15 @@ class ServerDefaults:
     default_draft: str | None = None  # for any method with a draft option
     tree_budget: int | None = None  # for every method
     drafts: frozenset[str] = frozenset()  # loaded at start-up; no other draft can be used
+    # options that name a file or directory (``datastore``, ``head``): the names given at start-up
+    # (``serve --datastore NAME=PATH``, ``--head NAME=PATH``) and their paths; a request picks a name,
+    # never a path (issue 45: a request must not make the server open a file it names)
+    files: dict[str, dict[str, str]] = field(default_factory=dict)
     max_n: int = 16
     max_tokens_limit: int | None = None
+
+
+FILE_OPTIONS = ("datastore", "head")  # method options whose value is a path on the server
 
 
 def _defaults(info: ValidationInfo) -> ServerDefaults:
@@ -196,6 +203,14 @@ def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> Method
     if unknown:
         raise verbatim(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: "
                        f"{', '.join(cfg_cls.option_names())}", param=where.get(unknown[0], "leapdecode.options"))
+    for key in FILE_OPTIONS:
+        if key in where and options[key] is not None:  # the request named it: one of the server's names
+            named = d.files.get(key, {})
+            if not isinstance(options[key], str) or options[key] not in named:
+                listed = ", ".join(sorted(named)) or "none"
+                raise verbatim(f"{key} {_shown(options[key])} is not one of this server's {key}s (named at start-up "
+                               f"with leapdecode serve --{key} NAME=PATH: {listed})", param=where[key])
+            options[key] = named[options[key]]
     draft = options.get("draft")
     if draft is not None and draft not in d.drafts:
         loaded = ", ".join(sorted(d.drafts)) or "none"
