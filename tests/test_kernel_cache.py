@@ -131,3 +131,31 @@ def test_the_damage_is_named_for_models_verify(cache):
     os.truncate(target, 4096)
     problem = qkernel.cached_library_problem()
     assert problem is not None and str(target) in problem and "damaged" in problem
+
+
+def test_losing_the_exact_kernel_is_said_once(monkeypatch, capsys):
+    """Issue 44/45 (probes F09, F09c, F06, F10a: the fallback was silent): where the kernel cannot
+    run, ``weights="auto"`` on a GGUF model says once, naming why, that float weights run instead and
+    exactness is not guaranteed; an explicit ``weights="int4"`` says it runs torch's re-quantized
+    int4; a model without a GGUF, or a GPU, says nothing."""
+    import torch
+
+    from leapdecode.errors import InvalidParameterError
+    from leapdecode.models import loader
+
+    monkeypatch.setattr(loader, "_WARNED", set())
+    monkeypatch.setattr(qkernel, "kernel_problem", lambda: "no C++ compiler found (set CXX or install g++)")
+    cpu = torch.device("cpu")
+    assert loader.auto_weights(cpu, "native", object(), "auto") is None
+    assert loader.auto_weights(cpu, "native", object(), "auto") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no C++ compiler" in err[0] and "not guaranteed" in err[0], err
+    assert loader.auto_weights(cpu, "native", None, "auto") is None  # no GGUF: float weights were asked for
+    assert loader.auto_weights(torch.device("cuda"), "native", object(), "auto") is None
+    assert capsys.readouterr().err == ""
+    try:
+        loader.resolve_weights("int4", None, cpu)
+    except InvalidParameterError:
+        pass  # torch's int4 kernel may be missing too: then a clean error, after the warning
+    err = capsys.readouterr().err
+    assert "torch's int4 kernel instead" in err and "no C++ compiler" in err

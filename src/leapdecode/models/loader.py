@@ -13,7 +13,7 @@ import torch
 
 from .decoder import LoadedModel  # noqa: F401  (load() returns it; re-exported)
 from ..errors import InvalidParameterError, ModelFileError, UnknownModelError
-from .store import weights_problem
+from .store import say, weights_problem
 
 HUB_ETAG_TIMEOUT_S = 5.0  # seconds to wait for the hub's file metadata (fail fast offline)
 
@@ -214,6 +214,9 @@ def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch
                                     "possible with it (use dtype auto or bf16)")
     if weights == "int4" and block_kernel(device):
         return weights, torch.float32
+    if weights == "int4" and device.type == "cpu":
+        warn_once(f"weights int4: leapdecode's GGUF-block kernel cannot run here ({exact_kernel_problem(device)}); "
+                  "torch's int4 kernel instead, on re-quantized weights (not the GGUF's own blocks), much slower")
     from .quant import kernel_problem
 
     problem = kernel_problem(weights, device)
@@ -221,6 +224,44 @@ def resolve_weights(weights: Any, dtype: str | torch.dtype | None, device: torch
         raise InvalidParameterError(f"weights {weights!r} cannot run on device {str(device)!r}: {problem}; "
                                     "use weights bf16 or fp32")
     return weights, torch.float32
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One line on stderr, once per process for the same message."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        say(f"warning: {message}")
+
+
+def exact_kernel_problem(device: torch.device) -> str | None:
+    """Why the default exact path (the GGUF's blocks on leapdecode's kernel, with a SIMD path) cannot
+    run on ``device`` (None: it can)."""
+    if device.type != "cpu":
+        return None
+    from .qkernel import kernel_isa, kernel_problem
+
+    problem = kernel_problem()
+    if problem is None and kernel_isa() == "portable":
+        problem = "the kernel compiled without AVX512-VNNI or AVX2 (its portable path is too slow to be the default)"
+    return problem
+
+
+def auto_weights(device: torch.device, backend: str, gguf, dtype) -> str | None:
+    """``weights="auto"``: ``"int4"`` for a GGUF model on the native backend where the exact kernel runs
+    (``block_kernel(simd=True)``), else None (float weights); on a CPU where the kernel cannot run, a
+    one-line warning says why, and that speculative output is then not guaranteed identical to vanilla's."""
+    if backend != "native" or gguf is None or dtype not in (None, "auto"):
+        return None
+    if block_kernel(device, simd=True):
+        return "int4"
+    problem = exact_kernel_problem(device)
+    if problem is not None:
+        warn_once(f"the exact int4 kernel cannot run here ({problem}): float weights instead, several times "
+                  "slower, and speculative methods are not guaranteed to give vanilla's tokens")
+    return None
 
 
 def block_kernel(device: torch.device, simd: bool = False) -> bool:
@@ -337,8 +378,7 @@ def load(
         raise InvalidParameterError(f"attention {attention!r}: {name} runs on the transformers backend; "
                                     "only the native one has it")
     gguf = _gguf_of(name_or_path, name)
-    if (weights == "auto" and backend == "native" and gguf is not None and dtype in (None, "auto")
-            and block_kernel(dev, simd=True)):
+    if weights == "auto" and auto_weights(dev, backend, gguf, dtype) == "int4":
         quantized = "int4"  # the GGUF's own blocks on the batch-invariant kernel
     if backend == "native":
         try:
