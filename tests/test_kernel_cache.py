@@ -159,3 +159,53 @@ def test_losing_the_exact_kernel_is_said_once(monkeypatch, capsys):
         pass  # torch's int4 kernel may be missing too: then a clean error, after the warning
     err = capsys.readouterr().err
     assert "torch's int4 kernel instead" in err and "no C++ compiler" in err
+
+
+def test_a_read_only_cache_builds_the_kernel_elsewhere(cache, monkeypatch, capsys):
+    """Issue 44 (probe F10a: another user on a shared, read-only cache): the library is built in a
+    temporary directory, said once, not a ``PermissionError`` from inside a forward."""
+    target, builds = cache
+    monkeypatch.setattr(qkernel, "_writable", lambda directory: False)
+    lib = qkernel._open_library()
+    assert lib.ld_simd() in (0, 1, 2)
+    assert len(builds) == 1 and builds[0].parent != target.parent and builds[0].name == target.name
+    assert "not writable" in capsys.readouterr().err
+
+
+BUILDER = """
+import os, shutil, sys, time
+from pathlib import Path
+from leapdecode.models import qkernel
+real, count, start = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+def fake_build(path):
+    with open(count, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(1.5)  # a build takes a while: the other process arrives meanwhile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{os.getpid()}.tmp")
+    shutil.copyfile(real, tmp)
+    qkernel._write_digest(path, qkernel._digest(tmp))
+    os.replace(tmp, path)
+qkernel._build = fake_build
+while time.time() < start:
+    time.sleep(0.01)
+print(qkernel._open_library().ld_simd() in (0, 1, 2))
+"""
+
+
+def test_two_processes_build_the_kernel_once(tmp_path):
+    """Issue 44: concurrent processes (server replicas, test workers) starting on an empty cache:
+    one builds, the other waits for it and loads its library."""
+    import subprocess
+    import sys
+    import time
+
+    real = qkernel._target()
+    count = tmp_path / "builds"
+    env = dict(os.environ, LEAPDECODE_CACHE=str(tmp_path / "cache"))
+    start = time.time() + 12  # both have imported torch by then
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(real), str(count), str(start)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 and out.strip() == "True" for p, (out, _) in zip(procs, outs)), outs
+    assert len(count.read_text().split()) == 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import json
@@ -268,8 +269,12 @@ def _open_library() -> ctypes.CDLL:
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
     target = _target()
+    if not (target.is_file() and library_intact(target)) and not _writable(target.parent):
+        fallback = Path(tempfile.gettempdir()) / f"leapdecode-kernels-{os.getuid()}" / target.name
+        say(f"the kernel cache {target.parent} is not writable: building the kernel in {fallback.parent} instead")
+        target = fallback
     for attempt in (1, 2):
-        with _BUILD_LOCK:
+        with _build_lock(target.parent):
             if target.is_file() and not library_intact(target):
                 say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its build recorded): building it again")
                 for p in (target, _digest_path(target)):
@@ -287,6 +292,31 @@ def _open_library() -> ctypes.CDLL:
                 with contextlib.suppress(OSError):
                     p.unlink()
     raise AssertionError("unreachable")
+
+
+def _writable(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (made if missing): a read-only cache is not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(prefix=".qgemm-probe-", dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One build at a time: this process's ``_BUILD_LOCK``, and across processes (server replicas,
+    test workers) an exclusive ``flock`` on ``directory/.build.lock``; whoever waited finds the library
+    built (``_open_library`` checks again under the lock)."""
+    with _BUILD_LOCK:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ".build.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
