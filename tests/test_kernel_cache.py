@@ -209,3 +209,14 @@ def test_two_processes_build_the_kernel_once(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 and out.strip() == "True" for p, (out, _) in zip(procs, outs)), outs
     assert len(count.read_text().split()) == 1
+
+
+def test_require_kernel_turns_a_missing_kernel_into_an_error(monkeypatch):
+    """Issue 44: CI runs with LEAPDECODE_REQUIRE_KERNEL=1, so that a kernel-gated test fails rather
+    than skips where the kernel cannot run."""
+    monkeypatch.setattr(qkernel, "_library", lambda: (_ for _ in ()).throw(qkernel.KernelUnavailable("no compiler")))
+    monkeypatch.delenv(qkernel.REQUIRE_ENV, raising=False)
+    assert qkernel.kernel_problem() == "no compiler"
+    monkeypatch.setenv(qkernel.REQUIRE_ENV, "1")
+    with pytest.raises(qkernel.KernelUnavailable, match="required"):
+        qkernel.kernel_problem()

@@ -352,11 +352,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+REQUIRE_ENV = "LEAPDECODE_REQUIRE_KERNEL"  # "1": a kernel that cannot run is an error, never a fallback
+
+
 def kernel_problem() -> str | None:
-    """Why the kernel cannot run here (None: it can)."""
+    """Why the kernel cannot run here (None: it can).  With ``LEAPDECODE_REQUIRE_KERNEL=1`` (CI) a
+    kernel that cannot run raises ``KernelUnavailable`` instead: every fallback and every test that
+    would skip without the kernel fails, naming why."""
     try:
         _library()
     except KernelUnavailable as e:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            raise KernelUnavailable(f"{e} ({REQUIRE_ENV}=1: the kernel is required here)") from None
         return str(e)
     return None
 
