@@ -164,8 +164,11 @@ def test_losing_the_exact_kernel_is_said_once(monkeypatch, capsys):
 def test_a_read_only_cache_builds_the_kernel_elsewhere(cache, monkeypatch, capsys):
     """Issue 44 (probe F10a: another user on a shared, read-only cache): the library is built in a
     temporary directory, said once, not a ``PermissionError`` from inside a forward."""
+    import tempfile
+
     target, builds = cache
     monkeypatch.setattr(qkernel, "_writable", lambda directory: False)
+    monkeypatch.setattr(tempfile, "tempdir", str(target.parent.parent / "tmp"))  # not the machine's /tmp
     lib = qkernel._open_library()
     assert lib.ld_simd() in (0, 1, 2)
     assert len(builds) == 1 and builds[0].parent != target.parent and builds[0].name == target.name
@@ -220,3 +223,34 @@ def test_require_kernel_turns_a_missing_kernel_into_an_error(monkeypatch):
     monkeypatch.setenv(qkernel.REQUIRE_ENV, "1")
     with pytest.raises(qkernel.KernelUnavailable, match="required"):
         qkernel.kernel_problem()
+
+
+def test_a_killed_writers_leftovers_are_swept(cache, tmp_path):
+    """Issue 45 (probes F14, F27): ``kill -9`` mid-write left ``packed/.packed-*`` and
+    ``kernels/.qgemm-build-*`` / ``.qgemm-*.so`` that nothing removed once the real file existed.
+    Temporary names older than an hour go when the kernel is opened; a live writer's (younger) stay."""
+    import time
+
+    from leapdecode.models.store import sweep_stale
+
+    target, _ = cache
+    qkernel._build(target)
+    kernels = target.parent
+    old_dir, old_so, young = kernels / ".qgemm-build-x1", kernels / ".qgemm-abc.so", kernels / ".qgemm-young.so"
+    old_dir.mkdir()
+    (old_dir / "part0.o").write_bytes(b"o")
+    old_so.write_bytes(b"")
+    young.write_bytes(b"")
+    hour_ago = time.time() - 2 * 3600
+    for p in (old_dir, old_so):
+        os.utime(p, (hour_ago, hour_ago))
+    qkernel._open_library()
+    assert not old_dir.exists() and not old_so.exists() and young.exists() and target.exists()
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / ".packed-a.safetensors").write_bytes(b"x" * 10)
+    (packed / "model-key.safetensors").write_bytes(b"x")
+    os.utime(packed / ".packed-a.safetensors", (hour_ago, hour_ago))
+    os.utime(packed / "model-key.safetensors", (hour_ago, hour_ago))
+    assert sweep_stale(packed, ".packed-") == 1
+    assert [p.name for p in packed.iterdir()] == ["model-key.safetensors"]

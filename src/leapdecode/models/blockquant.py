@@ -32,7 +32,7 @@ from ..errors import ModelFileError
 from .native import NativeCausalLM
 from .qkernel import BlockWeight, QLinear, QPart, isa_key
 from .quant import BLOCK_LINEARS, to_activation_dtype
-from .store import cache_dir, say
+from .store import cache_dir, say, sweep_stale
 
 LAYOUT_VERSION = 4
 # HF-side pieces of each fused native linear, with their GGUF names
@@ -234,6 +234,7 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
 
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     path = packed_path(model_dir, key_source)
+    sweep_stale(path.parent, ".packed-")  # a packing killed mid-write (issue 45, probe F14)
     if path.is_file():
         try:
             return load_packed(path, cfg, max_seq_len)

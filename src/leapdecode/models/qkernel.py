@@ -45,7 +45,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .linear import make_linear
-from .store import atomic_write, cache_dir, say
+from .store import atomic_write, cache_dir, say, sweep_stale
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
@@ -102,13 +102,6 @@ def _build(target: Path) -> None:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(".qgemm-*"):  # left by a process that ended mid-build
-        with contextlib.suppress(OSError):  # (another process may remove it first)
-            if time.time() - stale.stat().st_mtime > 3600:
-                if stale.is_dir():
-                    shutil.rmtree(stale)
-                else:
-                    stale.unlink()
     fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
     os.close(fd)
     say("building the quantized kernel for this CPU (once per machine and version; under a minute)")
@@ -269,6 +262,7 @@ def _open_library() -> ctypes.CDLL:
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
     target = _target()
+    sweep_stale(target.parent, ".qgemm-")  # left by a process that ended mid-build
     if not (target.is_file() and library_intact(target)) and not _writable(target.parent):
         fallback = Path(tempfile.gettempdir()) / f"leapdecode-kernels-{os.getuid()}" / target.name
         say(f"the kernel cache {target.parent} is not writable: building the kernel in {fallback.parent} instead")

@@ -21,6 +21,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -182,6 +183,29 @@ def atomic_output(path: Path, durable: bool = False) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+STALE_AFTER_S = 3600  # a temporary file or folder older than this was left by a process that ended mid-write
+
+
+def sweep_stale(directory: Path, prefix: str, max_age_s: float = STALE_AFTER_S) -> int:
+    """Remove the files and folders in ``directory`` whose names start with ``prefix`` (a writer's
+    temporary names: ``.packed-``, ``.qgemm-``) and that are older than ``max_age_s`` (a process
+    killed mid-write leaves them; a live writer's are younger); returns how many went."""
+    removed = 0
+    try:
+        entries = list(directory.glob(prefix + "*"))
+    except OSError:
+        return 0
+    for stale in entries:
+        with contextlib.suppress(OSError):  # another process may remove it first; a read-only cache keeps it
+            if time.time() - stale.stat().st_mtime > max_age_s:
+                if stale.is_dir():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink()
+                removed += 1
+    return removed
 
 
 def atomic_write(path: Path, data: str | bytes, durable: bool = False) -> Path:
