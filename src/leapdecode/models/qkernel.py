@@ -132,9 +132,7 @@ def _prune_builds(target: Path) -> None:
             if p != target:
                 others.append((p.stat().st_mtime, p))
     for _, p in sorted(others, reverse=True)[KEEP_BUILDS - 1:]:
-        with contextlib.suppress(OSError):
-            p.unlink()
-            _digest_path(p).unlink()
+        _discard(p)
 
 
 def _digest(path: Path) -> str:
@@ -270,10 +268,9 @@ def _open_library() -> ctypes.CDLL:
     for attempt in (1, 2):
         with _build_lock(target.parent):
             if target.is_file() and not library_intact(target):
-                say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its build recorded): building it again")
-                for p in (target, _digest_path(target)):
-                    with contextlib.suppress(OSError):
-                        p.unlink()
+                say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its "
+                    "build recorded): building it again")
+                _discard(target)
             if not target.is_file():
                 _build(target)
         try:
@@ -282,10 +279,15 @@ def _open_library() -> ctypes.CDLL:
             if attempt == 2:
                 raise KernelUnavailable(f"cannot load {target} even after building it again: {e}") from None
             say(f"cannot load the cached kernel library {target} ({e}): building it again")
-            for p in (target, _digest_path(target)):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+            _discard(target)
     raise AssertionError("unreachable")
+
+
+def _discard(target: Path) -> None:
+    """Remove a cached library and its digest (either may be missing)."""
+    for p in (target, _digest_path(target)):
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def _writable(directory: Path) -> bool:
