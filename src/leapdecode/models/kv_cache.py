@@ -180,6 +180,12 @@ class KVCache:
         mask[:, self.length :] = self._anc[start : start + n_new, : start + n_new]
         return positions, mask
 
+    def ancestors(self, n_new: int) -> torch.Tensor:
+        """For each of the newest ``n_new`` pending nodes, which pending nodes it attends to (its
+        ancestors and itself): ``[n_new, n_pending]`` bool on the cache's device."""
+        n = self.n_pending
+        return self._anc[n - n_new : n, :n]
+
     def attended_slots(self, n_new: int) -> list[torch.Tensor]:
         """For each of the newest ``n_new`` pending nodes, the slots it attends to, in cache
         order: the committed prefix, then its pending ancestors from the root down, itself last

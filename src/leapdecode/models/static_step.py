@@ -124,7 +124,7 @@ def pad_inputs(cache, tokens: torch.Tensor, positions: torch.Tensor, rows: int, 
     docstring).  Needs ``cache.total + rows - T <= cache.max_len``."""
     t = tokens.numel()
     device = cache.device
-    total, length, pending = cache.total, cache.length, cache.n_pending
+    total, length = cache.total, cache.length
     pad = rows - t
     if total + pad > cache.max_len or total > span:
         raise ValueError(f"{rows} rows over {span} slots do not fit a cache of {cache.max_len} with {total} in use")
@@ -135,8 +135,7 @@ def pad_inputs(cache, tokens: torch.Tensor, positions: torch.Tensor, rows: int, 
     pos[:t] = positions
     mask = torch.zeros(rows, span, dtype=torch.bool, device=device)
     mask[:t, :length] = True
-    # the new nodes' ancestors-or-self among all pending nodes (``plan_append``'s table)
-    mask[:t, length:total] = cache._anc[pending - t : pending, :pending]
+    mask[:t, length:total] = cache.ancestors(t)  # the new nodes' ancestors-or-self among the pending ones
     mask[t:, 0] = True
     return StepInputs(tok, pos, slots, mask)
 
