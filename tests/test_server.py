@@ -249,6 +249,13 @@ def test_a_body_that_is_not_declared_json_is_refused(server):
         assert r.status_code == 200, (ctype, r.text)
 
 
+def test_a_message_that_is_not_utf8_is_a_400(server):
+    """Issue 45 (probe HS23): a lone surrogate in a message was a 500 (the tokenizer's TypeError)."""
+    body = b'{"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid UTF-8" in error_of(r)["message"], r.text
+
+
 def test_malformed_and_missing(server):
     url = server.url
     r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "tiny-random", "messages": [',

@@ -134,12 +134,25 @@ def _check_message(m: Any, i: int) -> None:
         raise InvalidParameterError(f"message {i}: 'content' must be a string, got {type(m['content']).__name__}")
 
 
+def check_text(text: str, what: str) -> str:
+    """``text`` if it can be encoded as UTF-8; an ``InvalidParameterError`` naming ``what`` and the
+    position for a lone surrogate (a JSON ``"\ud800"``, or bytes that are not UTF-8 handed over
+    as surrogate escapes by the command line: probes HS23, G071-G074, C02, C09, PA30, PA31)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParameterError(f"{what} is not valid UTF-8 text (an unpaired surrogate or an undecodable "
+                                    f"byte at character {e.start})") from None
+    return text
+
+
 def encode_prompt(model, prompt, chat: bool | None = None, tools: list[dict] | None = None) -> list[int]:
     """A string (plain, or as one user message with ``chat=True``) or a list of chat messages.
     ``tools``: function definitions (OpenAI's ``{"type": "function", "function": {...}}``) for a
     chat template that reads ``tools``."""
     tok = model.tokenizer
     if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
         if chat:
             prompt = [{"role": "user", "content": prompt}]
         else:
@@ -154,6 +167,7 @@ def encode_prompt(model, prompt, chat: bool | None = None, tools: list[dict] | N
         raise InvalidParameterError("the message list is empty")
     for i, m in enumerate(prompt):
         _check_message(m, i)
+        check_text(m["content"], f"message {i}'s content")
     if not getattr(tok, "chat_template", None):
         raise InvalidParameterError(f"model {model.name} has no chat template; pass a plain string prompt")
     extra = {}
@@ -179,6 +193,8 @@ def check_stop(stop: Any) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
         raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r:.80}")
+    for s in stops:
+        check_text(s, "a stop string")
     return list(stops)
 
 

@@ -102,6 +102,9 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"We could not parse the JSON body of your request ({e}).", code="invalid_json") from None
+    except RecursionError:  # probe HS70: arrays nested 10,000 deep
+        raise ApiError(400, "We could not parse the JSON body of your request (nested too deeply).",
+                       code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..core.constraint import Constraint
+from ..core.generate import check_text
 from ..errors import GrammarError, InvalidParameterError, MissingExtraError
 
 COMPILE_TIMEOUT_S = 10.0  # wall-clock bound on compiling one grammar
@@ -103,6 +104,8 @@ def check_json_schema(schema: Any) -> dict:
             schema = json.loads(schema)
         except ValueError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("the JSON schema is nested too deeply to read") from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -118,6 +121,8 @@ def check_json_schema(schema: Any) -> dict:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
+    except RecursionError:  # probes SO016, SO017, PA36: 2,000 nested levels
+        raise GrammarError("the JSON schema is nested too deeply to check") from None
     return schema
 
 
@@ -137,9 +142,10 @@ def grammar_text(*, json_schema: Any = None, regex: str | None = None, grammar: 
     if regex is not None:
         if not isinstance(regex, str) or not regex:
             raise GrammarError(f"regex must be a non-empty string, got {regex!r:.80}")
-        return ll.LLMatcher.grammar_from_regex(regex)
+        return ll.LLMatcher.grammar_from_regex(check_text(regex, "the regex"))
     if not isinstance(grammar, str) or not grammar.strip():
         raise GrammarError(f"grammar must be a non-empty string, got {grammar!r:.80}")
+    check_text(grammar, "the grammar")
     if "::=" in grammar:  # GBNF (llama.cpp): llguidance converts it to its Lark dialect
         from llguidance.gbnf_to_lark import gbnf_to_lark
 

@@ -1,0 +1,81 @@
+"""Hostile inputs get clean, typed errors (issue 45, ../shared/probe/report.md; the probe ids are in
+each test): text that is not valid UTF-8 (a JSON "\\ud800", or bytes the command line hands over as
+surrogate escapes) and JSON nested deeper than Python's recursion limit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import leapdecode
+from leapdecode import cli
+from leapdecode.core.generate import check_stop, encode_prompt
+from leapdecode.errors import InvalidParameterError
+from leapdecode.models.tiny import tiny_loaded
+
+LONE = "hi \ud800 there"  # a lone surrogate: no UTF-8 encoding exists
+ARGV_BYTES = "The capital \udcff\udcfe of France"  # b"\xff\xfe" as Python's argv decoding hands it over
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_loaded(seed=0)
+
+
+@pytest.mark.parametrize("text", [LONE, ARGV_BYTES])
+def test_a_prompt_that_is_not_utf8_is_named(lm, text):
+    """Probes G071, PA30, PA31 (the API and the prompt), G074 (--chat)."""
+    first = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    with pytest.raises(InvalidParameterError, match=f"the prompt is not valid UTF-8 .* at character {first}"):
+        encode_prompt(lm, text)
+    with pytest.raises(InvalidParameterError, match="message 1's content is not valid UTF-8"):
+        encode_prompt(lm, [{"role": "system", "content": "be nice"}, {"role": "user", "content": text}])
+    with pytest.raises(InvalidParameterError, match="not valid UTF-8"):
+        leapdecode.generate(lm, text, max_new_tokens=2)
+    assert encode_prompt(lm, "hi there")  # the check lets text through
+
+
+def test_a_stop_string_that_is_not_utf8_is_named():
+    """Probe G072-style: an invalid --stop could never match; it is refused."""
+    with pytest.raises(InvalidParameterError, match="a stop string is not valid UTF-8"):
+        check_stop(["ok", ARGV_BYTES])
+    assert check_stop("ok") == ["ok"]
+
+
+def test_the_cli_names_an_undecodable_prompt_in_one_line(capsys):
+    """Probe G071: `leapdecode generate -m M $'The capital \\xff\\xfe of France'` raised a TypeError."""
+    rc = cli.main(["generate", "-m", "tiny-random", "--max-new-tokens", "2", ARGV_BYTES])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "not valid UTF-8" in lines[0], lines
+
+
+def test_a_deeply_nested_schema_is_a_grammar_error():
+    """Probes SO016, SO017, PA36: a schema nested 2,000 (and 100,000) levels deep."""
+    pytest.importorskip("jsonschema")  # the structured extra; make test installs it
+    from leapdecode.errors import GrammarError
+    from leapdecode.strategies.grammar import check_json_schema
+
+    for depth in (2000, 100000):
+        text = '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
+        with pytest.raises(GrammarError, match="nested too deeply"):
+            check_json_schema(text)
+    nested: dict = {}
+    for _ in range(2000):
+        nested = {"type": "object", "properties": {"a": nested}}
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        check_json_schema(nested)
+
+
+def test_a_request_body_nested_too_deep_is_a_400():
+    """Probe HS70: a body with arrays nested 10,000 deep was a 500 (RecursionError)."""
+    from leapdecode.server.errors import ApiError
+    from leapdecode.server.prepare import parse_json
+
+    raw = ('{"model": "m", "foo": ' + "[" * 10000 + "]" * 10000 + "}").encode()
+    with pytest.raises(ApiError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and "nested too deeply" in e.value.message
+    assert parse_json(json.dumps({"a": [[1]]}).encode()) == {"a": [[1]]}
