@@ -79,3 +79,34 @@ def test_a_request_body_nested_too_deep_is_a_400():
         parse_json(raw)
     assert e.value.status == 400 and "nested too deeply" in e.value.message
     assert parse_json(json.dumps({"a": [[1]]}).encode()) == {"a": [[1]]}
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "-m", "tiny-random", "--methods", "vanilla", "--limit", "1", "--max-new-tokens", "2", "--no-plots",
+     "--no-progress", "--workload", "humaneval", "--out", "{file}"],                        # B19
+    ["bench", "-m", "tiny-random", "--methods", "vanilla", "--limit", "1", "--max-new-tokens", "2", "--no-plots",
+     "--no-progress", "--workload", "humaneval", "--out", "/proc/leapdecode-bench"],        # B13
+    ["datastore", "build", "-m", "tiny-random", "-o", "/proc/x.npz", "{file}"],             # D05
+    ["train-head", "-m", "tiny-random", "--kind", "medusa", "--out", "/proc/th", "--steps", "1",
+     "--max-prompts", "1", "--no-install"],                                                  # T03
+    ["heads", "export", "--storage", "bf16", "{head}", "/proc/hx"],                           # H04
+    ["heads", "export", "--storage", "bf16", "{head}", "{file}"],                             # H07
+])
+def test_an_output_path_that_cannot_be_written_is_named_before_any_work(argv, tmp_path, capsys, monkeypatch):
+    """Issue 45 (probes B13, B19, D05, T03, H04, H07): an output under an unwritable place, or onto
+    an existing file where a directory is written, was a FileNotFoundError / FileExistsError
+    traceback, after the model had loaded."""
+    import leapdecode.models.loader as loader
+
+    afile = tmp_path / "exists.txt"
+    afile.write_text("mine")
+    head = tmp_path / "head"
+    head.mkdir()
+    argv = [x.format(file=afile, head=head) for x in argv]
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded a model before checking --out"))
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ("--out" in lines[0] or "-o" in lines[0] or "OUT_DIR" in lines[0]), lines
+    assert afile.read_text() == "mine"

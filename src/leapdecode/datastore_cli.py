@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import InvalidParameterError
+from .models.store import check_output
 
 PRESETS = ["stdlib", "self-answers"]
 
@@ -174,7 +175,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         sources["max_mb"] = max_mb
     if a.max_tokens is not None:
         sources["max_tokens"] = a.max_tokens
-    out = a.out if a.out is not None else default_path(model_name, a.preset)
+    out = check_output(a.out if a.out is not None else default_path(model_name, a.preset), "--out", directory=False)
 
     with _progress(show, total, f"tokenizing ({model_name})") as step:
         ds = build_datastore(texts, tokenizer, model_name, max_tokens=a.max_tokens, max_chars=max_chars,

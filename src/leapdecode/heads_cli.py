@@ -13,6 +13,8 @@ import json
 import shlex
 import sys
 
+from .models.store import check_output
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from .cli import add_model_args
@@ -107,6 +109,7 @@ def cmd_train_head(a: argparse.Namespace) -> int:
                     eagle_intermediate=a.eagle_intermediate, train_vocab=a.train_vocab, ttt_steps=a.ttt_steps,
                     eagle_layers=tuple(a.eagle_layers) if a.eagle_layers else None,
                     val_tokens=a.val_tokens, checkpoint_minutes=a.checkpoint_minutes, seed=a.seed)
+    check_output(a.out, "--out", directory=True)  # before the model loads and the data is generated
     target = load_from_args(a)
     command = "leapdecode " + " ".join(shlex.quote(x) for x in sys.argv[1:]) if sys.argv[1:] else ""
     manifest = train_head(target, recipe, a.out, restart=a.restart, progress=not a.no_progress,
@@ -140,7 +143,7 @@ def cmd_heads_list(a: argparse.Namespace) -> int:
 def cmd_heads_export(a: argparse.Namespace) -> int:
     from .proposers.heads.store import WEIGHTS, export_head
 
-    out = export_head(a.src, a.out, a.storage)
+    out = export_head(a.src, check_output(a.out, "OUT_DIR", directory=True), a.storage)
     size = (out / WEIGHTS).stat().st_size
     print(f"{out}: {a.storage} head, {WEIGHTS} {size / 1e6:.2f} MB")
     return 0

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..models.store import check_output
+
 # --demo: kept small so that it finishes in a few minutes on a 2-core CPU (first-time
 # model conversion included); tune here.
 DEMO_MODEL = "qwen2.5-coder-1.5b"
@@ -102,7 +104,8 @@ def diffusion_bench(a: argparse.Namespace) -> int:
         raise InvalidParameterError(f"--thresholds: comma-separated numbers, got {a.thresholds!r}") from None
     methods = None if a.methods.strip() in ("vanilla", "all") else _csv(a.methods)
     safe = a.model.replace("/", "_").replace(":", "_").strip("._") or "model"
-    cfg = DiffusionBenchConfig(model=a.model, out=a.out or Path("bench_out") / safe, parent=a.parent,
+    cfg = DiffusionBenchConfig(model=a.model, out=check_output(a.out or Path("bench_out") / safe, "--out", directory=True),
+                               parent=a.parent,
                                methods=methods, thresholds=thresholds, prompts=a.limit or 3,
                                max_new_tokens=32 if a.max_new_tokens == 256 else a.max_new_tokens,
                                block_size=a.block_size, infill=a.infill, plots=not a.no_plots,
@@ -161,7 +164,7 @@ def config_from_args(a: argparse.Namespace):
         if a.max_new_tokens == 256:
             cfg.max_new_tokens = DEMO_MAX_NEW_TOKENS
     safe = cfg.model.replace("/", "_").replace(":", "_").strip("._") or "model"
-    cfg.out = a.out or (DEMO_OUT if a.demo else Path("bench_out") / safe)
+    cfg.out = check_output(a.out or (DEMO_OUT if a.demo else Path("bench_out") / safe), "--out", directory=True)
     return cfg
 
 

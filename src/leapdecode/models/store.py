@@ -185,6 +185,31 @@ def atomic_output(path: Path, durable: bool = False) -> Iterator[Path]:
         raise
 
 
+def check_output(path: str | os.PathLike, flag: str, directory: bool) -> Path:
+    """An output path checked before any work (issue 45, probes B13, B19, D05, T03, H04, H07): a
+    directory (``directory``) or a file, in a place where something can be written (the nearest
+    existing folder takes a file; nothing is created here); an existing path of the other kind, or
+    an unwritable place, is an ``InvalidParameterError`` naming ``flag``."""
+    from ..errors import InvalidParameterError
+
+    p = Path(path).expanduser()
+    if directory and p.exists() and not p.is_dir():
+        raise InvalidParameterError(f"{flag} {p} exists and is not a directory")
+    if not directory and p.is_dir():
+        raise InvalidParameterError(f"{flag} {p} is a directory; give the path of the file to write")
+    folder = p if directory else p.parent
+    while not folder.exists() and folder != folder.parent:  # the nearest existing folder: nothing is created
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InvalidParameterError(f"{flag} {p}: {folder} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(prefix=".leapdecode-probe-", dir=folder):
+            pass
+    except OSError as e:
+        raise InvalidParameterError(f"{flag} {p}: nothing can be written in {folder} ({e.strerror or e})") from None
+    return p
+
+
 STALE_AFTER_S = 3600  # a temporary file or folder older than this was left by a process that ended mid-write
 
 
