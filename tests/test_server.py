@@ -878,3 +878,19 @@ def test_serve_named_paths(tmp_path):
                        ([f"a={f}", f"a={f}"], "twice"), (["=x"], "NAME=PATH")):
         with pytest.raises(LeapdecodeError, match=words):
             named_paths("--datastore", bad)
+
+
+def test_start_up_refuses_what_every_request_would_then_refuse():
+    """Issue 45 (probes SV17, SV20): `serve --method draft --no-warmup` without a draft, and a
+    KV-cache budget too small for any request, started and then answered every request with a 400
+    that blamed the client; both are start-up errors now."""
+    from leapdecode.errors import LeapdecodeError
+    from leapdecode.server.cli import ServeSettings
+
+    settings = ServeSettings(model="tiny-random", load={}, method="draft", options={}, drafts=None, warmup=False)
+    with pytest.raises(LeapdecodeError, match="draft"):
+        settings.build_app()
+    small = ServeSettings(model="tiny-random", load={}, method="vanilla", options={}, drafts=None, warmup=False,
+                          app={"kv_budget_bytes": 2048})
+    with pytest.raises(LeapdecodeError, match="KV-cache budget .* holds no request"):
+        small.build_app()

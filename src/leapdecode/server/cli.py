@@ -138,6 +138,7 @@ class ServeSettings:
         """Load the model and build the app (and warm it up): what a server or a replica runs."""
         from ..api import generate
         from ..models.loader import load
+        from ..proposers.registry import build_proposer
         from .app import create_app
 
         if self.threads:
@@ -149,6 +150,8 @@ class ServeSettings:
                          drafts=default_drafts(model, self.method, self.options, self.drafts), **self.app)
         if self.warmup:  # allocates the caches and builds the default method; fails here, not on a request
             generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
+        else:  # the default method is still built once, so that what every request needs (a draft) fails here
+            build_proposer(app.state.default_config, app.state.runner)
         return app
 
 

@@ -236,6 +236,11 @@ class Engine:
         self.scheduler = SpeculationScheduler(runner) if speculate_under_load and speculation == "measured" else None
         self.metrics = metrics
         self._per_token = kv_bytes_per_token(runner.model)
+        smallest = self._per_token * slot_len(runner.model, cache_tokens(runner.model, 1, 1))
+        if self.kv_budget_bytes < smallest:  # probe SV20 (issue 45): every request would be a 400
+            raise InvalidParameterError(f"a KV-cache budget of {self.kv_budget_bytes / 2**20:.2f} MiB holds no "
+                                        f"request: the smallest needs {smallest / 2**20:.2f} MiB "
+                                        "(leapdecode serve --kv-budget-mib)")
         self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
         self._running: list[Running] = []
