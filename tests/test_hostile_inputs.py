@@ -110,3 +110,18 @@ def test_an_output_path_that_cannot_be_written_is_named_before_any_work(argv, tm
     lines = err.strip().splitlines()
     assert len(lines) == 1 and ("--out" in lines[0] or "-o" in lines[0] or "OUT_DIR" in lines[0]), lines
     assert afile.read_text() == "mine"
+
+
+def test_train_head_refuses_bad_layers_and_malformed_data_before_any_work(tmp_path, lm):
+    """Issue 45 (probes T07, T11): `--eagle-layers 999` was refused only after the whole
+    self-distillation; a malformed JSONL `--data` file was a JSONDecodeError traceback."""
+    from leapdecode.heads_train import Recipe, train_head
+
+    with pytest.raises(InvalidParameterError, match="--eagle-layers"):
+        train_head(lm, Recipe(kind="eagle3", eagle_layers=(999,)), tmp_path / "a", progress=False,
+                   install_head=False, log=lambda m: pytest.fail(f"started work: {m}"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(InvalidParameterError, match="line 2"):
+        train_head(lm, Recipe(kind="medusa", data=(str(bad),), steps=1, max_prompts=1), tmp_path / "b",
+                   progress=False, install_head=False, log=lambda m: None)

@@ -155,9 +155,14 @@ def file_items(path: Path) -> tuple[list, list[str]]:
     raw = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix == ".jsonl":
         prompts, texts = [], []
-        for line in raw.splitlines():
+        for number, line in enumerate(raw.splitlines(), 1):
             if line.strip():
-                item = json.loads(line)
+                try:
+                    item = json.loads(line)
+                except ValueError as e:  # probe T11: a JSONDecodeError traceback
+                    raise InvalidParameterError(f"--data {path}, line {number}: not a JSON object ({e})") from None
+                if not isinstance(item, dict):
+                    raise InvalidParameterError(f"--data {path}, line {number}: not a JSON object")
                 if isinstance(item.get("prompt"), str):
                     prompts.append(item["prompt"])
                 elif isinstance(item.get("chat"), str):
@@ -456,6 +461,7 @@ def train_head(target, recipe: Recipe, out: str | Path, *, restart: bool = False
     log = log or (lambda msg: print(f"leapdecode: {msg}", file=sys.stderr, flush=True))
     if getattr(target, "backend", None) != "native":
         raise InvalidParameterError("train-head needs the native backend (features and output head of the target)")
+    layers_for(target, recipe)  # before any data is generated (probe T07: --eagle-layers 999 was refused minutes later)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fp = fingerprint(target)
