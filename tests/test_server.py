@@ -894,3 +894,15 @@ def test_start_up_refuses_what_every_request_would_then_refuse():
                           app={"kv_budget_bytes": 2048})
     with pytest.raises(LeapdecodeError, match="KV-cache budget .* holds no request"):
         small.build_app()
+
+
+def test_a_client_leaving_mid_upload_is_not_an_internal_error():
+    """Issue 45 (probe HX06): a disconnect while the body was read was logged as an internal error
+    with a traceback; it maps to 499 in the status table and logs nothing."""
+    from starlette.requests import ClientDisconnect
+
+    from leapdecode.server.errors import api_error, report_internal
+
+    err = api_error(ClientDisconnect())
+    assert err.status == 499 and err.code == "client_closed_request"
+    assert report_internal(ClientDisconnect()) is None

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from ..errors import LeapdecodeError, PromptTooLongError, UnknownModelError
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
@@ -117,6 +118,8 @@ STATUS_TABLE: tuple[tuple[type[BaseException], Rule], ...] = (  # the first matc
     (RequestTooLargeError, Rule(400, "invalid_request_error", "kv_cache_budget_exceeded")),
     (LeapdecodeError, Rule(400, "invalid_request_error")),
     (BodyTooLarge, Rule(413, "invalid_request_error", "request_too_large")),
+    # the client left while sending its body (probe HX06): no answer reaches it, and it is no fault of ours
+    (ClientDisconnect, Rule(499, "invalid_request_error", "client_closed_request")),
     (QueueFullError, Rule(429, "rate_limit_error", "queue_full",
                           headers=lambda e: {"Retry-After": str(e.retry_after)})),
     (EngineStopped, Rule(503, "server_error", "shutting_down")),
