@@ -906,3 +906,24 @@ def test_a_client_leaving_mid_upload_is_not_an_internal_error():
     err = api_error(ClientDisconnect())
     assert err.status == 499 and err.code == "client_closed_request"
     assert report_internal(ClientDisconnect()) is None
+
+
+def test_a_body_that_never_arrives_times_out():
+    """Issue 45 (probe HX02): a body announced with Content-Length and never sent held the
+    connection open for over 70 s; read_body gives up after its timeout (408 in the status table)."""
+    import asyncio
+
+    from leapdecode.server.errors import BodyTimeout, api_error
+    from leapdecode.server.prepare import read_body
+
+    class Stalled:
+        headers = {"content-length": "5000"}
+
+        async def stream(self):
+            yield b"x" * 20
+            await asyncio.sleep(60)
+            yield b"never"
+
+    with pytest.raises(BodyTimeout):
+        asyncio.run(read_body(Stalled(), 1 << 20, timeout_s=0.2))
+    assert api_error(BodyTimeout(0.2)).status == 408

@@ -55,6 +55,12 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
+class BodyTimeout(Exception):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request body did not arrive within {seconds:g} s")
+        self.seconds = seconds
+
+
 # ---------------------------------------------------------------------------- pydantic errors
 FRIENDLY = {  # pydantic error type -> message after the field name
     "model_type": "must be an object",
@@ -118,6 +124,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], Rule], ...] = (  # the first matc
     (RequestTooLargeError, Rule(400, "invalid_request_error", "kv_cache_budget_exceeded")),
     (LeapdecodeError, Rule(400, "invalid_request_error")),
     (BodyTooLarge, Rule(413, "invalid_request_error", "request_too_large")),
+    (BodyTimeout, Rule(408, "invalid_request_error", "request_timeout")),
     # the client left while sending its body (probe HX06): no answer reaches it, and it is no fault of ours
     (ClientDisconnect, Rule(499, "invalid_request_error", "client_closed_request")),
     (QueueFullError, Rule(429, "rate_limit_error", "queue_full",

@@ -21,7 +21,7 @@ from ..core.runner import ModelRunner
 from ..errors import InvalidParameterError
 from .config import ServerConfig
 from .engine import GenSpec
-from .errors import ApiError, BodyTooLarge
+from .errors import ApiError, BodyTimeout, BodyTooLarge
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tools import ToolCalling, special_tags, template_supports_tools, tool_call_grammar
 
@@ -82,19 +82,30 @@ def check_json_body(request: Request) -> None:
                        code="unsupported_media_type")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+BODY_TIMEOUT_S = 30.0  # a body that takes longer to arrive is refused (probe HX02: slowloris)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The body, or ``BodyTooLarge`` as soon as it is known to exceed ``limit`` bytes (from
-    Content-Length, before reading anything, or while reading a chunked body)."""
+    Content-Length, before reading anything, or while reading a chunked body), or ``BodyTimeout``
+    when it has not arrived whole within ``timeout_s``."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise BodyTooLarge(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(timeout_s) from None
 
 
 def parse_json(raw: bytes) -> dict:
