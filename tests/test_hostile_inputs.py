@@ -125,3 +125,53 @@ def test_train_head_refuses_bad_layers_and_malformed_data_before_any_work(tmp_pa
     with pytest.raises(InvalidParameterError, match="line 2"):
         train_head(lm, Recipe(kind="medusa", data=(str(bad),), steps=1, max_prompts=1), tmp_path / "b",
                    progress=False, install_head=False, log=lambda m: None)
+
+
+def test_damaged_model_files_are_named(tmp_path):
+    """Issue 45 (probes F17, F20, F21, F23, F24): a broken tokenizer.json, tokenizer_config.json or
+    generation_config.json, or a chat template that does not parse, were raw tracebacks."""
+    from safetensors.torch import save_file
+
+    from leapdecode.errors import ModelFileError
+    from leapdecode.models.tiny import byte_tokenizer, tiny_native
+
+    model_dir = tmp_path / "m"
+    model = tiny_native(seed=0)
+    tok = byte_tokenizer()
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    tok.save_pretrained(model_dir)
+    state = {"model.embed_tokens.weight": model.embed.weight.detach().clone(), "model.norm.weight": model.norm.detach().clone()}
+    for i, b in enumerate(model.layers):
+        q, k, v = b.wqkv.weight.detach().split((64, 32, 32))
+        g, u = b.w_gate_up.weight.detach().chunk(2)
+        p = f"model.layers.{i}."
+        state.update({p + "self_attn.q_proj.weight": q.clone(), p + "self_attn.k_proj.weight": k.clone(),
+                      p + "self_attn.v_proj.weight": v.clone(), p + "self_attn.o_proj.weight": b.wo.weight.detach().clone(),
+                      p + "mlp.gate_proj.weight": g.clone(), p + "mlp.up_proj.weight": u.clone(),
+                      p + "mlp.down_proj.weight": b.w_down.weight.detach().clone(),
+                      p + "input_layernorm.weight": b.attn_norm.detach().clone(),
+                      p + "post_attention_layernorm.weight": b.mlp_norm.detach().clone()})
+    save_file(state, str(model_dir / "model.safetensors"))
+    lm = leapdecode.load(str(model_dir), weights="fp32")
+    assert encode_prompt(lm, [{"role": "user", "content": "hi"}])  # intact: loads and templates
+    for fname, junk in (("tokenizer.json", "not a tokenizer"), ("tokenizer_config.json", "{broken"),
+                        ("generation_config.json", "{broken")):
+        saved = (model_dir / fname).read_bytes() if (model_dir / fname).exists() else None
+        (model_dir / fname).write_text(junk)
+        with pytest.raises(ModelFileError, match="is damaged"):
+            leapdecode.load(str(model_dir), weights="fp32")
+        if saved is None:
+            (model_dir / fname).unlink()
+        else:
+            (model_dir / fname).write_bytes(saved)
+    lm.tokenizer.chat_template = "{% for %}"
+    with pytest.raises(ModelFileError, match="chat template is broken"):
+        encode_prompt(lm, [{"role": "user", "content": "hi"}])
+    lm.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(InvalidParameterError, match="refused these messages: roles must alternate"):
+        encode_prompt(lm, [{"role": "user", "content": "hi"}])

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 
-from ..errors import InvalidParameterError, PromptTooLongError
+from ..errors import InvalidParameterError, ModelFileError, PromptTooLongError
 from .constraint import Constraint, RowMasks, extend_forced, prune_tree, unprune
 from .cost_model import synchronize
 from .detokenizer import IncrementalDetokenizer, StopChecker
@@ -175,7 +176,13 @@ def encode_prompt(model, prompt, chat: bool | None = None, tools: list[dict] | N
         if "tools" not in str(tok.chat_template):
             raise InvalidParameterError(f"model {model.name}'s chat template does not support tools")
         extra["tools"] = tools
-    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **extra)
+    try:
+        out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **extra)
+    except TemplateSyntaxError as e:  # probe F24: a broken chat_template.jinja was a traceback
+        raise ModelFileError(f"model {model.name}'s chat template is broken ({e}); pass a plain string prompt, "
+                             "or repair the model's chat_template") from None
+    except TemplateError as e:  # the template's own raise_exception: these messages are not allowed
+        raise InvalidParameterError(f"model {model.name}'s chat template refused these messages: {e}") from None
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

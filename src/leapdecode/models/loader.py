@@ -82,12 +82,21 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+def damaged(path: Path, fname: str, e: BaseException) -> str:
+    """The message for a model file that cannot be read (issue 45, probes F17-F24)."""
+    return (f"the model in {path} is damaged: {fname} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+            f"for a registered model, delete {path} and run `leapdecode models fetch NAME` to convert it again")
+
+
 def _eos_ids(path: Path, tokenizer) -> set[int]:
     ids: set[int] = set()
     for fname in ("generation_config.json", "config.json"):
         f = path / fname
         if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(f.read_text()).get("eos_token_id")
+            except (OSError, ValueError, AttributeError) as e:  # probe F23: a JSONDecodeError traceback
+                raise ModelFileError(damaged(path, fname, e)) from None
             if isinstance(eos, int):
                 ids.add(eos)
             elif isinstance(eos, list):
@@ -366,7 +375,10 @@ def load(
             backend = "native"
         except (NotImplementedError, KeyError):
             backend = "hf"
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001  (probes F17, F20, F21: the tokenizer files' own errors, any type)
+        raise ModelFileError(damaged(path, "its tokenizer (tokenizer.json, tokenizer_config.json)", e)) from None
     if not getattr(tokenizer, "chat_template", None) and str(config.get("model_type", "")).startswith("gemma"):
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE  # some Gemma GGUFs ship without one
     if max_seq_len is None:
