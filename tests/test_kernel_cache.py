@@ -255,3 +255,56 @@ def test_a_killed_writers_leftovers_are_swept(cache, tmp_path):
     os.utime(packed / "model-key.safetensors", (hour_ago, hour_ago))
     assert sweep_stale(packed, ".packed-") == 1
     assert [p.name for p in packed.iterdir()] == ["model-key.safetensors"]
+
+
+def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch, capsys):
+    """Issue 45 (probes F04, F04b): random bytes written into the middle of a packed int4 file gave
+    NaN logits and 40 x token 0 with exit 0. ``save_packed`` records the file's digests; a load checks
+    the sampled one (milliseconds) and packs again on a mismatch; ``models verify`` checks the whole."""
+    import json
+
+    from leapdecode.models import blockquant, store
+    from leapdecode.models.store import digest_path, digest_problem
+    from leapdecode.models.tiny import tiny_config, tiny_native
+
+    monkeypatch.setattr(store, "DIGEST_SAMPLE_BYTES", 16)  # a tiny file: windows with gaps between them
+    model = tiny_native(seed=4)
+    blockquant.quantize_native(model)
+    path = tmp_path / "tiny.safetensors"
+    blockquant.save_packed(model, path)
+    assert digest_problem(path) is None and digest_problem(path, full=True) is None
+    good = path.read_bytes()
+    size = len(good)
+    with open(path, "r+b") as f:  # damage where a sampled window lies
+        f.seek(size // 2)
+        f.write(bytes(4096))
+    assert "damaged" in digest_problem(path)
+    path.write_bytes(good)
+    with open(path, "r+b") as f:  # one byte between the windows: only the whole-file check sees it
+        f.seek(size // 64 // 2)
+        f.write(bytes([good[size // 64 // 2] ^ 0xFF]))
+    assert digest_problem(path) is None and "damaged" in digest_problem(path, full=True)
+    digest_path(path).unlink()
+    assert "no readable digest" in digest_problem(path)
+
+    # load_int4 packs again instead of loading it
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    cfg = tiny_config()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "tie_word_embeddings": True}))
+
+    class Repacking(Exception):
+        pass
+
+    def repack(*a, **k):
+        raise Repacking
+
+    monkeypatch.setattr(blockquant, "packed_path", lambda d, k: path)
+    monkeypatch.setattr(blockquant, "load_packed", lambda *a: pytest.fail("loaded damaged packed weights"))
+    monkeypatch.setattr(blockquant.NativeCausalLM, "from_pretrained", repack)
+    with pytest.raises(Repacking):
+        blockquant.load_int4(model_dir, "key", None, None)
+    assert "packing again" in capsys.readouterr().err and not path.exists()

@@ -32,7 +32,7 @@ from ..errors import ModelFileError
 from .native import NativeCausalLM
 from .qkernel import BlockWeight, QLinear, QPart, isa_key
 from .quant import BLOCK_LINEARS, to_activation_dtype
-from .store import cache_dir, say, sweep_stale
+from .store import cache_dir, digest_problem, say, sweep_stale, write_digest
 
 LAYOUT_VERSION = 4
 # HF-side pieces of each fused native linear, with their GGUF names
@@ -181,6 +181,7 @@ def save_packed(model: NativeCausalLM, path: Path) -> None:
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
                   metadata={"layout": json.dumps(layout), "version": str(LAYOUT_VERSION)})
+        write_digest(Path(tmp), path)  # checked at every load (sampled) and by `models verify` (whole)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -236,7 +237,10 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
     path = packed_path(model_dir, key_source)
     sweep_stale(path.parent, ".packed-")  # a packing killed mid-write (issue 45, probe F14)
     if path.is_file():
+        problem = digest_problem(path)  # probe F04: damaged data gave NaN logits and token 0 forever
         try:
+            if problem is not None:
+                raise ModelFileError(f"the packed weights {path} {problem}")
             return load_packed(path, cfg, max_seq_len)
         except ModelFileError as e:
             say(f"{e}; packing again")

@@ -292,4 +292,9 @@ def verify(name: str) -> tuple[bool, str]:
     problem = cached_library_problem()
     if problem is not None:
         return False, f"{name}: weights ok, but {problem}"
+    for packed in sorted((cache_dir() / "packed").glob(f"{name}-*.safetensors")):  # the int4 forms (probe F25)
+        problem = store.digest_problem(packed, full=True)
+        if problem is not None:
+            return False, (f"{name}: weights ok, but the packed int4 weights {packed} {problem}; they are packed "
+                           "again at the next load")
     return True, f"{name}: ok (sha256 {got[:16]}..., {n} tensors in {target})"

@@ -248,6 +248,57 @@ def dir_size(path: Path) -> int:
 
 
 # --------------------------------------------------------------------------- checksums
+DIGEST_SAMPLES = 64  # evenly spaced windows of DIGEST_SAMPLE_BYTES: a load's quick check of a large file
+DIGEST_SAMPLE_BYTES = 1 << 16
+
+
+def sampled_sha256(path: Path) -> str:
+    """The sha256 of a file's size and of ``DIGEST_SAMPLES`` windows spread evenly over it (a few MB
+    read: milliseconds). Any damage longer than the gap between windows (the file's size / 64)
+    changes it; ``file_sha256`` catches the rest."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(DIGEST_SAMPLES):
+            f.seek(i * size // DIGEST_SAMPLES)
+            h.update(f.read(DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".digest.json")
+
+
+def write_digest(written: Path, final: Path) -> None:
+    """Record the digests of ``written`` (a finished temporary file) for ``final`` (where it is about to
+    be renamed): size, sampled and full sha256. Written first, so a file is never in place without."""
+    record = {"size": written.stat().st_size, "sampled": sampled_sha256(written), "sha256": _plain_sha256(written)}
+    atomic_write(digest_path(final), json.dumps(record))
+
+
+def _plain_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digest_problem(path: Path, full: bool = False) -> str | None:
+    """Why ``path`` is not the file whose digest was recorded beside it (None: it is): no digest, another
+    size, other sampled windows, or (``full``) another sha256 of the whole file."""
+    try:
+        record = json.loads(digest_path(path).read_text())
+        size = path.stat().st_size
+    except (OSError, ValueError):
+        return "has no readable digest (written by an earlier version, or damaged)"
+    if not isinstance(record, dict) or record.get("size") != size:
+        return f"is {size} bytes, not the {record.get('size') if isinstance(record, dict) else '?'} its digest records"
+    if sampled_sha256(path) != record.get("sampled") or (full and _plain_sha256(path) != record.get("sha256")):
+        return "differs from the bytes written (damaged)"
+    return None
+
+
 def file_sha256(path: Path) -> str:
     """The sha256 of a file (hex), streamed with a progress bar."""
     h = hashlib.sha256()
