@@ -281,3 +281,23 @@ def test_a_runner_loads_a_draft_once(model):
         runner.draft()  # tiny models have no registered pair
     with pytest.raises(InvalidParameterError, match="string"):
         runner.draft(5)
+
+
+def test_a_dropped_model_is_collected_with_its_runner():
+    """Issue 44 (item 8): ``runner_for``'s weak dictionary held its runner, and the runner held the
+    model: every model ever generated with stayed resident with its caches."""
+    import gc
+    import weakref
+
+    import leapdecode
+    from leapdecode.core.runner import runner_for
+    from leapdecode.models.tiny import tiny_loaded
+
+    lm = tiny_loaded(seed=11)
+    leapdecode.generate(lm, "hello", max_new_tokens=4, method="pld")
+    runner = runner_for(lm)
+    assert runner.model is lm and runner.caches_in_use == 0
+    gone_model, gone_runner = weakref.ref(lm), weakref.ref(runner)
+    del lm, runner
+    gc.collect()
+    assert gone_model() is None and gone_runner() is None

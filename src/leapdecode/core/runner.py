@@ -83,8 +83,12 @@ class ModelRunner:
     """Decoding state for one loaded target; see the module docstring."""
 
     def __init__(self, model: "LoadedModel", memory_entries: int = 64, allow_draft_loading: bool = True,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES) -> None:
-        self.model = model
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES, weak_model: bool = False) -> None:
+        # ``weak_model`` (``runner_for``'s runners): the runner does not keep its model alive, so a
+        # model the user drops is collected with its runner and caches (a strong reference here, as
+        # the value of ``_RUNNERS``' weak key, kept every model ever used resident)
+        self._model = None if weak_model else model
+        self._model_ref = weakref.ref(model) if weak_model else None
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.memory = ProposerMemory(memory_entries)
         self.allow_draft_loading = allow_draft_loading
@@ -95,6 +99,15 @@ class ModelRunner:
         self._verify_cost_at = 0.0  # time.monotonic() when _verify_cost was obtained
         self._batch_cost: "BatchCost | None" = None
         self._lock = threading.Lock()
+
+    @property
+    def model(self) -> "LoadedModel":
+        if self._model is not None:
+            return self._model
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError("this runner's model was garbage-collected")
+        return model
 
     def __repr__(self) -> str:
         return f"ModelRunner({self.model.name!r}, drafts={sorted(self._drafts)}, busy_caches={len(self._busy)})"
@@ -207,5 +220,5 @@ def runner_for(model: "LoadedModel | ModelRunner") -> ModelRunner:
     with _RUNNERS_LOCK:
         runner = _RUNNERS.get(model)
         if runner is None:
-            runner = _RUNNERS[model] = ModelRunner(model)
+            runner = _RUNNERS[model] = ModelRunner(model, weak_model=True)
         return runner
