@@ -78,6 +78,9 @@ class _TreeCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.kv.max_len
 
+    def get_max_cache_shape(self) -> int:  # the name transformers 4.54-5.0 require of a layer
+        return self.owner.kv.max_len
+
     def reset(self) -> None:  # the KVCache owns the data; never zero it from here
         raise NotImplementedError("reset the leapdecode KVCache instead")
 
