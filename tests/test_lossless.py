@@ -201,12 +201,13 @@ def check_stats(res, max_new_tokens: int, tree_budget: int | None, method: str, 
     if tree_budget is not None:
         assert max(hist) <= tree_budget
     assert max(hist) <= max(max_new_tokens - 1, 0)
-    if n:
-        assert s["mean_accepted"] == pytest.approx(n / forwards, abs=1e-4)
+    # tokens decided per forward: the kept ones and an end-of-sequence token (vanilla: exactly 1.00)
+    assert s["decided_tokens"] in (n, n + 1) and s["mean_accepted"] == pytest.approx(s["decided_tokens"] / forwards, abs=1e-4)
     if res.finish_reason == "length":
         assert s["mean_accepted"] >= 1
     if method == "vanilla":
         assert set(hist) == {0} and forwards == n + (res.finish_reason == "stop")
+        assert s["mean_accepted"] == 1.0
     assert res.text == model.tokenizer.decode(res.tokens, skip_special_tokens=True)
 
 

@@ -100,8 +100,9 @@ def markdown(summary: dict) -> str:
         "",
         "Speedup (Spec-Bench): mean over prompts of new tokens / wall time, divided by the same "
         "mean for leapdecode's `vanilla` decoding of the same model, dtype and device (per task "
-        "group: over that group's prompts; MT-bench pools its 8 categories). Mean accepted: new "
-        "tokens per target forward pass (1.00 for vanilla; — where the system does not expose it).",
+        "group: over that group's prompts; MT-bench pools its 8 categories). Mean accepted: tokens "
+        "decided per target forward pass, an end-of-sequence token included (1.00 for vanilla; — where "
+        "the system does not expose it).",
     ]
     if s["temperature"] <= 0:
         lines.append(

@@ -64,7 +64,8 @@ def per_prompt(records: list[dict]) -> dict[str, dict[tuple, dict]]:
             agg = {k: first.get(k) for k in ("method", "system", "question_id", "category", "turn")}
             agg["group"] = first.get("group") or group_of(first["category"])
             agg["repeats"] = len(rs)
-            for k in ("new_tokens", "wall_s", "tokens_per_s", "target_forwards", "peak_rss_mb", "peak_gpu_mb"):
+            for k in ("new_tokens", "decided_tokens", "wall_s", "tokens_per_s", "target_forwards", "peak_rss_mb",
+                      "peak_gpu_mb"):
                 agg[k] = _median([r.get(k) for r in rs])
             idents = [r.get("identical") for r in rs if r.get("identical") is not None]
             agg["identical"] = all(idents) if idents else None
@@ -106,6 +107,8 @@ def summarize(records: list[dict], reference: str = REFERENCE, order: list[str] 
             if ck:
                 by_cat[c] = _speedup(prompts, ref, ck)
         new = sum(p["new_tokens"] or 0 for p in prompts.values())
+        decided = sum((p.get("decided_tokens") if p.get("decided_tokens") is not None else p["new_tokens"]) or 0
+                      for p in prompts.values())
         fw = [p["target_forwards"] for p in prompts.values()]
         forwards = sum(fw) if all(f is not None for f in fw) else None
         idents = [p["identical"] for p in prompts.values() if p["identical"] is not None]
@@ -120,7 +123,7 @@ def summarize(records: list[dict], reference: str = REFERENCE, order: list[str] 
             "speedup_by_group": by_group,
             "speedup_by_category": by_cat,
             "tokens_per_s": _mean(p["tokens_per_s"] for p in prompts.values()),
-            "mean_accepted": (new / forwards) if forwards else None,
+            "mean_accepted": (decided / forwards) if forwards else None,  # tokens decided per forward
             "new_tokens": new,
             "wall_s": sum(p["wall_s"] or 0.0 for p in prompts.values()),
             "identical_pct": (100.0 * sum(idents) / len(idents)) if idents else None,

@@ -205,8 +205,11 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                             "wall_s": round(res.wall_s, 5),
                             "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
                             "target_forwards": res.target_forwards,
-                            "mean_accepted": (round(n / res.target_forwards, 4) if res.target_forwards
-                                              else None),
+                            # tokens decided per forward: a leapdecode generation's own count (its
+                            # end-of-sequence token included: vanilla is 1.00), else the new tokens
+                            "decided_tokens": gs.get("decided_tokens", n),
+                            "mean_accepted": (round(gs.get("decided_tokens", n) / res.target_forwards, 4)
+                                              if res.target_forwards else None),
                             "identical": (div is None) if greedy and ref_tokens is not None else None,
                             "first_divergence": div,
                             "finish_reason": res.finish_reason,

@@ -408,6 +408,7 @@ class Generation:
             self._hist: Counter[int] = Counter()
             self._draft_s = self._verify_s = self._constraint_s = 0.0
             self._forwards = self._drafted_steps = self._drafted_accepted = 0
+            self._decided = 0  # tokens the verification forwards decided (an end-of-sequence token too)
             self._tree_rows = 0  # draft nodes put through the target (after grammar pruning)
             self._detok = IncrementalDetokenizer(model.tokenizer)
             self._stops = StopChecker(self.stop)
@@ -574,6 +575,7 @@ class Generation:
                 finish = "length"
                 break
         generated.extend(kept)
+        self._decided += len(kept) + (finish == "stop")  # the end-of-sequence token was decided too
         tokens.extend(verdict.tokens)
         if self._history is not None:
             self._history = torch.tensor(tokens, device=self.model.device)
@@ -643,7 +645,9 @@ class Generation:
             "new_tokens": n,
             "prompt_tokens": len(self.prompt_ids),
             "target_forwards": forwards,
-            "mean_accepted": round(n / forwards, 4) if forwards else 0.0,
+            # tokens decided per decoding forward (vanilla: 1.00, its end-of-sequence token counted too)
+            "mean_accepted": round(self._decided / forwards, 4) if forwards else 0.0,
+            "decided_tokens": self._decided,
             "accept_hist": {str(k): self._hist[k] for k in sorted(self._hist)},
             "tree_rows": self._tree_rows,
             "wall_s": round(wall, 4),
