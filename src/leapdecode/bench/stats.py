@@ -22,6 +22,8 @@ from .workloads import group_of, group_order
 
 REFERENCE = "vanilla"
 
+UNSTEADY = 1.5  # a prompt whose repeats differ by more than this factor in tokens/s is flagged
+
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
     """None when identical, else the index of the first token that differs (a shorter
@@ -67,6 +69,8 @@ def per_prompt(records: list[dict]) -> dict[str, dict[tuple, dict]]:
             for k in ("new_tokens", "decided_tokens", "wall_s", "tokens_per_s", "target_forwards", "peak_rss_mb",
                       "peak_gpu_mb"):
                 agg[k] = _median([r.get(k) for r in rs])
+            rates = [r["tokens_per_s"] for r in rs if r.get("tokens_per_s")]
+            agg["spread"] = max(rates) / min(rates) if len(rates) > 1 else None  # the repeats' fastest / slowest
             idents = [r.get("identical") for r in rs if r.get("identical") is not None]
             agg["identical"] = all(idents) if idents else None
             divs = [r.get("first_divergence") for r in rs if r.get("first_divergence") is not None]
@@ -127,6 +131,8 @@ def summarize(records: list[dict], reference: str = REFERENCE, order: list[str] 
             "new_tokens": new,
             "wall_s": sum(p["wall_s"] or 0.0 for p in prompts.values()),
             "identical_pct": (100.0 * sum(idents) / len(idents)) if idents else None,
+            # prompts whose repeats differ by more than UNSTEADY: a busy machine or a one-off cost was timed
+            "unsteady": [f"{k[0]}/{k[1]}" for k, p in prompts.items() if (p.get("spread") or 0) > UNSTEADY],
             "identical": sum(idents) if idents else None,
             "compared": len(idents),
             "first_divergences": sorted(divs),
