@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from leapdecode.models import qkernel
+from leapdecode.models.store import digest_path, write_digest
 
 pytestmark = pytest.mark.skipif(qkernel.kernel_problem() is not None,
                                 reason=f"no kernel here: {qkernel.kernel_problem()}")
@@ -37,7 +38,7 @@ def cache(tmp_path, monkeypatch):
     def fake_build(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(real, path.with_suffix(".tmp"))
-        qkernel._write_digest(path, qkernel._digest(path.with_suffix(".tmp")))
+        write_digest(path.with_suffix(".tmp"), path)
         os.replace(path.with_suffix(".tmp"), path)
         builds.append(path)
 
@@ -68,7 +69,7 @@ def test_a_damaged_library_is_built_again_not_loaded(cache, damage):
     elif damage == "foreign":
         shutil.copyfile(_libm(), target)
     else:
-        qkernel._digest_path(target).unlink()
+        digest_path(target).unlink()
     assert not qkernel.library_intact(target)
     assert qkernel.cached_library_problem() is not None
     lib = qkernel._open_library()
@@ -94,7 +95,7 @@ def test_a_foreign_library_with_a_forged_digest_is_a_clean_error(cache, monkeypa
     def foreign_build(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(libm, path)
-        qkernel._write_digest(path, qkernel._digest(path))
+        write_digest(path, path)
         builds.append(path)
 
     monkeypatch.setattr(qkernel, "_build", foreign_build)
@@ -179,7 +180,7 @@ def test_a_read_only_cache_builds_the_kernel_elsewhere(cache, monkeypatch, capsy
 BUILDER = """
 import os, shutil, sys, time
 from pathlib import Path
-from leapdecode.models import qkernel
+from leapdecode.models import qkernel, store
 real, count, start = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 def fake_build(path):
     with open(count, "a") as f:
@@ -188,7 +189,7 @@ def fake_build(path):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{os.getpid()}.tmp")
     shutil.copyfile(real, tmp)
-    qkernel._write_digest(path, qkernel._digest(tmp))
+    store.write_digest(tmp, path)
     os.replace(tmp, path)
 qkernel._build = fake_build
 while time.time() < start:

@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 from leapdecode.errors import ModelFileError
 from leapdecode.models import qkernel
+from leapdecode.models.store import digest_path
 from conftest import KERNEL_VARIANTS, build_kernel_variant
 from leapdecode.models.qkernel import MAX_ROWS, BlockWeight, QLinear, QPart, kernel_problem, pack, padded
 
@@ -1031,7 +1032,7 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     assert len(set(objects)) == len(objects) and all(o in links[0].split() for o in objects)
     assert sorted(c.split("-DLD_PART=")[1][0] for c in compiles if "LD_PART" in c) == ["0", "4", "6", "8"]
     # the library and the digest its build recorded (tests/test_kernel_cache.py), nothing else
-    assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name, target.name + ".sha256"]
+    assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name, digest_path(target).name]
 
 
 def test_a_build_keeps_only_the_most_recent_other_libraries(tmp_path, monkeypatch):
@@ -1052,7 +1053,7 @@ def test_a_build_keeps_only_the_most_recent_other_libraries(tmp_path, monkeypatc
     target = kernels / "qgemm-new.so"
     qkernel._build(target)
     kept = sorted(p.name for p in kernels.iterdir())
-    assert kept == sorted([target.name, target.name + ".sha256", "notes.txt", *old[5 - (qkernel.KEEP_BUILDS - 1):]])
+    assert kept == sorted([target.name, digest_path(target).name, "notes.txt", *old[5 - (qkernel.KEEP_BUILDS - 1):]])
 
 
 # every instruction-set path of the kernel sources, whatever this CPU runs: a syntax-only compile

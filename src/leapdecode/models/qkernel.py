@@ -45,7 +45,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .linear import make_linear
-from .store import atomic_write, cache_dir, say, sweep_stale
+from .store import atomic_write, cache_dir, digest_path, digest_problem, say, sweep_stale, write_digest
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
@@ -109,7 +109,7 @@ def _build(target: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=".qgemm-build-", dir=target.parent) as work:
             objects = _compile_parts(cxx, Path(work))
             _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx)
-        _write_digest(target, _digest(Path(tmp)))  # first: a library is never there without its digest
+        write_digest(Path(tmp), target)  # first: a library is never there without its digest
         os.replace(tmp, target)
         _prune_builds(target)
     except (OSError, subprocess.SubprocessError) as e:
@@ -135,34 +135,11 @@ def _prune_builds(target: Path) -> None:
         _discard(p)
 
 
-def _digest(path: Path) -> str:
-    """The sha256 of a file (a ~2 MB library: a few milliseconds)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _digest_path(target: Path) -> Path:
-    return target.with_name(target.name + ".sha256")
-
-
-def _write_digest(target: Path, digest: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".sha256", dir=target.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(digest + "\n")
-    os.replace(tmp, _digest_path(target))
-
-
 def library_intact(target: Path) -> bool:
     """Whether the cached library is the one its build wrote: its sha256 equals the digest recorded
-    beside it (a truncated, zeroed or replaced file, or one without its digest, is not loaded: a
-    damaged shared library can crash the process inside the loader)."""
-    try:
-        return _digest_path(target).read_text().strip() == _digest(target)
-    except OSError:
-        return False
+    beside it (``store.write_digest``; a truncated, zeroed or replaced file, or one without its digest,
+    is not loaded: a damaged shared library can crash the process inside the loader)."""
+    return digest_problem(target, full=True) is None
 
 
 # The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row
@@ -285,7 +262,7 @@ def _open_library() -> ctypes.CDLL:
 
 def _discard(target: Path) -> None:
     """Remove a cached library and its digest (either may be missing)."""
-    for p in (target, _digest_path(target)):
+    for p in (target, digest_path(target)):
         with contextlib.suppress(OSError):
             p.unlink()
 

@@ -272,16 +272,8 @@ def digest_path(path: Path) -> Path:
 def write_digest(written: Path, final: Path) -> None:
     """Record the digests of ``written`` (a finished temporary file) for ``final`` (where it is about to
     be renamed): size, sampled and full sha256. Written first, so a file is never in place without."""
-    record = {"size": written.stat().st_size, "sampled": sampled_sha256(written), "sha256": _plain_sha256(written)}
+    record = {"size": written.stat().st_size, "sampled": sampled_sha256(written), "sha256": file_sha256(written, show=False)}
     atomic_write(digest_path(final), json.dumps(record))
-
-
-def _plain_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def digest_problem(path: Path, full: bool = False) -> str | None:
@@ -294,15 +286,16 @@ def digest_problem(path: Path, full: bool = False) -> str | None:
         return "has no readable digest (written by an earlier version, or damaged)"
     if not isinstance(record, dict) or record.get("size") != size:
         return f"is {size} bytes, not the {record.get('size') if isinstance(record, dict) else '?'} its digest records"
-    if sampled_sha256(path) != record.get("sampled") or (full and _plain_sha256(path) != record.get("sha256")):
+    if sampled_sha256(path) != record.get("sampled") or (full and file_sha256(path, show=False) != record.get("sha256")):
         return "differs from the bytes written (damaged)"
     return None
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file (hex), streamed with a progress bar."""
+def file_sha256(path: Path, show: bool = True) -> str:
+    """The sha256 of a file (hex), streamed (``show``: with a progress bar)."""
     h = hashlib.sha256()
-    with progress(f"hashing {path.name}", path.stat().st_size) as advance, open(path, "rb") as f:
+    bar = progress(f"hashing {path.name}", path.stat().st_size) if show else contextlib.nullcontext(lambda n: None)
+    with bar as advance, open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
             advance(len(chunk))
