@@ -577,7 +577,8 @@ class NativeCausalLM(nn.Module):
         if steps is None or steps.capture != (mode == "graphs"):
             steps = cache.static = StaticSteps(cache, capture=mode == "graphs")
         picked = torch.arange(t)[logits_for if logits_for is not None else slice(None)]
-        owner, several = self.weights_signature(), len(chunks) > 1
+        # what the captured graphs read: only graphs need it (a ~170-entry tuple per forward)
+        owner, several = self.weights_signature() if steps.capture else (), len(chunks) > 1
         logits, states = [], []
         for a, b, rows in chunks:
             positions, _ = cache.plan_append(None if parents is None else parents[a:b], b - a)
@@ -595,14 +596,19 @@ class NativeCausalLM(nn.Module):
         if not logits:
             return torch.zeros(1, 0, self.vocab_size, device=self.device)
         lg = torch.cat(logits) if several else logits[0]
+        if logits_for is None:  # every row: a copy (a graph's output is overwritten by its next replay)
+            return (lg if several else lg.clone())[None]
         return lg[picked.to(lg.device)][None]
 
     norm_rows = staticmethod(rms_norm)  # the decoder's RMSNorm, for the static step's body
 
     def weights_signature(self) -> tuple:
         """The decoder's modules and weights (compared by identity): what a captured forward reads."""
-        return (self.embed.weight, self.lm_head, self.norm,
-                *(m for b in self.layers for m in (*b._modules.values(), *b._parameters.values())))
+        return (self.embed.weight, self.lm_head, self.norm, *self._layer_parts())
+
+    def _layer_parts(self):
+        """Every decoder layer's modules and parameters, in order (what a layer's computation reads)."""
+        return (m for b in self.layers for m in (*b._modules.values(), *b._parameters.values()))
 
     def _layer_stack(self, x: torch.Tensor, cache: KVCache, rows: "QueryRows | None") -> LayerStack | None:
         """The ``LayerStack`` of this model's layers where this forward of one sequence can take it
@@ -618,7 +624,7 @@ class NativeCausalLM(nn.Module):
         """The layers' ``LayerStack`` (None where a layer does not fit it): built on first use, and
         again when a layer's module or weight was replaced (checked by identity: the stack holds
         them, so no id is reused)."""
-        signature = tuple(id(m) for b in self.layers for m in (*b._modules.values(), *b._parameters.values()))
+        signature = tuple(id(m) for m in self._layer_parts())
         if self._stack is None or self._stack[0] != signature:
             cfg = self.cfg
             layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm) for b in self.layers]
