@@ -111,8 +111,7 @@ def summarize(records: list[dict], reference: str = REFERENCE, order: list[str] 
             if ck:
                 by_cat[c] = _speedup(prompts, ref, ck)
         new = sum(p["new_tokens"] or 0 for p in prompts.values())
-        decided = sum((p.get("decided_tokens") if p.get("decided_tokens") is not None else p["new_tokens"]) or 0
-                      for p in prompts.values())
+        decided = sum(p.get("decided_tokens") or p["new_tokens"] or 0 for p in prompts.values())
         fw = [p["target_forwards"] for p in prompts.values()]
         forwards = sum(fw) if all(f is not None for f in fw) else None
         idents = [p["identical"] for p in prompts.values() if p["identical"] is not None]

@@ -198,6 +198,9 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                         div = stats.first_divergence(res.tokens, ref_tokens) if greedy and ref_tokens is not None else None
                         n = res.new_tokens
                         gs = res.extra.get("stats") or {}  # a leapdecode generation's own stats
+                        # tokens decided per forward: a leapdecode generation's own count (its
+                        # end-of-sequence token included: vanilla is 1.00), else the new tokens
+                        decided = gs.get("decided_tokens", n)
                         records.append({
                             "method": r.name, "model": loaded.name, "system": r.system,
                             "question_id": q.question_id, "category": q.category, "group": q.group,
@@ -205,11 +208,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                             "wall_s": round(res.wall_s, 5),
                             "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
                             "target_forwards": res.target_forwards,
-                            # tokens decided per forward: a leapdecode generation's own count (its
-                            # end-of-sequence token included: vanilla is 1.00), else the new tokens
-                            "decided_tokens": gs.get("decided_tokens", n),
-                            "mean_accepted": (round(gs.get("decided_tokens", n) / res.target_forwards, 4)
-                                              if res.target_forwards else None),
+                            "decided_tokens": decided,
+                            "mean_accepted": round(decided / res.target_forwards, 4) if res.target_forwards else None,
                             "identical": (div is None) if greedy and ref_tokens is not None else None,
                             "first_divergence": div,
                             "finish_reason": res.finish_reason,
