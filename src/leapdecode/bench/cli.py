@@ -7,6 +7,7 @@ models on first use, then runs a quick bench on the default model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -41,7 +42,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tree-budget", type=int, help="max drafted tokens verified per step")
     p.add_argument("--peers", default="",
                    help="comma-separated peers: hf (= hf, hf-assisted, hf-pld), llamacpp (= llamacpp, "
-                        "llamacpp-pld), hf-generate (HF's plain generate alone), or single rows")
+                        "llamacpp-pld: llama-cpp-python), llama-server (= llama-server, llama-server-draft, "
+                        "llama-server-ngram: llama.cpp's own server plain, with the draft model's GGUF and with "
+                        "--spec-type ngram-mod; built from source once per machine, ~25 min on 2 cores), "
+                        "hf-generate (HF's plain generate alone), or single rows (e.g. llama-server-ngram-simple)")
     p.add_argument("--workload", help="Spec-Bench-format jsonl, `humaneval`, or `schemastore` (structured "
                                       "output: SchemaStore's real-world JSON schemas, each output constrained "
                                       "to its schema; needs the structured extra) "
@@ -153,6 +157,11 @@ def config_from_args(a: argparse.Namespace):
                 cfg.peers.append("llamacpp")
             except ImportError:
                 pass
+            from .llama_server import ServerUnavailable, server_binary
+
+            with contextlib.suppress(ServerUnavailable):
+                if server_binary() is not None:  # built by an earlier bench: the demo never builds it
+                    cfg.peers.append("llama-server")
         if cfg.workload is None:
             from .workloads import WorkloadError, find_default_workload
 

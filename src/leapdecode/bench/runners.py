@@ -13,7 +13,10 @@ Peers:
   ``prompt_lookup_num_tokens=10``); under a structure, with a logits processor running the same
   grammar engine (``GrammarLogitsProcessor``: llguidance through ``strategies/grammar.py``);
 * ``llamacpp``, ``llamacpp-pld``: llama-cpp-python on the model's GGUF (quantized weights,
-  so its tokens may differ from vanilla's), greedy and with ``LlamaPromptLookupDecoding``.
+  so its tokens may differ from vanilla's), greedy and with ``LlamaPromptLookupDecoding``;
+* ``llama-server``, ``llama-server-draft``, ``llama-server-ngram`` (and ``-ngram-simple``):
+  llama.cpp's own server on the model's GGUF, plain, with the registered draft model's GGUF and
+  with its n-gram drafter (``bench/llama_server.py`` builds it once per machine).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ PEER_FAMILIES = {
     "hf": ["hf", "hf-assisted", "hf-pld"],
     "llamacpp": ["llamacpp", "llamacpp-pld"],
     "hf-generate": ["hf"],  # HF's plain generate alone (``hf`` names the whole family)
+    # llama.cpp's own server, built from source once per machine (bench/llama_server.py)
+    "llama-server": ["llama-server", "llama-server-draft", "llama-server-ngram"],
 }
-PEER_NAMES = list(dict.fromkeys(n for names in PEER_FAMILIES.values() for n in names))
+EXTRA_PEER_ROWS = ["llama-server-ngram-simple"]  # rows named one by one, in no family
+PEER_NAMES = list(dict.fromkeys([*(n for names in PEER_FAMILIES.values() for n in names), *EXTRA_PEER_ROWS]))
 PEERS_INSTALL_HINT = (
     "pip install 'leapdecode[peers]' (builds llama.cpp; on x86 CPUs set "
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" first)'
@@ -446,6 +452,69 @@ class LlamaCppRunner(Runner):
             pass
 
 
+class LlamaServerRunner(Runner):
+    """One configuration of llama.cpp's server (``llama_server.CONFIGS``), started for the bench."""
+
+    system = "llama.cpp"
+
+    def __init__(self, name: str, binary: Path, gguf: Path, n_ctx: int, eos: set[int],
+                 draft_gguf: Path | None = None) -> None:
+        from .llama_server import LlamaServer, free_port, server_command
+
+        super().__init__(torch.device("cpu"))
+        self.name, self.eos = name, set(eos)
+        port = free_port()
+        threads = torch.get_num_threads()  # the threads leapdecode's rows use
+        self.server = LlamaServer(server_command(binary, name, gguf, n_ctx, threads, port, draft_gguf), port)
+
+    def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:
+        from .llama_server import forwards_from_timings
+
+        if structure:
+            raise SkipPeer(f"{self.name}: structured output is not benchmarked on llama.cpp here")
+        out = self.server.complete(prompt_ids, max_new_tokens, temperature, seed)
+        tokens, finish = _strip_eos([int(t) for t in out.get("tokens") or []], self.eos)
+        timings = out.get("timings") or {}
+        extra = {k: timings[k] for k in ("draft_n", "draft_n_accepted") if k in timings}
+        return RunOutput(tokens=tokens, wall_s=0.0, target_forwards=forwards_from_timings(timings),
+                         finish_reason=finish, extra=extra)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _llama_server_peers(names: list[str], loaded, model_arg: str, draft_arg: str | None, n_ctx: int,
+                        say: Callable[[str], None], build: bool) -> list[Runner]:
+    """The llama-server rows: the cached build (built now when ``build``), one server each."""
+    from .llama_server import ServerUnavailable, build_server, server_binary
+
+    try:
+        binary = server_binary()
+        if binary is None and build:
+            binary = build_server(say)
+    except ServerUnavailable as e:
+        say(f"skipping {', '.join(names)}: {e}")
+        return []
+    if binary is None:
+        say(f"skipping {', '.join(names)}: llama.cpp's server is not built on this machine "
+            "(`leapdecode bench --peers llama-server` builds it once)")
+        return []
+    gguf = gguf_path(model_arg, loaded)
+    if gguf is None:
+        say(f"skipping {', '.join(names)}: no GGUF file is known for {model_arg}; pass -m FILE.gguf")
+        return []
+    draft_name = draft_arg if draft_arg is not None else loaded.draft_name
+    draft_gguf = gguf_path(draft_name, None) if draft_name else None
+    runners: list[Runner] = []
+    for n in names:
+        try:
+            runners.append(LlamaServerRunner(n, binary, gguf, n_ctx=n_ctx, eos=set(loaded.eos_token_ids),
+                                             draft_gguf=draft_gguf))
+        except ServerUnavailable as e:
+            say(f"skipping {n}: {e}")
+    return runners
+
+
 # --------------------------------------------------------------------------- peers
 def expand_peers(spec: list[str]) -> list[str]:
     """``hf`` -> hf, hf-assisted, hf-pld; ``llamacpp`` -> llamacpp, llamacpp-pld;
@@ -481,9 +550,13 @@ def gguf_path(model_arg: str, loaded) -> Path | None:
 
 
 def make_peers(names: list[str], loaded, model_arg: str, draft_arg: str | None, n_ctx: int,
-               say: Callable[[str], None]) -> list[Runner]:
-    """Peer runners for ``names`` (expanded); those that cannot run are skipped with one line each."""
+               say: Callable[[str], None], build: bool = True) -> list[Runner]:
+    """Peer runners for ``names`` (expanded); those that cannot run are skipped with one line each.
+    ``build``: build llama.cpp's server now when a llama-server row needs it and none is built."""
     runners: list[Runner] = []
+    server_names = [n for n in names if n.startswith("llama-server")]
+    if server_names:
+        runners += _llama_server_peers(server_names, loaded, model_arg, draft_arg, n_ctx, say, build)
     hf_names = [n for n in names if n.startswith("hf")]
     if hf_names:
         if loaded.path is None:
