@@ -281,7 +281,7 @@ def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], v
     problem = qkernel.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
-    cxx = qkernel._compiler()
+    cxx = qkernel.compiler()
     if cxx is None:
         pytest.skip(f"no C++ compiler to build the {variant} kernel")
     flags = set(qkernel.cpu_flags().split())

@@ -1002,7 +1002,7 @@ def _fake_compiler(tmp_path, monkeypatch, first_lines: str) -> None:
     fake = tmp_path / "fake-cxx"
     fake.write_text(f'#!/bin/sh\n{first_lines}\nfor a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
     fake.chmod(0o755)
-    monkeypatch.setattr(qkernel, "_compiler", lambda: str(fake))
+    monkeypatch.setattr(qkernel, "compiler", lambda: str(fake))
 
 
 def test_a_failing_compiler_is_a_clear_error_and_leaves_no_temp_files(tmp_path, monkeypatch):
@@ -1013,7 +1013,9 @@ def test_a_failing_compiler_is_a_clear_error_and_leaves_no_temp_files(tmp_path, 
     target = tmp_path / "kernels" / "qgemm-test.so"
     with pytest.raises(qkernel.KernelUnavailable, match="fake-cxx failed: qgemm.cpp:1: error: boom"):
         qkernel._build(target)
-    assert sorted(p.name for p in target.parent.iterdir()) == []
+    # only the compiler's output stays, kept for `leapdecode doctor`
+    assert sorted(p.name for p in target.parent.iterdir()) == ["qgemm-test.log"]
+    assert "qgemm.cpp:1: error: boom" in qkernel.build_log(target).read_text()
 
 
 def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
@@ -1022,6 +1024,8 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     log = tmp_path / "calls"
     _fake_compiler(tmp_path, monkeypatch, f'echo "$*" >> {log}')
     target = tmp_path / "kernels" / "qgemm-test.so"
+    target.parent.mkdir()
+    qkernel.build_log(target).write_text("an earlier failure")
     qkernel._build(target)
     calls = log.read_text().splitlines()
     compiles = [c for c in calls if " -c " in c]
@@ -1031,7 +1035,8 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     objects = [c.split(" -o ")[1] for c in compiles]
     assert len(set(objects)) == len(objects) and all(o in links[0].split() for o in objects)
     assert sorted(c.split("-DLD_PART=")[1][0] for c in compiles if "LD_PART" in c) == ["0", "4", "6", "8"]
-    # the library and the digest its build recorded (tests/test_kernel_cache.py), nothing else
+    # the library and the digest its build recorded (tests/test_kernel_cache.py), nothing else (an
+    # earlier failure's log is gone)
     assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name, digest_path(target).name]
 
 
@@ -1069,7 +1074,7 @@ def test_every_path_of_the_kernel_sources_compiles(path, part):
     import platform
     import subprocess
 
-    cxx = qkernel._compiler()
+    cxx = qkernel.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
     x86 = platform.machine().lower() in ("x86_64", "amd64")

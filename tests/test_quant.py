@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import leapdecode
 from leapdecode.errors import InvalidParameterError
 from leapdecode.models import native
+from leapdecode.models.invariance import CASES, TREE, tree_mismatches, tree_vs_sequential
 from leapdecode.models.loader import load
 from leapdecode.models.linear import PackedLinear
 from leapdecode.models.native import ModelConfig, NativeCausalLM
@@ -199,44 +200,8 @@ def test_quantized_linear_rows_do_not_depend_on_the_batch(name, threads):
 
 
 # ------------------------------------------------------------------ 3. whole model
-def _tree_vs_sequential(model, prompt_len: int, parents: list[int], seed: int) -> list[tuple[int, float]]:
-    """Nodes whose logits in one tree forward differ from feeding their path one token at a
-    time (after the same committed prompt): ``(node, max |difference|)``."""
-    g = _gen(seed)
-    prompt = torch.randint(0, 256, (1, prompt_len), generator=g)
-    toks = torch.randint(0, 256, (1, len(parents)), generator=g)
-    cache = model.new_cache(max_len=prompt_len + len(parents) + 8)
-    for chunk in prompt.split(128, dim=1):
-        model.forward(chunk, cache)
-        cache.commit()
-    tree = model.forward(toks, cache, parents=parents)[0]
-    cache.rollback()
-    bad = []
-    for node in range(len(parents)):
-        path, j = [], node
-        while j >= 0:
-            path.append(j)
-            j = parents[j]
-        for j in reversed(path):
-            out = model.forward(toks[:, j : j + 1], cache)[0, 0]
-        cache.rollback()
-        if not torch.equal(out, tree[node]):
-            bad.append((node, (out - tree[node]).abs().max().item()))
-    return bad
-
-
-TREE = [-1, 0, 1, 1, 3, 0, 5, 6, 2, 8]  # branches, and a chain of depth 5
-CASES = [(0, 5), (1, 12), (2, 20), (3, 33), (4, 300), (5, 600), (6, 1100)]  # (seed, prompt length)
-
-
-def _mismatches(model) -> dict:
-    out = {}
-    for seed, prompt_len in CASES:
-        for shape, parents in (("tree", TREE), ("chain", list(range(-1, 7)))):  # a chain: no mask
-            bad = _tree_vs_sequential(model, prompt_len, parents, seed)
-            if bad:
-                out[(prompt_len, shape)] = bad
-    return out
+_tree_vs_sequential = tree_vs_sequential  # (models/invariance.py; names other test files import)
+_mismatches = tree_mismatches
 
 
 def _fp32_attention(q, k, v, attn_mask=None, enable_gqa=False):

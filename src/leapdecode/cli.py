@@ -16,7 +16,7 @@ from .errors import LeapdecodeError
 
 # subcommands that live in their own packages: module exposing add_parser(subparsers)
 PLUGIN_COMMANDS = ["leapdecode.bench.cli", "leapdecode.server.cli", "leapdecode.datastore_cli",
-                   "leapdecode.diffusion.cli", "leapdecode.heads_cli"]
+                   "leapdecode.diffusion.cli", "leapdecode.heads_cli", "leapdecode.doctor"]
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
@@ -43,6 +43,10 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
                    help="native backend: invariant = per-row attention, so a token's logits are the same "
                         "bits in a tree forward as alone (exact speculation together with int8/int4 "
                         "weights); auto (default): invariant with int8/int4 weights, else sdpa")
+    p.add_argument("--require-exact", action="store_true",
+                   help="refuse (exit 2, naming why) a configuration in which speculative methods are not "
+                        "guaranteed to give vanilla's tokens bit for bit: float weights because the int4 kernel "
+                        "cannot build here (no C++ compiler), --attention sdpa, the hf backend, a GPU")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -228,7 +232,7 @@ def load_from_args(a: argparse.Namespace):
     from .models.loader import load
 
     return load(a.model, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights,
-                attention=a.attention)
+                attention=a.attention, require_exact=a.require_exact)
 
 
 def read_stdin_text() -> str:

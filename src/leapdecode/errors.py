@@ -47,3 +47,8 @@ class HeadMismatchError(LeapdecodeError):
 
 class HeadFileError(ModelFileError):
     """A head directory whose manifest or weights are missing, corrupt or unreadable."""
+
+
+class ExactnessError(LeapdecodeError):
+    """``require_exact=True`` (``--require-exact``) on a configuration where speculative output is not
+    guaranteed to be vanilla's bit for bit (the message names why: e.g. the kernel cannot build)."""

@@ -142,6 +142,7 @@ class QualityConfig:
     dtype: str = "auto"
     weights: str = "auto"
     attention: str = "auto"
+    require_exact: bool = False
     device: str = "auto"
     backend: str = "auto"
     draft: str | None = None
@@ -564,7 +565,7 @@ def run_quality(cfg: QualityConfig, console=None, say: Callable[[str], None] | N
         problems[task] = humaneval_problems(cfg.limit) if task == "humaneval" else math_problems(cfg.workload,
                                                                                                   cfg.limit)
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights,
-                  attention=cfg.attention)
+                  attention=cfg.attention, require_exact=cfg.require_exact)
     encoded = {task: [_encode(loaded, p) for p in ps] for task, ps in problems.items()}
     drafts: dict = {}  # drafts and amateurs, loaded once for the bench, before any row runs
     for task in cfg.tasks:
@@ -651,7 +652,7 @@ def main_quality(a) -> int:
                         methods=methods, limit=a.limit, seed=a.seed, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, workload=a.workload,
                         out=a.out or Path("bench_out") / f"{safe}_quality", dtype=a.dtype, weights=a.weights,
-                        attention=a.attention, device=a.device, backend=a.backend, draft=a.draft,
+                        attention=a.attention, require_exact=a.require_exact, device=a.device, backend=a.backend, draft=a.draft,
                         progress=not a.no_progress)
     summary = run_quality(cfg, say=None if a.no_progress else (lambda s: print(s, file=sys.stderr, flush=True)))
     if a.json:

@@ -35,6 +35,7 @@ class BenchConfig:
     dtype: str = "auto"
     weights: str = "auto"
     attention: str = "auto"
+    require_exact: bool = False
     device: str = "auto"
     backend: str = "auto"
     workload: str | None = None
@@ -116,7 +117,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
 
     t_start = time.perf_counter()
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights,
-                  attention=cfg.attention)
+                  attention=cfg.attention, require_exact=cfg.require_exact)
     grammar: dict[str, Any] = {}
     if structured:  # compile every schema once: what the engine supports, and how fast
         questions, grammar = compile_structures(loaded, questions, cfg.categories)
@@ -340,5 +341,8 @@ def structured_rows(records: list[dict], order: list[str]) -> list[dict]:
 
 def batch_invariant(loaded) -> bool:
     """The configuration computes a token's logits with the same bits in a tree forward as
-    alone: quantized weights on the batch-invariant kernels with the invariant attention."""
-    return bool(getattr(loaded.model, "quantization", None)) and getattr(loaded.model, "attention", "") == "invariant"
+    alone (``models/invariance.exactness_problem``): quantized weights on the batch-invariant
+    kernels with the invariant attention."""
+    from ..models.invariance import exactness_problem
+
+    return exactness_problem(loaded.model) is None

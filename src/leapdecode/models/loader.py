@@ -314,6 +314,7 @@ def load(
     max_seq_len: int | None = None,
     weights: str = "auto",
     attention: str = "auto",
+    require_exact: bool = False,
 ) -> LoadedModel:
     """Load a model by registry name, local HF directory, ``.gguf`` path or hub id.
 
@@ -333,6 +334,11 @@ def load(
     ``attention``: ``"auto"`` (``"invariant"`` with int8/int4 weights, else ``"sdpa"``), ``"sdpa"``
     or ``"invariant"`` (native backend only): batch-invariant attention for forwards of up to
     64 tokens (``NativeCausalLM.attention``).
+
+    ``require_exact``: raise ``ExactnessError`` (naming why) instead of loading a configuration in
+    which speculative methods are not guaranteed to give vanilla's tokens bit for bit (float
+    weights because the kernel cannot build here, the sdpa attention, the transformers backend, a
+    GPU); the check comes before the weights are read.
     """
     if attention not in ("auto", "sdpa", "invariant"):
         raise InvalidParameterError(f"unknown attention {attention!r}; use auto, sdpa or invariant")
@@ -353,6 +359,8 @@ def load(
                 f"unknown model {name_or_path!r}: tiny random models are tiny-random or tiny-random:SEED "
                 "(SEED an integer)"
             ) from None
+        if require_exact:
+            _check_exact(True, dev, quantized, attention)
         loaded = tiny_loaded(name_or_path, seed=seed, dtype=dt, device=dev)
         if quantized:
             _quantize(loaded.model, quantized, dev)
@@ -392,6 +400,8 @@ def load(
     gguf = _gguf_of(name_or_path, name)
     if weights == "auto" and auto_weights(dev, backend, gguf, dtype) == "int4":
         quantized = "int4"  # the GGUF's own blocks on the batch-invariant kernel
+    if require_exact:
+        _check_exact(backend == "native", dev, quantized, attention)
     if backend == "native":
         try:
             if quantized == "int4" and block_kernel(dev):
@@ -413,6 +423,20 @@ def load(
         model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path,
                        eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft)
+
+
+def _check_exact(native: bool, device: torch.device, quantized: str | None, attention: str) -> None:
+    """``require_exact``: ``ExactnessError`` where the planned configuration is not batch-invariant,
+    naming why (and why the exact kernel cannot run, where that is the cause)."""
+    from ..errors import ExactnessError
+    from .invariance import configuration_problem
+
+    problem = configuration_problem(native, device, quantized, _attention(attention, quantized))
+    if problem is None:
+        return
+    kernel = exact_kernel_problem(device) if native and not quantized else None
+    raise ExactnessError(f"exactness is not guaranteed: {problem}"
+                         + (f"; the exact int4 kernel cannot run here: {kernel}" if kernel else ""))
 
 
 def _quantize(model, quantized: str, device: torch.device) -> None:

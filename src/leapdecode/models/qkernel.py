@@ -90,7 +90,8 @@ def isa_key() -> str:
     return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler a build would use (``$CXX``, g++, c++, clang++), or None."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return name
@@ -98,7 +99,7 @@ def _compiler() -> str | None:
 
 
 def _build(target: Path) -> None:
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,10 +108,12 @@ def _build(target: Path) -> None:
     say("building the quantized kernel for this CPU (once per machine and version; under a minute)")
     try:
         with tempfile.TemporaryDirectory(prefix=".qgemm-build-", dir=target.parent) as work:
-            objects = _compile_parts(cxx, Path(work))
-            _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx)
+            objects = _compile_parts(cxx, Path(work), target)
+            _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx, target)
         write_digest(Path(tmp), target)  # first: a library is never there without its digest
         os.replace(tmp, target)
+        with contextlib.suppress(OSError):
+            build_log(target).unlink(missing_ok=True)  # an earlier failure's output is history now
         _prune_builds(target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot build the kernel: {e}") from None
@@ -149,7 +152,7 @@ PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD
          (SOURCE, ("-DLD_PART=8",)), (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
 
 
-def _compile_parts(cxx: str, work: Path) -> list[str]:
+def _compile_parts(cxx: str, work: Path, target: Path) -> list[str]:
     """Compile every part of ``PARTS`` to an object file in ``work``, all at once; returns their paths."""
     flags = [f for f in CXXFLAGS if f != "-shared"]
     jobs = []
@@ -163,7 +166,7 @@ def _compile_parts(cxx: str, work: Path) -> list[str]:
         for _, err, proc in jobs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode != 0:
-                raise KernelUnavailable(f"{cxx} failed: {_last_line(err.read_text(), proc.returncode)}")
+                raise KernelUnavailable(f"{cxx} failed: {_last_line(_keep_log(err.read_text(), target), proc.returncode)}")
     finally:
         for _, _, proc in jobs:
             if proc.poll() is None:
@@ -172,10 +175,23 @@ def _compile_parts(cxx: str, work: Path) -> list[str]:
     return [obj for obj, _, _ in jobs]
 
 
-def _run(cmd: list[str], cxx: str) -> None:
+def _run(cmd: list[str], cxx: str, target: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if proc.returncode != 0:
-        raise KernelUnavailable(f"{cxx} failed: {_last_line(proc.stderr, proc.returncode)}")
+        raise KernelUnavailable(f"{cxx} failed: {_last_line(_keep_log(proc.stderr, target), proc.returncode)}")
+
+
+def build_log(target: Path | None = None) -> Path:
+    """Where the compiler's output of the last failed build of ``target`` (default: this machine's
+    library) is kept, beside it (for ``doctor``)."""
+    return (target or _target()).with_suffix(".log")
+
+
+def _keep_log(output: str, target: Path) -> str:
+    """Keep a failed build's compiler output in ``build_log(target)`` (where that is writable)."""
+    with contextlib.suppress(OSError):
+        atomic_write(build_log(target), output)
+    return output
 
 
 def _last_line(stderr: str, code: int) -> str:
@@ -200,7 +216,7 @@ def _target() -> Path:
 def build_in_background() -> None:
     """Start building the kernel library in a background thread where it is not built yet
     (``load`` calls this before a model's first conversion: the ~1 minute compile overlaps it)."""
-    if os.environ.get("LEAPDECODE_NO_QKERNEL") or _compiler() is None or _target().is_file():
+    if os.environ.get("LEAPDECODE_NO_QKERNEL") or compiler() is None or _target().is_file():
         return
     threading.Thread(target=kernel_problem, name="leapdecode-kernel-build", daemon=True).start()
 
@@ -339,6 +355,21 @@ def kernel_problem() -> str | None:
             raise KernelUnavailable(f"{e} ({REQUIRE_ENV}=1: the kernel is required here)") from None
         return str(e)
     return None
+
+
+def kernel_status() -> dict:
+    """What ``leapdecode doctor`` shows of the kernel: the compiler, where the library is cached
+    (and whether it is built and intact, whether the cache is writable), the code path it runs,
+    and why it cannot run (with the kept compiler output of a failed build)."""
+    target = _target()
+    problem = kernel_problem()
+    log = build_log()
+    return {
+        "compiler": compiler(), "library": str(target), "built": target.is_file(),
+        "intact": target.is_file() and library_intact(target), "cache_writable": _writable(target.parent),
+        "isa": kernel_isa() if problem is None else None, "problem": problem,
+        "build_log": str(log) if log.is_file() else None,
+    }
 
 
 def kernel_isa() -> str:

@@ -238,7 +238,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     settings = ServeSettings(
         model=a.model, load=dict(dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights,
-                                 attention=a.attention),
+                                 attention=a.attention, require_exact=a.require_exact),
         method=a.method, options=options, drafts=a.draft, warmup=not a.no_warmup, threads=a.threads,
         app=dict(api_key=a.api_key, max_queue=a.max_queue, request_timeout=a.request_timeout,
                  max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
