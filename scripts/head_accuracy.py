@@ -1,6 +1,6 @@
 """Teacher-forced top-1 accuracy of the store's (or bundled) EAGLE-3 head on the target's own greedy
 text, per unrolled step (the first, second and third drafted token of a chain), on HumanEval's
-held-apart prompts and on Spec-Bench dev prompts (docs/benchmarks.md section 27).
+held-apart prompts and on Spec-Bench dev prompts (docs/lab-notes/benchmarks.md section 27).
 
     python scripts/head_accuracy.py [--he 3] [--sb 5] [--tokens 96]
     python scripts/head_accuracy.py --head A --head B --per-category 2   # two heads, per Spec-Bench category

@@ -4,6 +4,7 @@
     python scripts/static_step_profile.py MODEL_DIR
 """
 
+import argparse
 import statistics
 import sys
 import time
@@ -26,7 +27,10 @@ def med(fn, n=30):
     return statistics.median(ts[3:]) * 1e3
 
 
-lm = leapdecode.load(sys.argv[1], device="cuda", dtype="bfloat16", backend="native", weights="bf16")
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("model_dir", help="a model directory (scripts/gpu_check.py saves one with random weights)")
+args = parser.parse_args()
+lm = leapdecode.load(args.model_dir, device="cuda", dtype="bfloat16", backend="native", weights="bf16")
 m = lm.model
 m.static_steps = "graphs"
 cache = m.new_cache(max_len=2048)

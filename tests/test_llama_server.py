@@ -123,6 +123,7 @@ def test_a_server_that_dies_at_start_is_one_skip_line(tmp_path, monkeypatch):
     said: list[str] = []
     assert make_peers(["llama-server"], loaded, str(tmp_path / "m.gguf"), None, 512, said.append) == []
     assert said == ["skipping llama-server: llama-server exited with 3: error: failed to load model"]
+    assert llama_server.exit_text(-4) == "was killed by SIGILL"
 
 
 def test_missing_pieces_are_skip_lines(tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ from .errors import LeapdecodeError
 
 # subcommands that live in their own packages: module exposing add_parser(subparsers)
 PLUGIN_COMMANDS = ["leapdecode.bench.cli", "leapdecode.server.cli", "leapdecode.datastore_cli",
-                   "leapdecode.diffusion.cli", "leapdecode.heads_cli", "leapdecode.doctor"]
+                   "leapdecode.diffusion.cli", "leapdecode.heads_cli", "leapdecode.doctor",
+                   "leapdecode.bench.results_page"]
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:

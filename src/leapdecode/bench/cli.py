@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -204,6 +205,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise InvalidParameterError("--strategies and --tasks are for --quality")
     console = Console(stderr=True)
     cfg = config_from_args(a)
+    cfg.command = "leapdecode " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None
     if a.demo:
         console.print(f"leapdecode demo: {cfg.model}, methods {', '.join(cfg.methods)}, peers "
                       f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts of "

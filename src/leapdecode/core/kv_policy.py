@@ -4,7 +4,7 @@ Every other part of leapdecode is exact; these are not.  A policy keeps fewer ke
 than the sequence has (or stores them in fewer bits), so the model attends over an
 approximation of its context and its output can change.  A generation runs without a policy
 unless asked for one (``kv_policy=`` in the API, ``--kv-policy`` on the CLI,
-``"leapdecode": {"kv_policy": ...}`` on the server); docs/benchmarks.md measures what each one
+``"leapdecode": {"kv_policy": ...}`` on the server); docs/lab-notes/benchmarks.md measures what each one
 saves and what it costs in quality.
 
 The policies, from the literature:

@@ -141,7 +141,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, num_sa
     ``torch.multinomial`` draws from (up to the rounding of the cumulative sum), and an index of
     zero weight is never drawn; on a CPU it is ~7x faster for a 50k-token vocabulary (about
     0.15 ms against 1 ms per draw, which was 13% of a batched smollm2-135m step with sampled
-    requests: docs/benchmarks.md section 23)."""
+    requests: docs/lab-notes/benchmarks.md section 23)."""
     single = probs.dim() == 1
     p = probs.reshape(1, -1) if single else probs
     if p.dim() != 2 or p.shape[-1] == 0:

@@ -17,7 +17,7 @@ a 6- or 8-bit integer are exact in fp32):
 
 Any other type (F32, F16, BF16, Q2_K, Q3_K, IQ*) is dequantized with the ``gguf`` package and
 re-quantized to symmetric 8-bit codes in groups of 32 (``requantize_q8``): a near-lossless
-choice that costs 8.5 bits a weight (docs/benchmarks.md).  The block layouts follow ggml's
+choice that costs 8.5 bits a weight (docs/lab-notes/benchmarks.md).  The block layouts follow ggml's
 ``ggml-quants.c`` (``dequantize_row_*``); tests/test_gguf_blocks.py checks every decoder
 against the ``gguf`` package's own dequantization.
 """

@@ -246,7 +246,7 @@ class Block(nn.Module):
         (``[B, kv_heads, n, D]``): the query heads that share a key head go in as that head's rows
         of one call (no mask: they all see the same keys), which on the CPU is ~13x cheaper than
         SDPA's ``enable_gqa`` for a single query (``scripts/attention_call_speed.py``; figures in
-        docs/benchmarks.md section 15)."""
+        docs/lab-notes/benchmarks.md section 15)."""
         b, heads, _, d = q.shape
         kv = keys.shape[1]
         if heads == kv:
@@ -415,7 +415,7 @@ class NativeCausalLM(nn.Module):
         where the invariant attention runs on its kernel (CPU) and no block layer measured faster
         prefilling on its bf16 copy (``QLinear.prefills_on_dense``: e.g. AMX bf16 tiles), which
         only forwards of more than ``DENSE_MIN_ROWS`` rows may use.  Larger forwards would gain only
-        SDPA's attention in place of the kernel's (docs/benchmarks.md section 38)."""
+        SDPA's attention in place of the kernel's (docs/lab-notes/benchmarks.md section 38)."""
         if (self.cut_invariant_tokens == 0 or not self.attention_kernel or self.device.type != "cpu"
                 or self.dtype not in (torch.bfloat16, torch.float32) or kernel_problem() is not None):
             return False

@@ -11,7 +11,7 @@ values to int8 per group of 16/32 columns (``x ~ dx * xq``, ``dx = max|x| / 127`
 products of codes and ``xq`` are exact integers (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw``
 with AVX2, or portable C++: the same bits on each), scaled per group in fp32.  So a layer's output differs from
 ``x @ w.T`` in fp32 by the activation rounding (about 0.5% of its largest output on random
-data; docs/benchmarks.md measures the effect on the model's NLL), and every output element is
+data; docs/lab-notes/benchmarks.md measures the effect on the model's NLL), and every output element is
 computed by the same operations whatever the number of rows: a token's result does not depend
 on how many tokens share the forward (tests/test_qkernel.py checks it bitwise).
 

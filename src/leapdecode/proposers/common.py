@@ -153,7 +153,7 @@ def subset_head(ctx: DecodeContext, draft, size: int, extra: list[int], vocab: i
     views of its packed rows and the extra rows a copy of the 16-row units that hold them, so the
     subset's logits are the target's own logits for those ids, at the quantized kernel's cost
     (qwen2.5-coder-1.5b, 32,768 rows: 0.24-0.5x the bf16 copy's time at 1-4 rows,
-    docs/benchmarks.md section 31), and the head is never
+    docs/lab-notes/benchmarks.md section 31), and the head is never
     dequantized.  Other heads: a bf16 (oneDNN-packed) copy of the base rows."""
     from ..models.linear import make_linear
 

@@ -209,7 +209,7 @@ def _build_vanilla(cfg: VanillaConfig, runner: "ModelRunner") -> None:
 def _same_vocab(draft, runner: "ModelRunner") -> bool:
     """Do the draft and the runner's target share a tokenizer vocabulary?  Compared once per pair
     and runner (``get_vocab`` builds a dict of every token: ~0.2 s for a 152k vocabulary, 18% of a
-    server's time when it was asked for every request; docs/benchmarks.md section 24)."""
+    server's time when it was asked for every request; docs/lab-notes/benchmarks.md section 24)."""
     target = runner.model
     pair, same = runner.memory.get(("same_vocab", id(draft), id(target)), lambda: (
         (draft, target), draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()))
@@ -242,7 +242,7 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
     draft_proposer = None
     # With a trained head the registered draft model is left out (a named one is kept): on a CPU its
     # arm's draft steps cost far more than the head's, and the bandit's tries of it cost more than it
-    # won (docs/benchmarks.md section 22: auto 0.94x with it against sam's 1.09x on Spec-Bench dev,
+    # won (docs/lab-notes/benchmarks.md section 22: auto 0.94x with it against sam's 1.09x on Spec-Bench dev,
     # 1.02x with it against 1.20x without on JSON extraction).
     if cfg.use_draft and (cfg.draft is not None or (runner.model.draft_name and head is None)):
         if cfg.draft is not None:

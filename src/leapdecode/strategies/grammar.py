@@ -4,7 +4,7 @@ The grammar engine is **llguidance** (Microsoft's Rust engine behind Guidance, a
 SGLang and llama.cpp): ``compile_constraint`` turns a JSON schema, a regex or a Lark grammar into a
 ``GrammarConstraint``, the ``core.constraint.Constraint`` the generation loop applies at every
 verified tree row.  Why llguidance and not xgrammar (measured with ``scripts/grammar_engines.py``,
-figures in docs/benchmarks.md): both compute a token mask in about 0.1 ms here, but xgrammar
+figures in docs/lab-notes/benchmarks.md): both compute a token mask in about 0.1 ms here, but xgrammar
 *accepts* schemas whose keywords it does not implement and then produces JSON that does not
 validate, while llguidance refuses them with an error naming the keyword; its compile time is
 also milliseconds where xgrammar took seconds on some SchemaStore schemas.  A clear error beats

@@ -15,7 +15,7 @@
 //                                                       results (all 65536 inputs), the product
 //                                                       rounded once, as torch's bf16 mul
 // Run op by op from Python, the same calls made a 1-token forward of qwen2.5-coder-1.5b 56.2 ms
-// instead of 43.4 on 2 cores (docs/benchmarks.md section 35).
+// instead of 43.4 on 2 cores (docs/lab-notes/benchmarks.md section 35).
 #include <stdint.h>
 #include <vector>
 #include "bf16.h"

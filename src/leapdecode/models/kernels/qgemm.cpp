@@ -447,7 +447,7 @@ __attribute__((always_inline)) static inline void row_blocks(const int8_t* x, co
 // codes and scales are decoded once for all RB rows, so a tree's rows ride on the weights a
 // decoding step streams anyway (every linear layer of qwen2.5-coder-1.5b: 6-16 rows 0.85-0.89x the
 // time of the earlier 4-row passes and memory-resident accumulators, 24-64 rows 0.94-0.98x, 1-4
-// rows the same: docs/benchmarks.md section 30).  Each output goes through exactly the portable path's operations
+// rows the same: docs/lab-notes/benchmarks.md section 30).  Each output goes through exactly the portable path's operations
 // in the same order, so the bits are the same (tests compare them).
 template <int BITS, int GROUP, int SMODE, int RB>
 static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc, int offset,

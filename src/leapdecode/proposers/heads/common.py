@@ -204,7 +204,7 @@ def int8_linear(linear: nn.Linear) -> nn.Module | None:
     (kernels/qgemm.cpp: 8-bit codes in groups of 32, each group with its row's scale) where that
     kernel runs here and the shape fits, else on torch's int8 kernel (``Int8Linear``); None where
     neither can take it.  (On the 2-core AMD EPYC the block kernel ran the EAGLE-3 head's layers of
-    qwen2.5-coder-1.5b in 0.4-0.6x torch's int8 time at 1-4 rows: docs/benchmarks.md section 31.)"""
+    qwen2.5-coder-1.5b in 0.4-0.6x torch's int8 time at 1-4 rows: docs/lab-notes/benchmarks.md section 31.)"""
     n, k = linear.out_features, linear.in_features
     if Int8Linear.unsupported(n, k, linear.weight.device) is not None:
         return None

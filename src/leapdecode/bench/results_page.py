@@ -1,0 +1,281 @@
+"""``leapdecode results``: docs/results.md generated from committed bench summaries.
+
+The page says what holds *now*: one section per machine (its processor, instruction sets, cores),
+and under it the latest bench run of each workload on it: date, commit, the exact command, the
+configuration (weights, attention, whether it is batch-invariant), and one row per runner
+(leapdecode's vanilla and methods, HF ``generate``, llama.cpp plain and speculative) with tokens/s,
+speedup over leapdecode's vanilla, mean accepted tokens per decoding forward and greedy identity
+with vanilla; a plot per run.  Hand-written sections of scripts that are not bench runs (the GPU
+check, the draft head's accuracy) are Markdown files beside the summaries, appended in name order.
+
+The summaries are ``summary.json`` files of ``leapdecode bench``, kept in ``docs/results/``
+(``leapdecode results --add bench_out/RUN/summary.json`` copies one in).  The README's headline
+block (between ``<!-- results:headline -->`` and ``<!-- /results:headline -->``) is rewritten from
+the same summaries; ``--check`` fails when the page or the block is not what the summaries give
+(tests/test_results_page.py runs it on the committed files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from ..errors import InvalidParameterError
+from ..models.store import atomic_write
+
+RESULTS_DIR = Path("docs") / "results"
+PAGE = Path("docs") / "results.md"
+README = Path("README.md")
+HEADLINE_START, HEADLINE_END = "<!-- results:headline -->", "<!-- /results:headline -->"
+PEER_ORDER = ("hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-pld", "llama-server", "llama-server-draft",
+              "llama-server-ngram", "llama-server-ngram-simple")
+DROPPED_KEYS = ("files", "plots")  # paths of the run's own output directory: not part of a result
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "results", help="generate docs/results.md from the bench summaries in docs/results/",
+        description="Generate the results page (docs/results.md) and the README's headline from committed "
+                    "`leapdecode bench` summaries: per machine, the latest run of each workload, with the "
+                    "command, commit, configuration and every runner's tokens/s, speedup, mean accepted and "
+                    "identity with vanilla. Hand-written Markdown sections in the results directory are "
+                    "appended in name order.")
+    p.add_argument("--add", type=Path, action="append", metavar="SUMMARY",
+                   help="copy a bench run's summary.json into the results directory first (repeatable)")
+    p.add_argument("--dir", type=Path, default=RESULTS_DIR, help="the results directory (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=PAGE, help="the page to write (default: %(default)s)")
+    p.add_argument("--readme", default=str(README),
+                   help="README whose headline block is rewritten (default: %(default)s; '' for none)")
+    p.add_argument("--no-plots", action="store_true", help="do not draw the plots (docs/img/results-*.png)")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when the page or the README's headline differs from what the "
+                        "summaries give")
+    p.set_defaults(func=cmd_results)
+    return p
+
+
+# --------------------------------------------------------------------------- reading
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def cpu_of(summary: dict) -> str:
+    """The machine's processor (the part of ``machine`` before the core count)."""
+    return str(summary.get("machine", "unknown machine")).split(",")[0].strip()
+
+
+def workload_name(summary: dict) -> str:
+    w = str(summary.get("workload") or "")
+    return Path(w).stem if ("/" in w or w.endswith(".jsonl")) else (w or "workload")
+
+
+def read_summaries(directory: Path) -> list[dict]:
+    """Every ``*.json`` bench summary in ``directory``; a file that is not one is named."""
+    out = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError(f"{path}: not a bench summary ({e})") from None
+        if not isinstance(s, dict) or not isinstance(s.get("rows"), list) or "machine" not in s:
+            raise InvalidParameterError(f"{path}: not a bench summary (no rows or machine)")
+        s["_file"] = path.name
+        out.append(s)
+    return out
+
+
+def add_summary(source: Path, directory: Path) -> Path:
+    """Copy a bench summary into ``directory`` as ``DATE-CPU-WORKLOAD.json``, without the run's
+    output paths."""
+    try:
+        s = json.loads(Path(source).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidParameterError(f"--add {source}: cannot read a bench summary ({e})") from None
+    if not isinstance(s, dict) or not isinstance(s.get("rows"), list) or "machine" not in s:
+        raise InvalidParameterError(f"--add {source}: not a bench summary (no rows or machine)")
+    for k in DROPPED_KEYS:
+        s.pop(k, None)
+    name = f"{str(s.get('date', ''))[:10]}-{slug(cpu_of(s))}-{slug(workload_name(s))}.json"
+    target = directory / name
+    atomic_write(target, json.dumps(s, indent=1, ensure_ascii=False) + "\n")
+    return target
+
+
+def latest_runs(summaries: list[dict]) -> dict[str, list[dict]]:
+    """Processor -> its latest summary per workload (newest first)."""
+    by: dict[tuple[str, str], dict] = {}
+    for s in summaries:
+        key = (cpu_of(s), workload_name(s))
+        if key not in by or str(s.get("date")) > str(by[key].get("date")):
+            by[key] = s
+    out: dict[str, list[dict]] = {}
+    for (cpu, _), s in sorted(by.items()):
+        out.setdefault(cpu, []).append(s)
+    for runs in out.values():
+        runs.sort(key=lambda s: str(s.get("date")), reverse=True)
+    return out
+
+
+def ordered_rows(summary: dict) -> list[dict]:
+    """vanilla, auto, the other methods by speedup, then the peers in ``PEER_ORDER``."""
+    rows = summary["rows"]
+    ours = [r for r in rows if r.get("system") == "leapdecode"]
+    peers = [r for r in rows if r.get("system") != "leapdecode"]
+    head = [r for name in ("vanilla", "auto") for r in ours if r["name"] == name]
+    rest = sorted((r for r in ours if r not in head), key=lambda r: -(r.get("speedup") or 0))
+    rank = {n: i for i, n in enumerate(PEER_ORDER)}
+    return head + rest + sorted(peers, key=lambda r: rank.get(r["name"], len(rank)))
+
+
+# --------------------------------------------------------------------------- rendering
+def _num(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _row_label(r: dict) -> str:
+    return f"`{r['name']}`"
+
+
+def run_section(s: dict, plot: str | None) -> str:
+    rows = ordered_rows(s)
+    lines = [f"### {workload_name(s)}: {s.get('prompts')} prompts x {s.get('max_new_tokens')} new tokens",
+             "",
+             f"- measured {s.get('date')} on {s.get('machine')}" + (f", commit `{s['commit']}`" if s.get("commit") else ""),
+             f"- model `{s.get('model')}`, weights {s.get('weights')}, attention {s.get('attention')}, "
+             + ("batch-invariant (greedy speculation is exact by construction)" if s.get("batch_invariant")
+                else "**not batch-invariant** (speculative output is not guaranteed identical to vanilla's)"),
+             f"- greedy, {s.get('repeats')} run(s) per prompt (medians); draft model: {s.get('draft') or 'none'}"]
+    if s.get("command"):
+        lines.append(f"- command: `{s['command']}`")
+    lines += ["", "| runner | system | tokens/s | vs vanilla | mean accepted | identical to vanilla |",
+              "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        ident = "" if r.get("identical_pct") is None else f"{r['identical_pct']:.0f}% ({r.get('identical')}/{r.get('compared')})"
+        lines.append(f"| {_row_label(r)} | {r.get('system')} | {_num(r.get('tokens_per_s'), '.1f')} | "
+                     f"{_num(r.get('speedup'), '.2f')}x | {_num(r.get('mean_accepted'), '.2f')} | {ident} |")
+    unsteady = sorted({u for r in rows for u in (r.get("unsteady") or [])}, key=str)
+    if unsteady:
+        lines += ["", f"Unsteady prompts (repeats more than 1.5x apart; the machine was not quiet): "
+                      f"{len(unsteady)}."]
+    skipped = [n for n in s.get("skipped") or [] if n.startswith("skipping")]
+    if skipped:
+        lines += ["", "Runners that could not run: " + "; ".join(n.removeprefix("skipping ") for n in skipped) + "."]
+    if plot:
+        lines += ["", f"![tokens/s of each runner]({plot})"]
+    return "\n".join(lines)
+
+
+def plot_name(s: dict) -> str:
+    return f"results-{slug(cpu_of(s))}-{slug(workload_name(s))}.png"
+
+
+def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool) -> str:
+    parts = ["# Results: what holds now",
+             "",
+             "Generated by `leapdecode results` from the bench summaries in `docs/results/` (do not edit by hand: "
+             "run a bench, `leapdecode results --add bench_out/RUN/summary.json`, commit both). One section per "
+             "machine, the latest run of each workload on it. Speedups are over leapdecode's own vanilla decoding "
+             "in the same run; llama.cpp runs the same GGUF on the same prompt tokens. History lives in "
+             "docs/lab-notes/.",
+             ""]
+    for cpu, runs in latest_runs(summaries).items():
+        flags = runs[0].get("cpu_flags")
+        parts += [f"## {cpu}", ""]
+        if flags is not None:
+            parts += [f"Instruction sets: {' '.join(flags) or 'none of the SIMD ones the kernels use'}.", ""]
+        for s in runs:
+            parts += [run_section(s, f"img/{plot_name(s)}" if plots else None), ""]
+    for name, text in notes:
+        parts += [text.strip(), ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def headline(summaries: list[dict]) -> str:
+    """The README's headline: per machine, the newest run's vanilla, auto and best peers."""
+    lines = []
+    for cpu, runs in latest_runs(summaries).items():
+        s = runs[0]
+        rows = {r["name"]: r for r in s["rows"]}
+        van = rows.get("vanilla")
+        if van is None:
+            continue
+        text = (f"- **{cpu}** ({str(s.get('date'))[:10]}, {workload_name(s)}, {s.get('prompts')} prompts): "
+                f"vanilla {van['tokens_per_s']:.1f} tokens/s")
+        ours = [r for r in s["rows"] if r.get("system") == "leapdecode" and r["name"] != "vanilla"]
+        if ours:
+            best = rows.get("auto") or max(ours, key=lambda r: r.get("speedup") or 0)
+            text += (f"; `{best['name']}` {best['speedup']:.2f}x vanilla"
+                     + (f", {best['identical_pct']:.0f}% identical" if best.get("identical_pct") is not None else ""))
+        cpp = [r for r in s["rows"] if r["name"].startswith("llama-server")]
+        if cpp:
+            fastest = max(cpp, key=lambda r: r.get("tokens_per_s") or 0)
+            text += (f"; llama.cpp's server: {fastest['tokens_per_s']:.1f} tokens/s at best "
+                     f"(`{fastest['name']}`)")
+        lines.append(text + ".")
+    return "\n".join(lines)
+
+
+def replace_headline(readme: str, block: str) -> str:
+    if HEADLINE_START not in readme or HEADLINE_END not in readme:
+        raise InvalidParameterError(f"the README has no {HEADLINE_START} ... {HEADLINE_END} block")
+    head, rest = readme.split(HEADLINE_START, 1)
+    _, tail = rest.split(HEADLINE_END, 1)
+    return f"{head}{HEADLINE_START}\n{block}\n{HEADLINE_END}{tail}"
+
+
+def draw(s: dict, path: Path) -> bool:
+    """A bar chart of each runner's tokens/s (False: matplotlib is not installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = ordered_rows(s)
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    colors = ["#4c72b0" if r.get("system") == "leapdecode" else "#999999" for r in rows]
+    ax.barh([r["name"] for r in rows][::-1], [r.get("tokens_per_s") or 0 for r in rows][::-1], color=colors[::-1])
+    ax.set_xlabel("tokens/s (median per prompt, mean over prompts)")
+    ax.set_title(f"{cpu_of(s)}: {workload_name(s)}, {str(s.get('date'))[:10]}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def cmd_results(a: argparse.Namespace) -> int:
+    directory = a.dir
+    if a.add and not a.check:
+        for src in a.add:
+            print(f"added {add_summary(src, directory)}", file=sys.stderr)
+    if not directory.is_dir():
+        raise InvalidParameterError(f"{directory}: no such results directory")
+    summaries = read_summaries(directory)
+    notes = [(p.name, p.read_text()) for p in sorted(directory.glob("*.md"))]
+    page = render(summaries, notes, plots=not a.no_plots)
+    readme_path = Path(a.readme) if a.readme else None
+    readme_old = readme_path.read_text() if readme_path and readme_path.is_file() else None
+    readme_new = replace_headline(readme_old, headline(summaries)) if readme_old is not None else None
+    if a.check:
+        stale = [str(p) for p, old, new in ((a.out, a.out.read_text() if a.out.is_file() else None, page),
+                                            (readme_path, readme_old, readme_new)) if p and old != new]
+        if stale:
+            print(f"out of date: {', '.join(stale)} (run `leapdecode results`)", file=sys.stderr)
+            return 1
+        return 0
+    atomic_write(a.out, page)
+    if readme_new is not None and readme_new != readme_old:
+        atomic_write(readme_path, readme_new)
+    if not a.no_plots:
+        for runs in latest_runs(summaries).values():
+            for s in runs:
+                if not draw(s, a.out.parent / "img" / plot_name(s)):
+                    print("no plots: matplotlib is not installed (pip install 'leapdecode[bench]')", file=sys.stderr)
+                    break
+    print(f"wrote {a.out}" + (f" and the headline of {readme_path}" if readme_new is not None else ""), file=sys.stderr)
+    return 0

@@ -1,0 +1,93 @@
+"""docs/results.md and the README's headline are what `leapdecode results` makes of the committed
+bench summaries (issue 44 item 2); the generator's own behaviour on made-up summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from leapdecode.bench import results_page
+from leapdecode.cli import main
+from leapdecode.errors import InvalidParameterError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_committed_page_and_headline_match_the_summaries(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert list((ROOT / "docs" / "results").glob("*.json")), "no bench summary is committed"
+    assert main(["results", "--check"]) == 0, "docs/results.md or the README headline is stale: run `leapdecode results`"
+
+
+def _summary(date: str, machine: str, rows: list[tuple], workload="/x/questions_dev.jsonl", **extra) -> dict:
+    return {"machine": f"{machine}, 2 cores, 2 torch threads, torch 2.13.0+cpu", "date": date, "workload": workload,
+            "model": "m", "weights": "int4", "attention": "invariant", "batch_invariant": True, "prompts": 3,
+            "max_new_tokens": 64, "repeats": 2, "draft": "d", "cpu_flags": ["avx2"], "commit": "abc",
+            "command": "leapdecode bench --limit 3", "skipped": ["skipping llama-server-draft: no draft"],
+            "rows": [{"name": n, "system": sys_, "tokens_per_s": t, "speedup": sp, "mean_accepted": ma,
+                      "identical_pct": ip, "identical": 3, "compared": 3, "unsteady": []}
+                     for n, sys_, t, sp, ma, ip in rows], **extra}
+
+
+ROWS = [("llama-server", "llama.cpp", 17.0, 0.85, 1.0, 67.0), ("pld", "leapdecode", 21.0, 1.05, 1.3, 100.0),
+        ("vanilla", "leapdecode", 20.0, 1.0, 1.0, 100.0), ("auto", "leapdecode", 24.0, 1.2, 1.5, 100.0),
+        ("hf", "transformers", 10.0, 0.5, 1.0, 100.0), ("llama-server-ngram", "llama.cpp", 17.5, 0.87, 1.1, 67.0)]
+
+
+def test_page_rows_order_latest_run_and_notes(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "old.json").write_text(json.dumps(_summary("2026-01-01 10:00:00", "CPU A", ROWS[:3])))
+    (d / "new.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS)))
+    (d / "other.json").write_text(json.dumps(_summary("2026-01-15 10:00:00", "CPU B", ROWS[1:3], workload="humaneval")))
+    (d / "zz-gpu.md").write_text("## A hand-written section\n\nfigures\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:headline -->\nold\n<!-- /results:headline -->\nrest\n")
+    out = tmp_path / "results.md"
+    args = ["results", "--dir", str(d), "--out", str(out), "--readme", str(readme), "--no-plots"]
+    assert main(args) == 0
+    page = out.read_text()
+    assert page.index("## CPU A") < page.index("## CPU B") and "2026-01-01" not in page  # the latest run only
+    table = [line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| `")]
+    assert table[:6] == ["`vanilla`", "`auto`", "`pld`", "`hf`", "`llama-server`", "`llama-server-ngram`"]
+    assert "| `auto` | leapdecode | 24.0 | 1.20x | 1.50 | 100% (3/3) |" in page
+    assert "- command: `leapdecode bench --limit 3`" in page and "commit `abc`" in page
+    assert "Runners that could not run: llama-server-draft: no draft." in page
+    assert page.rstrip().endswith("figures")  # the notes come last
+    head = readme.read_text()
+    assert head.startswith("intro\n<!-- results:headline -->\n- **CPU A** (2026-02-01, questions_dev, 3 prompts)")
+    assert "`auto` 1.20x vanilla, 100% identical; llama.cpp's server: 17.5 tokens/s at best (`llama-server-ngram`)" in head
+    assert head.endswith("<!-- /results:headline -->\nrest\n") and "old" not in head
+    assert main([*args, "--check"]) == 0
+    (d / "new.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS[1:])))
+    assert main([*args, "--check"]) == 1  # a changed summary makes the page stale
+    assert out.read_text() == page  # --check writes nothing
+
+
+def test_add_copies_a_summary_without_its_paths(tmp_path):
+    src = tmp_path / "summary.json"
+    src.write_text(json.dumps(_summary("2026-03-04 05:06:07", "Intel(R) Xeon(R) Processor", ROWS,
+                                       files={"report": "/tmp/x"}, plots=["/tmp/p.png"])))
+    d = tmp_path / "results"
+    target = results_page.add_summary(src, d)
+    assert target.name == "2026-03-04-intel-r-xeon-r-processor-questions-dev.json"
+    kept = json.loads(target.read_text())
+    assert "files" not in kept and "plots" not in kept and kept["rows"][0]["name"] == "llama-server"
+
+
+def test_bad_files_are_named(tmp_path, capsys):
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "broken.json").write_text("{")
+    with pytest.raises(InvalidParameterError, match="broken.json: not a bench summary"):
+        results_page.read_summaries(d)
+    assert main(["results", "--dir", str(tmp_path / "none"), "--out", str(tmp_path / "r.md"), "--readme", ""]) == 2
+    assert "no such results directory" in capsys.readouterr().err
+    readme = tmp_path / "R.md"
+    readme.write_text("no block")
+    (d / "broken.json").unlink()
+    assert main(["results", "--dir", str(d), "--out", str(tmp_path / "r.md"), "--readme", str(readme)]) == 2
+    assert "the README has no <!-- results:headline -->" in capsys.readouterr().err
+    assert not (tmp_path / "r.md").exists()  # nothing half-written
