@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -240,9 +241,11 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     wl = write_jsonl(tmp_path / "q.jsonl", SHORT)
     out = tmp_path / "out"
     rc = main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "vanilla,draft", "--draft", "tiny-random:1",
-               "--workload", str(wl), "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--json"])
+               "--workload", str(wl), "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--json",
+               "--repeats", "1"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
+    assert summary["repeats"] == 1
     for f in ("results.jsonl", "summary.json", "report.md", "speedup_by_category.png", "tokens_per_s.png"):
         assert (out / f).is_file(), f
     assert not list(out.glob(".*.tmp"))
@@ -396,3 +399,31 @@ def test_a_prompt_whose_repeats_disagree_is_flagged():
     note = unsteady_note(s["rows"])
     assert note.startswith("**Unsteady prompts**") and "m: 1/1" in note and "vanilla" not in note
     assert unsteady_note([row(s, "vanilla")]) is None
+
+
+def test_no_timed_prompt_pays_a_one_off_cost(tmp_path, monkeypatch):
+    """Issue 44 item 1: a one-off cost that the first long prompt triggers (the prefill path's
+    measurement, dense copies, a draft's lazy prefill) is planted in every runner; the warm-up pays
+    it, so no timed prompt does, although the workload's first prompt is short."""
+    from leapdecode.bench import runners as bench_runners
+
+    planted: list[str] = []
+    real_run = bench_runners.LeapdecodeRunner._run
+
+    def run_with_one_off(self, prompt_ids, *args):
+        if len(prompt_ids) > 64 and not getattr(self, "_paid", False):
+            self._paid = True
+            planted.append(self.name)
+            time.sleep(0.5)
+        return real_run(self, prompt_ids, *args)
+
+    monkeypatch.setattr(bench_runners.LeapdecodeRunner, "_run", run_with_one_off)
+    long_turn = "Summarize this text. " + "The cat sat on the mat near the door. " * 4
+    wl = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "category": "qa", "turns": ["Hi."]},
+                                            {"question_id": 2, "category": "qa", "turns": [long_turn]}])
+    out = tmp_path / "out"
+    assert main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "vanilla,pld", "--workload", str(wl),
+                 "--max-new-tokens", "4", "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    assert planted == ["vanilla", "pld"]  # paid once per runner, in the warm-up
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 2 and max(r["wall_s"] for r in records) < 0.4  # 2 prompts x 2 repeats x 2 rows

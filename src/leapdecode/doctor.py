@@ -22,8 +22,7 @@ import re
 import sys
 import time
 
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-         "amx_bf16")
+from .models.qkernel import ISA_FLAGS as FLAGS  # the instruction sets reported
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

