@@ -175,3 +175,19 @@ def test_damaged_model_files_are_named(tmp_path):
     lm.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidParameterError, match="refused these messages: roles must alternate"):
         encode_prompt(lm, [{"role": "user", "content": "hi"}])
+
+
+def test_an_engine_panic_is_one_line_without_its_backtrace(tiny):
+    """Probe HR21: a schema of 12,000 properties makes the grammar engine panic; the error names the
+    limit in one line, without the Rust backtrace and build paths that a 400 would send a client."""
+    pytest.importorskip("llguidance")
+    from leapdecode.core.runner import ModelRunner
+    from leapdecode.errors import GrammarError
+    from leapdecode.strategies.grammar import compile_constraint
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(12000)}}
+    with pytest.raises(GrammarError) as e:
+        compile_constraint(ModelRunner(tiny(seed=0)), json_schema=schema)
+    msg = str(e.value)
+    assert msg.startswith("the grammar engine failed on it, probably because it is too large")
+    assert "<backtrace>" not in msg and "typeobject.c" not in msg and "\n" not in msg and len(msg) < 300

@@ -194,7 +194,12 @@ def compile_constraint(runner, *, json_schema: Any = None, regex: str | None = N
         raise GrammarError(f"cannot compile the grammar: {out['error']}")
     matcher = out["matcher"]
     if matcher.is_error():
-        detail = " ".join(matcher.get_error().split())[:400] or "unknown error"
+        # the engine's message, without the backtrace (and build paths) of an internal panic (probe HR21)
+        raw = matcher.get_error().split("<backtrace>", 1)[0]
+        detail = " ".join(raw.split())[:400] or "unknown error"
+        if detail.startswith("panic: "):
+            raise GrammarError("the grammar engine failed on it, probably because it is too large (an internal "
+                               f"limit: {detail.removeprefix('panic: ')}); simplify it")
         raise GrammarError(f"the grammar engine refused it: {detail}")
     matcher.compute_bitmask()  # the first mask tells whether anything can be generated at all
     if matcher.is_stopped() and not matcher.is_accepting():
