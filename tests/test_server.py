@@ -528,6 +528,45 @@ def test_tokenization_runs_off_the_event_loop(server, client, monkeypatch):
     assert result["r"].choices[0].finish_reason == "length"
 
 
+def test_a_slow_grammar_holds_no_plain_request_and_preparation_is_bounded(server, client, monkeypatch):
+    """Probe HR22: while a structured request's grammar compiles (held here), a plain request is
+    prepared and answered; requests in preparation count against the limit (a 429 beyond it)."""
+    from leapdecode.strategies import grammar
+
+    entered, release = threading.Event(), threading.Event()
+    real = grammar.compile_constraint
+
+    def slow_compile(*args, **kwargs):
+        entered.set()
+        assert release.wait(60), "never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar, "compile_constraint", slow_compile)
+    preparer = server.app.state.preparer
+    result = {}
+
+    def structured():
+        result["r"] = client.completions.create(model="tiny-random", prompt="Hello", max_tokens=3,
+                                                extra_body={"leapdecode": {"regex": "[ab]+"}})
+
+    t = threading.Thread(target=structured)
+    t.start()
+    try:
+        assert entered.wait(60)
+        plain = client.completions.create(model="tiny-random", prompt="Hi", max_tokens=3)
+        assert plain.choices[0].finish_reason == "length"  # answered while the grammar compiles
+        assert preparer.pending == 1
+        preparer.limit = 1
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny-random", prompt="Hi", max_tokens=3)
+        assert e.value.code == "queue_full" and int(e.value.response.headers["retry-after"]) >= 1
+    finally:
+        preparer.limit = server.engine.max_queue
+        release.set()
+        t.join(60)
+    assert set(result["r"].choices[0].text) <= {"a", "b"} and preparer.pending == 0
+
+
 # ---------------------------------------------------------------------------- queue, cancellation, timeout
 def test_queue_full_gives_429_and_disconnects_free_slots(server):
     engine, url = server.engine, server.url

@@ -196,7 +196,7 @@ def test_templates_without_tools_refuse_them(unserved):
     cfg, runner = app.state.config, app.state.runner
 
     def prep(**kw):
-        return prepare_mod.prepare("chat", json.dumps(chat(**kw)).encode(), cfg, runner)
+        return prepare_mod.constrain(prepare_mod.prepare("chat", json.dumps(chat(**kw)).encode(), cfg, runner), runner)
 
     with pytest.raises(ApiError) as e:
         prep(tools=TOOLS)
@@ -215,7 +215,7 @@ def test_prompt_carries_tools_and_past_calls(unserved):
     cfg, runner, tok = app.state.config, app.state.runner, app.state.runner.model.tokenizer
 
     def prompt(**kw):
-        p = prepare_mod.prepare("chat", json.dumps(chat(**kw)).encode(), cfg, runner)
+        p = prepare_mod.constrain(prepare_mod.prepare("chat", json.dumps(chat(**kw)).encode(), cfg, runner), runner)
         return p, tok.decode(p.specs[0].prompt_ids)
 
     p, text = prompt(tools=TOOLS, messages=HISTORY)

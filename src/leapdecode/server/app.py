@@ -157,7 +157,7 @@ def create_app(
     metrics.batch_size = lambda: engine.batch_size
     metrics.kv_cache = lambda: (engine.kv_reserved_bytes, engine.kv_budget_bytes)
     metrics.prefix_cache = runner.prefix_cache.stats
-    preparer = Preparer(cfg, runner)
+    preparer = Preparer(cfg, runner, limit=max_queue, retry_after=engine.retry_after)
     created = int(time.time())
 
     @asynccontextmanager
@@ -171,6 +171,7 @@ def create_app(
     app.router.route_class = ApiRoute
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, cfg
     app.state.model, app.state.runner, app.state.default_config = model, runner, default_config
+    app.state.preparer = preparer
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(StarletteHTTPException)

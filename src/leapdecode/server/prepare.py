@@ -2,7 +2,10 @@
 
 ``read_body`` runs on the event loop (it only moves bytes, and stops at the size limit);
 ``prepare`` does the CPU work (JSON parsing, validation, chat templating, tokenization) and
-runs on a worker thread (``Preparer``), so a large body never stalls the event loop.
+``constrain`` compiles a structured request's grammar, each on its own worker thread
+(``Preparer``), so a large body never stalls the event loop and a slow grammar (a schema of
+thousands of properties compiles for seconds) never delays a plain request (probe HR22).  Requests
+in preparation count against ``--max-queue`` like those waiting for the batch: more get a 429.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Callable, Literal
 
 from fastapi import Request
 
@@ -22,6 +25,7 @@ from ..errors import InvalidParameterError
 from .config import ServerConfig
 from .engine import GenSpec
 from .errors import ApiError, BodyTimeout, BodyTooLarge
+from .exceptions import QueueFullError
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tools import ToolCalling, special_tags, template_supports_tools, tool_call_grammar
 
@@ -40,6 +44,7 @@ class Prepared:
     specs: list[GenSpec]  # one per choice (a search: one per prompt, answering its n choices): prompt-major
     draft: str | None  # the draft model the method uses, if any
     tools: ToolCalling | None = None  # chat with tools: the answers' tool calls are parsed out
+    structure: dict | None = None  # a grammar still to compile (``constrain``) into every spec's constraint
 
     @property
     def n(self) -> int:
@@ -177,29 +182,43 @@ def _specs(req, prompts: list[list[int]], max_new: list[int], runner: ModelRunne
     specs = [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop,
                      kv_policy=req.kv_policy)
              for p, ids in enumerate(prompts) for j in range(n)]
-    structure = req.structure
+    return specs
+
+
+def _structure(req, runner: ModelRunner) -> dict | None:
+    """The grammar a request constrains its output to (``compile_constraint``'s keywords), if any."""
     calling = req.tool_calling if isinstance(req, ChatCompletionRequest) else None
     if calling is not None and calling.constrained:  # tool_choice "required" or a named function
         from ..strategies.grammar import grammar_tokenizer
 
         special = special_tags(runner.model.tokenizer, grammar_tokenizer(runner).is_special_token)
-        structure = {"grammar": tool_call_grammar(calling, special)}
-    if structure:  # compiled here, off the engine thread: a refused grammar is a 400 before queueing
-        from ..strategies.grammar import compile_constraint
+        return {"grammar": tool_call_grammar(calling, special)}
+    return req.structure or None
 
-        param = "response_format" if "json_schema" in structure else f"leapdecode.{next(iter(structure))}"
-        try:
-            first = compile_constraint(runner, **structure)
-        except InvalidParameterError as e:
-            if calling is not None and calling.constrained:
-                raise _tool_schema_error(runner, calling, e) from None
-            raise ApiError(400, str(e), param=param) from None
-        specs = [replace(spec, constraint=first if i == 0 else first.fork()) for i, spec in enumerate(specs)]
-    return specs
+
+def constrain(prep: Prepared, runner: ModelRunner) -> Prepared:
+    """Compile a prepared request's grammar into its specs' constraints (off the engine thread: a
+    refused grammar is a 400 before queueing)."""
+    structure = prep.structure
+    if not structure:
+        return prep
+    from ..strategies.grammar import compile_constraint
+
+    calling = prep.tools
+    param = "response_format" if "json_schema" in structure else f"leapdecode.{next(iter(structure))}"
+    try:
+        first = compile_constraint(runner, **structure)
+    except InvalidParameterError as e:
+        if calling is not None and calling.constrained:
+            raise _tool_schema_error(runner, calling, e) from None
+        raise ApiError(400, str(e), param=param) from None
+    specs = [replace(spec, constraint=first if i == 0 else first.fork()) for i, spec in enumerate(prep.specs)]
+    return replace(prep, specs=specs, structure=None)
 
 
 def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> Prepared:
-    """Parse, validate and tokenize a request (pydantic errors propagate: a 400 naming the field)."""
+    """Parse, validate and tokenize a request (pydantic errors propagate: a 400 naming the field);
+    its grammar, if any, is left in ``structure`` for ``constrain``."""
     body = parse_json(raw)
     model = runner.model
     if kind == "chat":
@@ -252,19 +271,35 @@ def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> P
                             f"{runner.model.backend!r} backend", param="leapdecode.kv_policy")
     return Prepared(kind=kind, request=req, prompt_lens=[len(p) for p in prompts], echo=echo,
                     specs=_specs(req, prompts, max_new, runner), draft=draft_in_use(req.method_config, runner),
-                    tools=req.tool_calling if kind == "chat" else None)
+                    tools=req.tool_calling if kind == "chat" else None, structure=_structure(req, runner))
 
 
 class Preparer:
-    """Runs ``prepare`` off the event loop, on one worker thread (one request's CPU work at a time)."""
+    """Runs ``prepare`` off the event loop on one worker thread, then a structured request's
+    ``constrain`` on another (grammars compile one at a time, beside plain requests' preparation).
+    At most ``limit`` requests are in preparation at once; one more is a ``QueueFullError`` (429
+    with ``retry_after()`` seconds)."""
 
-    def __init__(self, cfg: ServerConfig, runner: ModelRunner) -> None:
-        self.cfg, self.runner = cfg, runner
+    def __init__(self, cfg: ServerConfig, runner: ModelRunner, limit: int,
+                 retry_after: Callable[[], int] = lambda: 1) -> None:
+        self.cfg, self.runner, self.limit, self.retry_after = cfg, runner, limit, retry_after
+        self.pending = 0  # requests in either stage (changed on the event loop only)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-prepare")
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-grammar")
 
     async def __call__(self, kind: Kind, raw: bytes) -> Prepared:
+        if self.pending >= self.limit:
+            raise QueueFullError(self.retry_after(), self.limit)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, prepare, kind, raw, self.cfg, self.runner)
+        self.pending += 1
+        try:
+            prep = await loop.run_in_executor(self._pool, prepare, kind, raw, self.cfg, self.runner)
+            if prep.structure:
+                prep = await loop.run_in_executor(self._grammar_pool, constrain, prep, self.runner)
+            return prep
+        finally:
+            self.pending -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
