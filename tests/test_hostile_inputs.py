@@ -191,3 +191,24 @@ def test_an_engine_panic_is_one_line_without_its_backtrace(tiny):
     msg = str(e.value)
     assert msg.startswith("the grammar engine failed on it, probably because it is too large")
     assert "<backtrace>" not in msg and "typeobject.c" not in msg and "\n" not in msg and len(msg) < 300
+
+
+@pytest.mark.parametrize("structure", [{"regex": "(a{1000}){1000}"}, {"grammar": 'start: "x"{1000000}'}])
+def test_a_grammar_the_engine_cannot_follow_is_a_grammar_error(tiny, structure, capsys, tmp_path):
+    """Probes SO025-SO040 (and the server's HR11, HR17, HR19): a huge repetition compiles, then hits
+    the engine's limits while generating: a GrammarError naming the limit (CLI exit 2), not a
+    RuntimeError traceback."""
+    pytest.importorskip("llguidance")
+    import leapdecode
+    from leapdecode.cli import main
+    from leapdecode.errors import GrammarError
+
+    with pytest.raises(GrammarError, match="hit one of its limits while generating"):
+        leapdecode.generate(tiny(seed=0), "hi", max_new_tokens=8, **structure)
+    flag, value = next(iter(structure.items()))
+    if flag == "grammar":  # --grammar reads a file
+        (tmp_path / "g.lark").write_text(value)
+        value = str(tmp_path / "g.lark")
+    assert main(["generate", "-m", "tiny-random", "--max-new-tokens", "8", f"--{flag}", value, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the grammar engine hit one of its limits while generating" in err and "Traceback" not in err

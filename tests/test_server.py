@@ -528,6 +528,16 @@ def test_tokenization_runs_off_the_event_loop(server, client, monkeypatch):
     assert result["r"].choices[0].finish_reason == "length"
 
 
+def test_a_grammar_the_engine_cannot_follow_is_a_400(client, server):
+    """Probes HR11, HR19: a huge repetition compiles, then hits the grammar engine's limits while
+    generating: a 400 naming it (not a 500), and the server goes on."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-random", prompt="x", max_tokens=6,
+                                  extra_body={"leapdecode": {"regex": "(a{1000}){1000}"}})
+    assert "hit one of its limits while generating" in e.value.message
+    assert client.completions.create(model="tiny-random", prompt="Hi", max_tokens=3).choices[0].text is not None
+
+
 def test_a_slow_grammar_holds_no_plain_request_and_preparation_is_bounded(server, client, monkeypatch):
     """Probe HR22: while a structured request's grammar compiles (held here), a plain request is
     prepared and answered; requests in preparation count against the limit (a 429 beyond it)."""

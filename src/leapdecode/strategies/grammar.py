@@ -76,8 +76,14 @@ class GrammarConstraint(Constraint):
         return self.matcher.validate_tokens([token]) == 1
 
     def push(self, token: int) -> None:
+        """Advance the grammar by ``token`` (one its mask allowed).  A grammar the engine compiled but
+        cannot follow (a huge repetition such as ``a{1000000}`` hits the lexer's or parser's limits
+        only while generating: probes SO025-SO040, HR11, HR17, HR19) is a ``GrammarError``: the
+        request's fault, a 400, never an internal error."""
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"grammar rejected token {token}: {self.matcher.get_error()}")
+            detail = " ".join(self.matcher.get_error().replace("<non-verbose/>", " ").split())[:300]
+            raise GrammarError(f"the grammar engine hit one of its limits while generating ({detail}); simplify "
+                               "the grammar (e.g. smaller repetition counts)")
 
     def pop(self, n: int = 1) -> None:
         if n and not self.matcher.rollback(n):
