@@ -12,6 +12,7 @@ process inside the loader, or leave the test's assertions unmet."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 from pathlib import Path
@@ -309,3 +310,58 @@ def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch,
     with pytest.raises(Repacking):
         blockquant.load_int4(model_dir, "key", None, None)
     assert "packing again" in capsys.readouterr().err and not path.exists()
+
+
+def test_packed_weights_are_keyed_by_the_model_not_the_cache_path(tmp_path, monkeypatch):
+    """Probe F28: a cache moved or copied elsewhere keeps using its packed files (the key is the
+    model's name and source, not the absolute path), and older packed files of a model are pruned."""
+    from leapdecode.models import blockquant
+
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "one" / "models" / "m", tmp_path / "two" / "models" / "m"
+    assert blockquant.packed_path(a, "sha") == blockquant.packed_path(b, "sha")
+    assert blockquant.packed_path(a, "sha") != blockquant.packed_path(a, "other")
+    packed = tmp_path / "cache" / "packed"
+    packed.mkdir(parents=True)
+    old = []
+    for i, key in enumerate(("k1", "k2", "k3")):  # three earlier packings of m, oldest first
+        p = packed / f"m-{key}-int4-v1-isa.safetensors"
+        p.write_bytes(b"x")
+        digest_path(p).write_text("{}")
+        os.utime(p, (1000 + i, 1000 + i))
+        old.append(p)
+    other_model = packed / "m2-k9-int4-v1-isa.safetensors"
+    other_model.write_bytes(b"x")
+    new = blockquant.packed_path(a, "sha")
+    new.write_bytes(b"x")
+    assert blockquant.prune_packed(new) == [old[1], old[0]]
+    assert sorted(p.name for p in packed.glob("*.safetensors")) == sorted([new.name, old[2].name, other_model.name])
+    assert not digest_path(old[0]).exists()
+
+
+def test_packed_weights_that_cannot_be_written_are_used_from_memory(tmp_path, monkeypatch, capsys):
+    """Probes F10e, F12b: a read-only cache or a full disk while writing the packed weights is a
+    warning, and the model runs from memory (it was a traceback)."""
+    from leapdecode.models import blockquant
+    from leapdecode.models.tiny import tiny_config, tiny_native
+
+    if qkernel.kernel_problem() is not None:
+        pytest.skip(f"the block kernel cannot run here: {qkernel.kernel_problem()}")
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    cfg = tiny_config()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "tie_word_embeddings": True}))
+
+    def disk_full(model, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(blockquant.NativeCausalLM, "from_pretrained", lambda *a, **k: tiny_native())
+    monkeypatch.setattr(blockquant, "save_packed", disk_full)
+    model = blockquant.load_int4(model_dir, "key", None, None)
+    assert model.quantization == "int4"
+    assert "warning: cannot keep the packed weights" in capsys.readouterr().err
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))

@@ -32,7 +32,7 @@ from ..errors import ModelFileError
 from .native import NativeCausalLM
 from .qkernel import BlockWeight, QLinear, QPart, isa_key
 from .quant import BLOCK_LINEARS, to_activation_dtype
-from .store import cache_dir, digest_problem, say, sweep_stale, write_digest
+from .store import cache_dir, digest_path, digest_problem, say, sweep_stale, write_digest
 
 LAYOUT_VERSION = 4
 # HF-side pieces of each fused native linear, with their GGUF names
@@ -150,10 +150,34 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
 
 # --------------------------------------------------------------------------- the packed cache
 def packed_path(model_dir: Path, key_source: str) -> Path:
-    """Where the packed form of the model in ``model_dir`` lives (keyed by the model's source,
-    the format's layout version and the CPU's instruction set)."""
-    key = hashlib.sha256(f"{model_dir.resolve()}|{key_source}".encode()).hexdigest()[:16]
+    """Where the packed form of the model in ``model_dir`` lives: keyed by the model's name and
+    source (the converted GGUF's checksum, or its files' sizes and times), the format's layout
+    version and the CPU's instruction set; not by where the cache lies, so a cache that was moved
+    or copied keeps using its packed files (probe F28)."""
+    key = hashlib.sha256(f"{model_dir.name}|{key_source}".encode()).hexdigest()[:16]
     return cache_dir() / "packed" / f"{model_dir.name}-{key}-int4-v{LAYOUT_VERSION}-{isa_key()}.safetensors"
+
+
+KEEP_PACKED = 2  # packed files kept per model name: this one and the most recent other (another source)
+
+
+def prune_packed(path: Path) -> list[Path]:
+    """Remove older packed files of the same model name (other sources, layouts, CPUs, or keys of
+    an earlier scheme), keeping ``path`` and the ``KEEP_PACKED - 1`` most recent others; returns
+    the removed ones (a 1.5B model's packed file is about 1 GB)."""
+    name = path.name.split("-int4-")[0].rsplit("-", 1)[0]
+    others = []
+    for p in path.parent.glob(f"{name}-*-int4-*.safetensors"):
+        if p != path and p.name.split("-int4-")[0].rsplit("-", 1)[0] == name:
+            with contextlib.suppress(OSError):
+                others.append((p.stat().st_mtime, p))
+    removed = []
+    for _, p in sorted(others, reverse=True)[KEEP_PACKED - 1:]:
+        for f in (p, digest_path(p)):
+            with contextlib.suppress(OSError):
+                f.unlink()
+        removed.append(p)
+    return removed
 
 
 def save_packed(model: NativeCausalLM, path: Path) -> None:
@@ -247,10 +271,20 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
             path.unlink(missing_ok=True)
     say(f"packing {model_dir.name} for the int4 kernel (once; cached in {path.parent})")
     model = NativeCausalLM.from_pretrained(model_dir, dtype=torch.float32, max_seq_len=max_seq_len)
-    with (gguf() if gguf is not None else contextlib.nullcontext(None)) as gguf_path:
-        kinds = quantize_native(model, gguf_path)
+    try:
+        with (gguf() if gguf is not None else contextlib.nullcontext(None)) as gguf_path:
+            kinds = quantize_native(model, gguf_path)
+    except OSError as e:  # probe F10e: the GGUF is assembled in the cache, which may be read-only
+        raise ModelFileError(f"cannot read {model_dir.name}'s GGUF blocks to pack them ({e.strerror or e}); "
+                             f"point LEAPDECODE_CACHE at a writable directory") from None
     total = sum(kinds.values()) or 1
     say("weights: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(kinds.items())))
-    save_packed(model, path)
+    try:
+        save_packed(model, path)
+    except Exception as e:  # noqa: BLE001  (probes F10e, F12b: read-only cache, disk full: OSError, SafetensorError)
+        say(f"warning: cannot keep the packed weights in {path.parent} ({type(e).__name__}: {e}); using them "
+            "from memory, and they are packed again at the next load")
+        return model
+    prune_packed(path)
     return model
 
