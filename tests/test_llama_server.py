@@ -74,6 +74,7 @@ def test_commands_of_the_configurations(tmp_path):
     assert ngram[ngram.index("--spec-type") + 1] == "ngram-mod"
     draft = llama_server.server_command(b, "llama-server-draft", m, 4096, 2, 8080, draft_gguf=d)
     assert draft[draft.index("--spec-draft-model") + 1] == str(d)
+    assert draft[draft.index("--spec-type") + 1] == "draft-simple"  # without it the draft is loaded, never used
     assert draft[draft.index("--spec-draft-threads") + 1] == "1"  # on 2 cores the draft gets one thread
     assert llama_server.server_command(b, "llama-server-draft", m, 4096, 8, 1, draft_gguf=d)[-1] == "8"
     with pytest.raises(llama_server.ServerUnavailable, match="draft"):

@@ -52,7 +52,9 @@ REQUEST_TIMEOUT_S = 900.0
 # configurations: the row name -> the server's extra arguments (``{draft}`` is the draft's GGUF)
 CONFIGS: dict[str, list[str]] = {
     "llama-server": [],
-    "llama-server-draft": ["--spec-draft-model", "{draft}", "--spec-draft-threads", "{draft_threads}"],
+    # (the draft model alone is loaded but not used: speculation needs its type named)
+    "llama-server-draft": ["--spec-type", "draft-simple", "--spec-draft-model", "{draft}",
+                           "--spec-draft-threads", "{draft_threads}"],
     "llama-server-ngram": ["--spec-type", "ngram-mod"],
     "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
 }
