@@ -53,6 +53,7 @@ import functools
 import os
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -409,6 +410,33 @@ def test_auto_prefills_its_draft_only_when_the_hybrid_arm_drafts(tiny, env, fres
     res = gen.run()
     assert res.tokens == want.tokens
     assert res.stats["draft_forwards"] > 0 and res.stats["mean_accepted"] > 1.5, res.stats
+
+
+def test_auto_leaves_a_useless_costly_draft(tiny, env, fresh_runner):
+    """Issue 46 item 4, auto never loses: with a draft model that is rarely right (an unrelated
+    model) and costs more than a verification (each drafting step sleeps 20 ms here), auto's
+    bandit stops drafting with it after a short exploration, so auto runs close to vanilla's
+    cost; its tokens are vanilla's."""
+    model = tiny(seed=0)
+    runner = fresh_runner(model, verify_cost="flat", drafts={draft_name("other"): env.drafts["other"]})
+    prompt = "the cat sat on the mat and the dog"
+    want = vanilla(model, prompt, max_new_tokens=96)
+    gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=96,
+                                      options={"draft": draft_name("other"), "use_head": False})
+    draft = gen.proposer.draft
+    assert draft is not None and "hybrid" in gen.proposer.arms
+    propose = draft.propose
+
+    def costly_propose(*args, **kwargs):
+        time.sleep(0.02)
+        return propose(*args, **kwargs)
+
+    draft.propose = costly_propose
+    res = gen.run()
+    assert res.tokens == want.tokens
+    arms = res.stats["auto_arms"]
+    steps = sum(arms.values())
+    assert steps > 30 and arms.get("hybrid", 0) <= 0.25 * steps, arms  # explored, then left
 
 
 def test_rest_datastore_by_path(tiny, env):
