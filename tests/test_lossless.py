@@ -420,8 +420,8 @@ def test_auto_leaves_a_useless_costly_draft(tiny, env, fresh_runner):
     model = tiny(seed=0)
     runner = fresh_runner(model, verify_cost="flat", drafts={draft_name("other"): env.drafts["other"]})
     prompt = "the cat sat on the mat and the dog"
-    want = vanilla(model, prompt, max_new_tokens=96)
-    gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=96,
+    want = vanilla(model, prompt, max_new_tokens=160)
+    gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=160,
                                       options={"draft": draft_name("other"), "use_head": False})
     draft = gen.proposer.draft
     assert draft is not None and "hybrid" in gen.proposer.arms
@@ -436,7 +436,8 @@ def test_auto_leaves_a_useless_costly_draft(tiny, env, fresh_runner):
     assert res.tokens == want.tokens
     arms = res.stats["auto_arms"]
     steps = sum(arms.values())
-    assert steps > 30 and arms.get("hybrid", 0) <= 0.25 * steps, arms  # explored, then left
+    # explored (the bandit tries each arm once per match-length context, 4 of them), then left
+    assert steps >= 10 and 1 <= arms.get("hybrid", 0) <= 5, arms
 
 
 def test_rest_datastore_by_path(tiny, env):

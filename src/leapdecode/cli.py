@@ -389,6 +389,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def cmd_models(a: argparse.Namespace) -> int:
+    from .errors import InvalidParameterError
     from .models import registry
 
     if a.action == "list":
@@ -409,6 +410,12 @@ def cmd_models(a: argparse.Namespace) -> int:
         return 0
     if not a.name:
         raise LeapdecodeError(f"`models {a.action}` needs a model NAME")
+    if a.action == "fetch" and a.repair:
+        ok, message = registry.repair(a.name)
+        print(message)
+        return 0 if ok else 1
+    if a.repair:
+        raise InvalidParameterError("--repair is an option of `models fetch`")
     if a.action == "fetch":
         path = registry.fetch(a.name)
         print(path)
@@ -522,10 +529,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--markdown", action="store_true", help="print the option tables as Markdown")
     st.set_defaults(func=cmd_strategies)
 
-    m = sub.add_parser("models", help="embedded models: list | fetch NAME | verify NAME")
+    m = sub.add_parser("models", help="embedded models: list | fetch NAME [--repair] | verify NAME")
     m.add_argument("action", choices=["list", "fetch", "verify"])
     m.add_argument("name", nargs="?")
     m.add_argument("--json", action="store_true")
+    m.add_argument("--repair", action="store_true",
+                   help="fetch: reinstall damaged weights, convert again a damaged copy, remove damaged packed "
+                        "weights and kernel library, then verify")
     m.set_defaults(func=cmd_models)
 
     for modname in PLUGIN_COMMANDS:

@@ -87,7 +87,7 @@ class _GGUFSource:
             if _matches(permuted, reference):
                 return permuted
         raise ModelFileError(f"{self.path.name}: tensor {name!r} does not match the converted checkpoint "
-                             "(convert the model again: leapdecode models fetch NAME --force)")
+                             "(convert the model again: leapdecode models fetch NAME --repair)")
 
 
 def _heads_for(cfg, gguf_name: str) -> int | None:

@@ -236,6 +236,15 @@ def cached_library_problem() -> str | None:
     return None
 
 
+def discard_cached_library() -> bool:
+    """Remove this machine's cached kernel library if it is damaged (``cached_library_problem``);
+    True when one was removed (``models fetch --repair``)."""
+    if cached_library_problem() is None:
+        return False
+    _discard(_target())
+    return True
+
+
 def _library() -> ctypes.CDLL:
     """The kernel library, built and loaded once per process; a failure is remembered too (raised
     again at once, never retried from a hot path)."""

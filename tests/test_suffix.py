@@ -1,0 +1,146 @@
+"""``method="suffix"`` (proposers/suffix.py): the counted suffix trie against brute force, the
+speculation tree's probabilities, the runner's bounded cross-request memory, and exactness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import leapdecode
+from leapdecode.core.runner import ModelRunner
+from leapdecode.errors import InvalidParameterError
+from leapdecode.proposers.suffix import SuffixMemory, SuffixTrie
+
+docs_strategy = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4)
+
+
+def occurrences(docs: list[list[int]], pattern: tuple[int, ...]) -> int:
+    n = len(pattern)
+    return sum(1 for d in docs for i in range(len(d) - n + 1) if tuple(d[i:i + n]) == pattern)
+
+
+def paths(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
+    """Every root path of the trie and its count."""
+    out, stack = {}, [(0, ())]
+    while stack:
+        v, path = stack.pop()
+        for t, c in trie.children[v].items():
+            out[path + (t,)] = trie.count[c]
+            stack.append((c, path + (t,)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=docs_strategy, depth=st.integers(1, 6), drop=st.integers(0, 3))
+def test_counts_are_the_occurrences_of_every_short_substring(docs, depth, drop):
+    trie = SuffixTrie(depth)
+    for i, d in enumerate(docs):
+        half = len(d) // 2  # documents grow token by token, in two calls here
+        trie.extend(i, d[:half])
+        trie.extend(i, d[half:])
+    want = {tuple(d[i:i + n]): 0 for d in docs for n in range(1, depth + 1) for i in range(len(d) - n + 1)}
+    assert paths(trie) == {p: occurrences(docs, p) for p in want}
+    if drop < len(docs):  # forgetting a document takes back exactly its counts, and frees its nodes
+        trie.remove(drop)
+        rest = [d for i, d in enumerate(docs) if i != drop]
+        want = {tuple(d[i:i + n]) for d in rest for n in range(1, depth + 1) for i in range(len(d) - n + 1)}
+        assert paths(trie) == {p: occurrences(rest, p) for p in want}
+        assert trie.nodes == len(want) + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=docs_strategy, context=st.lists(st.integers(0, 4), min_size=1, max_size=10), longest=st.integers(1, 5))
+def test_match_is_the_longest_suffix_that_occurs(docs, context, longest):
+    trie = SuffixTrie(6)
+    for i, d in enumerate(docs):
+        trie.extend(i, d)
+    node, length = trie.match(context, longest)
+    best = max((n for n in range(1, min(longest, len(context)) + 1)
+                if occurrences(docs, tuple(context[len(context) - n:]))), default=0)
+    assert length == best and (node > 0) == (best > 0)
+
+
+def test_speculation_follows_the_empirical_probabilities():
+    # after "a b": "c" twice, "d" once, and "c" is followed by "e" both times
+    trie = SuffixTrie(6)
+    trie.extend(0, [1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 4, 9])
+    node, length = trie.match([7, 1, 2], 4)
+    assert length == 2
+    nodes, score = trie.speculate(node, max_nodes=8, min_prob=0.0)
+    assert nodes[0] == (3, -1, pytest.approx(2 / 3)) and nodes[1] == (5, 0, pytest.approx(2 / 3))
+    assert (4, -1, pytest.approx(1 / 3)) in nodes
+    assert score == pytest.approx(sum(p for _, _, p in nodes))
+    assert all(parent < i for i, (_, parent, _) in enumerate(nodes))  # parents first
+    assert len(trie.speculate(node, max_nodes=2, min_prob=0.0)[0]) == 2
+    assert [t for t, _, _ in trie.speculate(node, max_nodes=8, min_prob=0.5)[0]][:2] == [3, 5]
+    assert all(p >= 0.5 for _, _, p in trie.speculate(node, max_nodes=8, min_prob=0.5)[0])
+    # the request's own text: its newest occurrence (the suffix being matched) has no continuation yet
+    own = SuffixTrie(6)
+    own.extend(0, [1, 2, 3, 1, 2])
+    node, _ = own.match([1, 2], 4)
+    assert own.speculate(node, 4, 0.0, exclude=1)[0][0] == (3, -1, pytest.approx(1.0))
+    assert own.speculate(node, 4, 0.0)[0][0] == (3, -1, pytest.approx(0.5))
+
+
+def test_memory_is_bounded_and_forgets_the_oldest():
+    mem = SuffixMemory(depth=4, max_tokens=10)
+    for i in range(5):
+        mem.add([10 * i + j for j in range(4)])
+    assert mem.tokens <= 10 and list(mem.order) == [3, 4]
+    assert mem.trie.match([0, 1], 2) == (0, 0) and mem.trie.match([40, 41], 2)[1] == 2
+    mem.add(list(range(100, 125)))  # longer than the whole memory: its end is kept
+    assert mem.tokens == 10 and list(mem.order) == [5]
+
+
+def test_bad_options_are_named():
+    with pytest.raises(InvalidParameterError, match="max_match"):
+        leapdecode.generate(leapdecode.load("tiny-random"), "hi", method="suffix", max_new_tokens=2,
+                            options={"depth": 8, "max_match": 8})
+
+
+PROMPT = "Extract the name and the city: Ada lives in London and likes maths."
+
+
+def test_a_second_similar_request_drafts_from_the_first(tiny):
+    """The cross-request memory: the first request's output is in the runner's memory, so a
+    request whose text runs like it drafts from it (many tokens a forward) where the first could
+    only draft from its own prompt; both give vanilla's tokens."""
+    model = tiny(seed=0)
+    runner = ModelRunner(model)
+    want = leapdecode.generate(model, PROMPT, method="vanilla", max_new_tokens=64)
+    first = leapdecode.generate(runner, PROMPT, method="suffix", max_new_tokens=64)
+    second = leapdecode.generate(runner, PROMPT, method="suffix", max_new_tokens=64)
+    assert first.tokens == want.tokens == second.tokens
+    assert second.stats["suffix_global_drafts"] > 0
+    assert second.stats["mean_accepted"] > max(2.0, first.stats["mean_accepted"] + 0.5), (first.stats, second.stats)
+    assert second.stats["target_forwards"] < first.stats["target_forwards"]
+    other = ModelRunner(model)  # another runner (another server): nothing remembered
+    fresh = leapdecode.generate(other, PROMPT, method="suffix", max_new_tokens=64)
+    assert fresh.stats["suffix_global_drafts"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampling_with_memory_keeps_the_seeded_tokens(tiny, seed):
+    model = tiny(seed=0)
+    runner = ModelRunner(model)
+    kw = dict(max_new_tokens=48, temperature=0.8, seed=seed)
+    want = leapdecode.generate(model, PROMPT, method="vanilla", **kw)
+    for _ in range(2):
+        assert leapdecode.generate(runner, PROMPT, method="suffix", **kw).tokens == want.tokens
+
+
+def test_random_documents_drafts_stay_exact(tiny):
+    """Memory full of unrelated texts (drafts mostly wrong): greedy tokens are still vanilla's."""
+    model = tiny(seed=1)
+    runner = ModelRunner(model)
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "and", "then"]
+    for _ in range(4):
+        text = " ".join(rng.choice(words) for _ in range(30))
+        want = leapdecode.generate(model, text, method="vanilla", max_new_tokens=40)
+        got = leapdecode.generate(runner, text, method="suffix", max_new_tokens=40,
+                                  options={"remember_prompts": True, "min_prob": 0.0})
+        assert got.tokens == want.tokens
