@@ -55,6 +55,7 @@ def test_page_rows_order_latest_run_and_notes(tmp_path):
     assert "| `auto` | leapdecode | 24.0 | 1.20x | 1.50 | 100% (3/3) |" in page
     assert "- command: `leapdecode bench --limit 3`" in page and "commit `abc`" in page
     assert "Runners that could not run: llama-server-draft: no draft." in page
+    assert "Prompts whose repeats" not in page  # none was unsteady
     assert page.rstrip().endswith("figures")  # the notes come last
     head = readme.read_text()
     assert head.startswith("intro\n<!-- results:headline -->\n- **CPU A** (2026-02-01, questions_dev, 3 prompts)")

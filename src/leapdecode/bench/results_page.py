@@ -156,10 +156,10 @@ def run_section(s: dict, plot: str | None) -> str:
         ident = "" if r.get("identical_pct") is None else f"{r['identical_pct']:.0f}% ({r.get('identical')}/{r.get('compared')})"
         lines.append(f"| {_row_label(r)} | {r.get('system')} | {_num(r.get('tokens_per_s'), '.1f')} | "
                      f"{_num(r.get('speedup'), '.2f')}x | {_num(r.get('mean_accepted'), '.2f')} | {ident} |")
-    unsteady = sorted({u for r in rows for u in (r.get("unsteady") or [])}, key=str)
+    unsteady = [f"`{r['name']}` {len(r['unsteady'])}" for r in rows if r.get("unsteady")]
     if unsteady:
-        lines += ["", f"Unsteady prompts (repeats more than 1.5x apart; the machine was not quiet): "
-                      f"{len(unsteady)}."]
+        lines += ["", "Prompts whose repeats were more than 1.5x apart (a busy machine, or a runner that learns "
+                      f"across requests): {', '.join(unsteady)}."]
     skipped = [n for n in s.get("skipped") or [] if n.startswith("skipping")]
     if skipped:
         lines += ["", "Runners that could not run: " + "; ".join(n.removeprefix("skipping ") for n in skipped) + "."]
