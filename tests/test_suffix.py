@@ -96,9 +96,13 @@ def test_memory_is_bounded_and_forgets_the_oldest():
 
 
 def test_bad_options_are_named():
-    with pytest.raises(InvalidParameterError, match="max_match"):
+    with pytest.raises(InvalidParameterError, match="min_prob"):
         leapdecode.generate(leapdecode.load("tiny-random"), "hi", method="suffix", max_new_tokens=2,
-                            options={"depth": 8, "max_match": 8})
+                            options={"min_prob": -1})
+    # a match longer than the stored depth leaves no room for a continuation: it is cut to depth - 1
+    from leapdecode.proposers.suffix import SuffixDecodingProposer
+
+    assert SuffixDecodingProposer(depth=8, max_match=8).max_match == 7
 
 
 PROMPT = "Extract the name and the city: Ada lives in London and likes maths."

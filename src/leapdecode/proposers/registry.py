@@ -104,19 +104,14 @@ class SamConfig(MethodConfig):
 class SuffixConfig(MethodConfig):
     method = "suffix"
     depth: int = option(48, "longest suffix stored per position (match + continuation)", low=2)
-    max_match: int = option(16, "longest suffix of the text matched", low=1)
+    max_match: int = option(16, "longest suffix of the text matched (at most depth - 1: a match needs room for "
+                                "its continuation)", low=1)
     spec_factor: float = option(1.0, "a match of n tokens drafts at most spec_factor x n nodes", low=0,
                                 low_open=True)
     min_prob: float = option(0.1, "no draft node below this empirical path probability", low=0)
     memory_tokens: int = option(200_000, "earlier requests' output tokens the runner keeps (oldest forgotten "
                                          "first)", low=1)
     remember_prompts: bool = option(False, "keep earlier requests' prompts too, not only their outputs")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_match >= self.depth:
-            raise InvalidParameterError(f"option 'max_match' of method 'suffix' ({self.max_match}) must be < depth "
-                                        f"({self.depth}): a match needs room for its continuation")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -209,7 +209,7 @@ class SuffixDecodingProposer(Proposer):
                  remember_prompts: bool = False) -> None:
         super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None else 24)
         self.depth = check_int("depth", depth)
-        self.max_match = check_int("max_match", max_match)
+        self.max_match = min(check_int("max_match", max_match), self.depth - 1)  # room for a continuation
         self.spec_factor, self.min_prob = float(spec_factor), float(min_prob)
         self.memory_tokens = check_int("memory_tokens", memory_tokens)
         self.remember_prompts = remember_prompts
