@@ -170,7 +170,7 @@ def test_a_read_only_cache_builds_the_kernel_elsewhere(cache, monkeypatch, capsy
     import tempfile
 
     target, builds = cache
-    monkeypatch.setattr(qkernel, "_writable", lambda directory: False)
+    monkeypatch.setattr(qkernel, "writable", lambda directory: False)
     monkeypatch.setattr(tempfile, "tempdir", str(target.parent.parent / "tmp"))  # not the machine's /tmp
     lib = qkernel._open_library()
     assert lib.ld_simd() in (0, 1, 2)
@@ -267,7 +267,7 @@ def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch,
 
     from leapdecode.models import blockquant, store
     from leapdecode.models.store import digest_path, digest_problem
-    from leapdecode.models.tiny import tiny_config, tiny_native
+    from leapdecode.models.tiny import tiny_native
 
     monkeypatch.setattr(store, "DIGEST_SAMPLE_BYTES", 16)  # a tiny file: windows with gaps between them
     model = tiny_native(seed=4)
@@ -292,11 +292,7 @@ def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch,
     # load_int4 packs again instead of loading it
     model_dir = tmp_path / "m"
     model_dir.mkdir()
-    cfg = tiny_config()
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "tie_word_embeddings": True}))
+    write_tiny_config(model_dir)
 
     class Repacking(Exception):
         pass
@@ -310,6 +306,17 @@ def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch,
     with pytest.raises(Repacking):
         blockquant.load_int4(model_dir, "key", None, None)
     assert "packing again" in capsys.readouterr().err and not path.exists()
+
+
+def write_tiny_config(model_dir: Path) -> None:
+    """The tiny model's config.json, as a converted model directory holds it."""
+    from leapdecode.models.tiny import tiny_config
+
+    cfg = tiny_config()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "tie_word_embeddings": True}))
 
 
 def test_packed_weights_are_keyed_by_the_model_not_the_cache_path(tmp_path, monkeypatch):
@@ -343,18 +350,14 @@ def test_packed_weights_that_cannot_be_written_are_used_from_memory(tmp_path, mo
     """Probes F10e, F12b: a read-only cache or a full disk while writing the packed weights is a
     warning, and the model runs from memory (it was a traceback)."""
     from leapdecode.models import blockquant
-    from leapdecode.models.tiny import tiny_config, tiny_native
+    from leapdecode.models.tiny import tiny_native
 
     if qkernel.kernel_problem() is not None:
         pytest.skip(f"the block kernel cannot run here: {qkernel.kernel_problem()}")
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "m"
     model_dir.mkdir()
-    cfg = tiny_config()
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "tie_word_embeddings": True}))
+    write_tiny_config(model_dir)
 
     def disk_full(model, path):
         raise OSError(28, "No space left on device")

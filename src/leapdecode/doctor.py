@@ -108,24 +108,13 @@ def collect() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "compiler": qkernel.compiler(),
         "kernel": kernel_status(),
-        "cache": {"dir": str(cache), "writable": _writable(cache)},
+        "cache": {"dir": str(cache), "writable": qkernel.writable(cache)},
         "extras": extras(),
         "llama_server": str(llama) if llama else None,
     }
     report["default"] = invariance_check()
     report["exact"] = report["default"]["problem"] is None and report["default"]["rows_differing"] == 0
     return report
-
-
-def _writable(directory) -> bool:
-    import tempfile
-
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(prefix=".doctor-", dir=directory):
-            return True
-    except OSError:
-        return False
 
 
 def _last_lines(path: str, n: int = 3) -> list[str]:

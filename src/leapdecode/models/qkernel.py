@@ -269,7 +269,7 @@ def _open_library() -> ctypes.CDLL:
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
     target = _target()
     sweep_stale(target.parent, ".qgemm-")  # left by a process that ended mid-build
-    if not (target.is_file() and library_intact(target)) and not _writable(target.parent):
+    if not (target.is_file() and library_intact(target)) and not writable(target.parent):
         fallback = Path(tempfile.gettempdir()) / f"leapdecode-kernels-{os.getuid()}" / target.name
         say(f"the kernel cache {target.parent} is not writable: building the kernel in {fallback.parent} instead")
         target = fallback
@@ -298,7 +298,7 @@ def _discard(target: Path) -> None:
             p.unlink()
 
 
-def _writable(directory: Path) -> bool:
+def writable(directory: Path) -> bool:
     """Whether a file can be created in ``directory`` (made if missing): a read-only cache is not."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,7 @@ def kernel_status() -> dict:
     log = build_log()
     return {
         "compiler": compiler(), "library": str(target), "built": target.is_file(),
-        "intact": target.is_file() and library_intact(target), "cache_writable": _writable(target.parent),
+        "intact": target.is_file() and library_intact(target), "cache_writable": writable(target.parent),
         "isa": kernel_isa() if problem is None else None, "problem": problem,
         "build_log": str(log) if log.is_file() else None,
     }
