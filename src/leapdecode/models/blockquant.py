@@ -165,10 +165,13 @@ def prune_packed(path: Path) -> list[Path]:
     """Remove older packed files of the same model name (other sources, layouts, CPUs, or keys of
     an earlier scheme), keeping ``path`` and the ``KEEP_PACKED - 1`` most recent others; returns
     the removed ones (a 1.5B model's packed file is about 1 GB)."""
-    name = path.name.split("-int4-")[0].rsplit("-", 1)[0]
+    def model_name(p: Path) -> str:  # NAME-KEY-int4-vN-ISA.safetensors -> NAME
+        return p.name.split("-int4-")[0].rsplit("-", 1)[0]
+
+    name = model_name(path)
     others = []
     for p in path.parent.glob(f"{name}-*-int4-*.safetensors"):
-        if p != path and p.name.split("-int4-")[0].rsplit("-", 1)[0] == name:
+        if p != path and model_name(p) == name:
             with contextlib.suppress(OSError):
                 others.append((p.stat().st_mtime, p))
     removed = []

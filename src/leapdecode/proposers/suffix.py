@@ -46,7 +46,6 @@ class SuffixTrie:
         self.depth = depth
         self.children: list[dict[int, int]] = [{}]
         self.count: list[int] = [0]
-        self.parent: list[int] = [-1]
         self.token: list[int] = [-1]
         self.level: list[int] = [0]  # a node's depth
         self._free: list[int] = []
@@ -66,13 +65,12 @@ class SuffixTrie:
         if c is None:
             if self._free:
                 c = self._free.pop()
-                self.children[c], self.count[c], self.parent[c], self.token[c] = {}, 0, v, t
+                self.children[c], self.count[c], self.token[c] = {}, 0, t
                 self.level[c] = self.level[v] + 1
             else:
                 c = len(self.count)
                 self.children.append({})
                 self.count.append(0)
-                self.parent.append(v)
                 self.token.append(t)
                 self.level.append(self.level[v] + 1)
             self.children[v][t] = c
