@@ -401,6 +401,39 @@ def test_a_prompt_whose_repeats_disagree_is_flagged():
     assert unsteady_note([row(s, "vanilla")]) is None
 
 
+def test_repeats_of_a_learning_method_draft_as_the_first_run(tmp_path):
+    """A method that remembers earlier requests' text (suffix) is rewound before each repeat and
+    after the warm-up, so a repeat never drafts from its own first run: both repeats take the same
+    forwards (without the rewind the second copies the first run's output whole)."""
+    turn = "Extract the name and the city: Ada lives in London and likes maths."
+    wl = write_jsonl(tmp_path / "q.jsonl", [{"question_id": i, "category": "qa", "turns": [turn + " " * i]}
+                                            for i in (1, 2)])
+    out = tmp_path / "out"
+    assert main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "vanilla,suffix", "--workload",
+                 str(wl), "--max-new-tokens", "48", "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = {(r["question_id"], r["repeat"]): r for r in records if r["method"] == "suffix"}
+    for q in (1, 2):
+        assert rows[q, 0]["target_forwards"] == rows[q, 1]["target_forwards"], rows
+    # the memory does carry over between prompts: the second prompt drafts from the first's output
+    assert rows[2, 0]["target_forwards"] < rows[1, 0]["target_forwards"], rows
+
+
+def test_similar_workload():
+    from leapdecode.bench.workloads import FUNCTION_DOC_SCHEMA, load_workload
+
+    questions, desc = load_workload("similar")
+    kinds = [q.category for q in questions]
+    assert kinds == ["extract"] * kinds.count("extract") + ["tests"] * kinds.count("tests")
+    assert kinds.count("extract") >= 20 and kinds.count("tests") == 24 and "similar" in desc
+    assert len({q.question_id for q in questions}) == len(questions)
+    for q in questions:
+        if q.category == "extract":
+            assert q.meta["json_schema"] is FUNCTION_DOC_SCHEMA and "`" in q.turns[0] and q.chat
+        else:
+            assert "def " in q.turns[0] and "json_schema" not in q.meta
+
+
 def test_no_timed_prompt_pays_a_one_off_cost(tmp_path, monkeypatch):
     """Issue 44 item 1: a one-off cost that the first long prompt triggers (the prefill path's
     measurement, dense copies, a draft's lazy prefill) is planted in every runner; the warm-up pays

@@ -243,6 +243,17 @@ def test_adjacency_matrix_matches_a_dict(batches, k):
     assert m.n == len(naive)
 
 
+def test_adjacency_matrix_restore_forgets_later_rows():
+    m = AdjacencyMatrix(2, vocab=8)
+    m.update([1, 2], np.array([[3, 4], [5, 6]], dtype=np.int32))
+    snap = m.snapshot()
+    m.update([2, 30, 31], np.array([[7, 7], [1, 1], [2, 2]], dtype=np.int32))  # a new row, a grown table
+    m.restore(snap)
+    assert [m.row(t) for t in (1, 2, 30, 31)] == [[3, 4], [5, 6], None, None] and m.n == 2
+    m.update([30], np.array([[9, 9]], dtype=np.int32))  # still usable after the restore
+    assert m.row(30) == [9, 9]
+
+
 def test_recycling_observe_updates_rows_accepted_path_last():
     prop = TokenRecyclingProposer(k=2, persist=False)
     prop.matrix = AdjacencyMatrix(2, vocab=10)

@@ -95,6 +95,25 @@ def test_memory_is_bounded_and_forgets_the_oldest():
     assert mem.tokens == 10 and list(mem.order) == [5]
 
 
+@settings(max_examples=40, deadline=None)
+@given(before=docs_strategy, after=docs_strategy, cap=st.integers(4, 40))
+def test_restore_puts_the_memory_back(before, after, cap):
+    """What the bench's repeats rely on: after ``restore(snapshot())`` the memory holds exactly the
+    documents (and trie counts) it held, although later documents evicted some of them."""
+    mem = SuffixMemory(depth=3, max_tokens=cap)
+    for d in before:
+        mem.add(d)
+    want_paths, want_order, want_tokens = paths(mem.trie), list(mem.order), mem.tokens
+    snap = mem.snapshot()
+    for d in after:
+        mem.add(d)
+    mem.restore(snap)
+    assert (paths(mem.trie), list(mem.order), mem.tokens) == (want_paths, want_order, want_tokens)
+    kept = [mem.trie.docs[d] for d in mem.order]
+    for pattern in want_paths:
+        assert want_paths[pattern] == occurrences(kept, pattern)
+
+
 def test_bad_options_are_named():
     with pytest.raises(InvalidParameterError, match="min_prob"):
         leapdecode.generate(leapdecode.load("tiny-random"), "hi", method="suffix", max_new_tokens=2,
@@ -134,6 +153,22 @@ def test_sampling_with_memory_keeps_the_seeded_tokens(tiny, seed):
     want = leapdecode.generate(model, PROMPT, method="vanilla", **kw)
     for _ in range(2):
         assert leapdecode.generate(runner, PROMPT, method="suffix", **kw).tokens == want.tokens
+
+
+def test_a_rewound_runner_drafts_as_the_first_time(tiny):
+    """``ProposerMemory.restore``: after a rewind the same request drafts exactly as its first run did
+    (the bench's repeats), not from its own earlier output."""
+    model = tiny(seed=0)
+    runner = ModelRunner(model)
+    leapdecode.generate(runner, "A different text about Paris and Rome.", method="suffix", max_new_tokens=32)
+    mark = runner.memory.snapshot()
+    first = leapdecode.generate(runner, PROMPT, method="suffix", max_new_tokens=64)
+    runner.memory.restore(mark)
+    again = leapdecode.generate(runner, PROMPT, method="suffix", max_new_tokens=64)
+    assert again.tokens == first.tokens
+    assert again.stats["target_forwards"] == first.stats["target_forwards"]
+    unrewound = leapdecode.generate(runner, PROMPT, method="suffix", max_new_tokens=64)
+    assert unrewound.stats["target_forwards"] < first.stats["target_forwards"]
 
 
 def test_random_documents_drafts_stay_exact(tiny):

@@ -48,9 +48,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "llama-server-ngram: llama.cpp's own server plain, with the draft model's GGUF and with "
                         "--spec-type ngram-mod; built from source once per machine, ~25 min on 2 cores), "
                         "hf-generate (HF's plain generate alone), or single rows (e.g. llama-server-ngram-simple)")
-    p.add_argument("--workload", help="Spec-Bench-format jsonl, `humaneval`, or `schemastore` (structured "
-                                      "output: SchemaStore's real-world JSON schemas, each output constrained "
-                                      "to its schema; needs the structured extra) "
+    p.add_argument("--workload", help="Spec-Bench-format jsonl, `humaneval`, `humaneval-heldout`, `schemastore` "
+                                      "(structured output: SchemaStore's real-world JSON schemas, each output "
+                                      "constrained to its schema; needs the structured extra), or `similar` "
+                                      "(many requests of one kind in a row, for cross-request memory: "
+                                      "standard-library docs as JSON of one schema, pytest tests of HumanEval "
+                                      "functions) "
                                       "(default: shared/data/spec_bench/questions_dev.jsonl)")
     p.add_argument("--json-object", action="store_true",
                    help="structured output: constrain every output to a JSON object (e.g. with "

@@ -167,6 +167,15 @@ class Runner:
     def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:  # pragma: no cover
         raise NotImplementedError
 
+    def mark(self) -> Any:
+        """What the runner has learned from earlier requests' text, for ``rewind``; None where it
+        cannot be put back (a peer's server)."""
+        return None
+
+    def rewind(self, mark: Any) -> None:
+        """Forget the text of the requests since ``mark``: a repeat of a request, and the first timed
+        run of the warm-up's prompt, never draft from that request's own earlier output."""
+
     def close(self) -> None:
         pass
 
@@ -223,6 +232,12 @@ class LeapdecodeRunner(Runner):
             name = getattr(self.config, "draft", None) or loaded.draft_name
             if "draft" in fields and name is not None and name not in drafts:
                 drafts[name] = self.runner.draft(name)
+
+    def mark(self) -> Any:
+        return self.runner.memory.snapshot()
+
+    def rewind(self, mark: Any) -> None:
+        self.runner.memory.restore(mark)
 
     def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:
         from ..api import start_generation

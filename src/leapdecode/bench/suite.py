@@ -174,6 +174,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         (questions[0], encode_turn(loaded, questions[0], [], questions[0].turns[0]))
     for r in list(runners):
         try:
+            mark = r.mark()
             r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed, structure_of(warm_q))
         except LeapdecodeError:
             raise
@@ -182,6 +183,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                 raise
             note(f"skipping {r.name}: warm-up failed ({type(e).__name__}: {e})")
             runners.remove(r)
+            continue
+        r.rewind(mark)  # the warm-up prompt is timed later: its text is not in a memory then
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,12 +215,15 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                 n_before = len(records)
                 done_before = progress.tasks[0].completed
                 failed = None
+                marks = {r.name: r.mark() for r in runners}
                 for rep in range(cfg.repeats):
                     if failed:
                         break
                     seed = None if greedy else cfg.seed * 1_000_003 + n_prompt * 101 + rep
                     for r in list(runners):
                         progress.update(task, description=f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
+                        if rep:
+                            r.rewind(marks[r.name])  # a repeat drafts from what the first run could
                         try:
                             res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed, structure_of(q))
                         except LeapdecodeError:

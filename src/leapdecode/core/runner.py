@@ -73,6 +73,22 @@ class ProposerMemory:
         with self._lock:
             self._entries.clear()
 
+    def snapshot(self) -> dict[Any, Any]:
+        """The state of every entry that remembers content (it has ``snapshot``/``restore``: a
+        suffix memory, an adjacency matrix); statistics (bandits, acceptance rates) are not kept."""
+        with self._lock:
+            return {k: v.snapshot() for k, v in self._entries.items() if hasattr(v, "restore")}
+
+    def restore(self, snap: dict[Any, Any]) -> None:
+        """Put the content memories back as ``snap`` found them; one created since is emptied
+        by dropping it."""
+        with self._lock:
+            for k in [k for k, v in self._entries.items() if hasattr(v, "restore") and k not in snap]:
+                del self._entries[k]
+            for k, state in snap.items():
+                if k in self._entries:
+                    self._entries[k].restore(state)
+
 
 def slot_len(model: "LoadedModel", max_len: int) -> int:
     """The length of the cache ``acquire_cache`` hands out for ``max_len`` tokens."""

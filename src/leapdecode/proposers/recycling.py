@@ -103,6 +103,16 @@ class AdjacencyMatrix:
     def nbytes(self) -> int:
         return int(self.slot.nbytes + self.rows.nbytes)
 
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """The matrix as it is now, for ``restore`` (the bench repeats a request from one state)."""
+        return self.slot.copy(), self.rows[: self.n].copy()
+
+    def restore(self, snap: tuple[np.ndarray, np.ndarray]) -> None:
+        slot, rows = snap
+        self.slot, self.n = slot.copy(), len(rows)
+        self.rows = np.zeros((max(64, len(rows)), self.k), dtype=np.int32)
+        self.rows[: self.n] = rows
+
     def row(self, token: int) -> list[int] | None:
         if token >= len(self.slot):
             return None

@@ -103,20 +103,11 @@ class SuffixTrie:
             for t in text[start:start + self.depth]:
                 c = self.children[v][t]
                 self.count[c] -= 1
-                v = c
-        self._prune(0)
-
-    def _prune(self, v: int) -> None:
-        """Free the nodes under ``v`` whose count is zero (iteratively)."""
-        stack = [v]
-        while stack:
-            u = stack.pop()
-            for t, c in list(self.children[u].items()):
-                if self.count[c] <= 0:
-                    del self.children[u][t]
+                if self.count[c] <= 0:  # counts fall with depth: the whole subtree is unused now
+                    del self.children[v][t]
                     self._release(c)
-                else:
-                    stack.append(c)
+                    break
+                v = c
 
     def _release(self, v: int) -> None:
         stack = [v]
@@ -184,6 +175,23 @@ class SuffixMemory:
         self.order: OrderedDict[int, int] = OrderedDict()  # document -> its length, oldest first
         self.tokens = 0
         self._ids = itertools.count()
+
+    def snapshot(self) -> list[tuple[int, list[int]]]:
+        """What the memory holds now, to be put back by ``restore`` (cheap: references to the
+        documents' token lists, which never change once added)."""
+        return [(doc, self.trie.docs[doc]) for doc in self.order]
+
+    def restore(self, snap: list[tuple[int, list[int]]]) -> None:
+        """Forget what was added since ``snap`` was taken and take back what it evicted (the bench
+        repeats a request from the same memory, so no repeat drafts from its own earlier run)."""
+        keep = dict(snap)
+        for doc in [d for d in self.order if d not in keep]:
+            self.trie.remove(doc)
+        for doc, tokens in snap:
+            if doc not in self.trie.docs:
+                self.trie.extend(doc, tokens)
+        self.order = OrderedDict((doc, len(tokens)) for doc, tokens in snap)
+        self.tokens = sum(self.order.values())
 
     def add(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)[-self.max_tokens:]  # a document longer than the memory: its end
