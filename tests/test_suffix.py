@@ -171,6 +171,37 @@ def test_a_rewound_runner_drafts_as_the_first_time(tiny):
     assert unrewound.stats["target_forwards"] < first.stats["target_forwards"]
 
 
+def test_auto_memory_arm_drafts_from_earlier_requests(tiny):
+    """``auto`` with ``use_memory``: its first request adds its output to the runner's memory, and a
+    second request of the same kind drafts from it (the memory arm wins steps and saves forwards)
+    with vanilla's tokens; the memory is the one ``method="suffix"`` uses on that runner."""
+    model = tiny(seed=0)
+    runner = ModelRunner(model)
+    want = leapdecode.generate(model, PROMPT, method="vanilla", max_new_tokens=64)
+    opts = {"use_memory": True}
+    first = leapdecode.generate(runner, PROMPT, method="auto", options=opts, max_new_tokens=64)
+    second = leapdecode.generate(runner, PROMPT, method="auto", options=opts, max_new_tokens=64)
+    assert first.tokens == want.tokens == second.tokens
+    assert "memory" not in first.stats["auto_arms"] and second.stats["auto_arms"].get("memory", 0) > 0
+    assert second.stats["target_forwards"] < first.stats["target_forwards"], (first.stats, second.stats)
+    assert (first.stats["auto_memory_tokens"], second.stats["auto_memory_tokens"]) == (64, 128)  # outputs only
+    shared = leapdecode.generate(runner, PROMPT, method="suffix", max_new_tokens=64)
+    assert shared.stats["suffix_global_drafts"] > 0 and shared.tokens == want.tokens
+    plain = leapdecode.generate(ModelRunner(model), PROMPT, method="auto", max_new_tokens=64)
+    assert "auto_memory_tokens" not in plain.stats  # off by default
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_auto_memory_arm_keeps_the_seeded_tokens(tiny, seed):
+    model = tiny(seed=0)
+    runner = ModelRunner(model)
+    kw = dict(max_new_tokens=48, temperature=0.8, seed=seed)
+    want = leapdecode.generate(model, PROMPT, method="vanilla", **kw)
+    for _ in range(3):
+        got = leapdecode.generate(runner, PROMPT, method="auto", options={"use_memory": True}, **kw)
+        assert got.tokens == want.tokens
+
+
 def test_random_documents_drafts_stay_exact(tiny):
     """Memory full of unrelated texts (drafts mostly wrong): greedy tokens are still vanilla's."""
     model = tiny(seed=1)

@@ -17,6 +17,12 @@ Arms (each one proposes a whole tree for one step):
   the target's states from every verification forward (also on steps another arm drafted, so
   its context stays current; its acceptance counters then include those steps); an EAGLE head
   fuses and feeds them only when it next drafts, in one call;
+* ``memory`` - with ``use_memory``: the runner's memory of earlier requests' outputs (the global
+  tree of "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications" (Oliaro
+  et al., 2024), ``suffix.py``), offered on a step where the text's last tokens occur in it at
+  least as long as in the request itself and at least ``MEMORY_MIN_MATCH`` tokens: many requests
+  of one kind (an extraction pipeline, an agent loop) draft from what the earlier ones wrote.
+  Every generation's output is added to that memory at its end (bounded, LRU);
 * ``none`` - no draft (a vanilla step), so auto can never lose much to vanilla decoding.
 
 Without a trained head (or with ``use_head=False``) the arms and behaviour are as before.
@@ -54,6 +60,9 @@ from typing import Any
 from ..core.tree import TokenTree
 from ..core.proposer import DecodeContext, Proposer
 from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
+from .suffix import SuffixDecodingProposer
+
+MEMORY_MIN_MATCH = 4  # the memory arm is offered where its match is at least this long
 
 
 def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
@@ -116,13 +125,16 @@ class AutoProposer(Proposer):
 
     def __init__(self, draft_proposer: Proposer | None = None, tree_budget: int | None = None,
                  sam_len: int = 16, sam_only_match: int = MATCH_BUCKETS[3], explore: float = 0.15,
-                 discount: float = 0.99, head_proposer: Proposer | None = None) -> None:
+                 discount: float = 0.99, head_proposer: Proposer | None = None,
+                 memory_proposer: SuffixDecodingProposer | None = None) -> None:
         self.sam_only_match = sam_only_match
         self.sam = SuffixAutomatonProposer(draft_len=sam_len)
         self.draft = draft_proposer
         self.head = head_proposer  # over a trained head
+        self.memory = memory_proposer  # earlier requests' outputs (``local=False``: the memory alone)
         self.arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) \
-            + (["head"] if head_proposer is not None else []) + ["none"]
+            + (["head"] if head_proposer is not None else []) + (["memory"] if memory_proposer is not None else []) \
+            + ["none"]
         self.discount, self.explore = discount, explore
         self.bandit: BanditStats | None = None  # the runner's, shared by this target's generations
         self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) \
@@ -158,17 +170,23 @@ class AutoProposer(Proposer):
             self.draft.begin(ctx, tokens)
         if self.head is not None:
             self.head.begin(ctx, tokens)
+        if self.memory is not None:
+            self.memory.begin(ctx, tokens)
         self._pending = None
 
-    def _arms_for(self, match_len: int) -> list[str]:
+    def _arms_for(self, match_len: int, memory_len: int) -> list[str]:
         """SAM Decoding's rule: past ``sam_only_match`` matched tokens the automaton's draft is
         used alone (a long match is cheap and rarely wrong); below it the bandit decides,
         trying the arm the match length suggests first.  Where the automaton sizes its chains by
         cost (greedy with a measured profile) it drafts nothing when nothing is worth its rows, so
-        the ``none`` arm is left out: it could only take steps away from chains worth drafting."""
+        the ``none`` arm is left out: it could only take steps away from chains worth drafting.
+        The memory arm is offered only where the memory matches at least ``MEMORY_MIN_MATCH``
+        tokens and no fewer than the request's own text."""
         arms = self.bandit.arms
         if self.sam.sizes_by_cost:
             arms = [a for a in arms if a != "none"]
+        if "memory" in arms and (memory_len < MEMORY_MIN_MATCH or memory_len < match_len):
+            arms = [a for a in arms if a != "memory"]
         if match_len >= self.sam_only_match:
             return ["sam"]
         if match_len >= MATCH_BUCKETS[2]:
@@ -192,8 +210,9 @@ class AutoProposer(Proposer):
         self.sam.sync(tokens)
         found = self.sam.matches()
         match_len = found[0][0] if found else 0
+        memory_len = self.memory.memory_match(tokens) if self.memory is not None else 0
         ctx = match_bucket(match_len)
-        arm = self.bandit.choose(ctx, self._arms_for(match_len))
+        arm = self.bandit.choose(ctx, self._arms_for(match_len, memory_len))
         self._arm, self._ctx = arm, ctx
         self._uses[arm] = self._uses.get(arm, 0) + 1
         self._draft_live = False
@@ -201,6 +220,8 @@ class AutoProposer(Proposer):
             return TokenTree()
         if arm == "sam":
             return self.sam.propose(tokens, budget)
+        if arm == "memory":
+            return self.memory.propose(tokens, budget)
         chain = found[0][2] if found else []
         if chain:  # as much of the automaton's continuation as is worth verifying on its own
             chain = chain[: self.sam.worth_drafting(match_len, len(chain))]
@@ -220,6 +241,8 @@ class AutoProposer(Proposer):
             self.draft.observe(tokens, tree, verdict, logits)
         if self.head is not None:
             self.head.observe(tokens, tree, verdict, logits, hidden)
+        if self.memory is not None:
+            self.memory.observe(tokens, tree, verdict, logits)  # the text so far: what ``end`` remembers
         self._t_end = time.perf_counter()
 
     def end(self) -> None:
@@ -228,6 +251,8 @@ class AutoProposer(Proposer):
             self.draft.end()
         if self.head is not None:
             self.head.end()
+        if self.memory is not None:
+            self.memory.end()  # this generation's output joins the memory
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self.bandit.snapshot()}
@@ -235,4 +260,6 @@ class AutoProposer(Proposer):
             out.update(self.draft.stats())
         if self.head is not None:
             out.update(self.head.stats())
+        if self.memory is not None:
+            out["auto_memory_tokens"] = self.memory.stats()["suffix_memory_tokens"]
         return out

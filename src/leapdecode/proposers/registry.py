@@ -20,6 +20,7 @@ from .common import AUTO_DRAFT_WINDOW, CONTEXT_WINDOW, DRAFT_VOCAB, HEAD_WEIGHTS
 if TYPE_CHECKING:
     from ..core.proposer import Proposer
     from ..core.runner import ModelRunner
+    from .suffix import SuffixDecodingProposer
 
 
 
@@ -70,6 +71,8 @@ class AutoConfig(MethodConfig):
     discount: float = option(0.99, "per-step discount of the bandit's evidence", low=0, low_open=True, high=1)
     use_head: bool = option(True, "a head arm when the store holds a trained head for the target "
                                   "(eagle3, eagle, hydra, medusa: the first found)")
+    use_memory: bool = option(False, "a memory arm: earlier requests' outputs on this runner (suffix's "
+                                     "cross-request memory, its defaults), where they match the text")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,9 +272,11 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
         if dm is not None and _same_vocab(dm, runner):
             draft_proposer = DraftModelProposer(dm, tree_budget=cfg.tree_budget, context_window=AUTO_DRAFT_WINDOW,
                                                 defer_prefill=True)  # a generation may never use the arm
+    # the memory arm: suffix's defaults, so auto and suffix on one runner share one memory
+    memory = _build_suffix(SuffixConfig(tree_budget=cfg.tree_budget), runner, local=False) if cfg.use_memory else None
     return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
                         sam_only_match=cfg.sam_only_match, explore=cfg.explore, discount=cfg.discount,
-                        head_proposer=head)
+                        head_proposer=head, memory_proposer=memory)
 
 
 AUTO_HEAD_KINDS = ("eagle3", "eagle", "hydra", "medusa")  # auto's preference among the stored heads
@@ -314,12 +319,13 @@ def _build_sam(cfg: SamConfig, runner: "ModelRunner") -> "Proposer":
                                    corpus_tokens=cfg.corpus_tokens)
 
 
-def _build_suffix(cfg: SuffixConfig, runner: "ModelRunner") -> "Proposer":
+def _build_suffix(cfg: SuffixConfig, runner: "ModelRunner", local: bool = True) -> "SuffixDecodingProposer":
     from .suffix import SuffixDecodingProposer
 
     return SuffixDecodingProposer(tree_budget=cfg.tree_budget, depth=cfg.depth, max_match=cfg.max_match,
                                   spec_factor=cfg.spec_factor, min_prob=cfg.min_prob,
-                                  memory_tokens=cfg.memory_tokens, remember_prompts=cfg.remember_prompts)
+                                  memory_tokens=cfg.memory_tokens, remember_prompts=cfg.remember_prompts,
+                                  local=local)
 
 
 def _build_recycling(cfg: RecyclingConfig, runner: "ModelRunner") -> "Proposer":

@@ -212,13 +212,16 @@ class SuffixDecodingProposer(Proposer):
 
     def __init__(self, tree_budget: int | None = None, depth: int = 48, max_match: int = 16,
                  spec_factor: float = 1.0, min_prob: float = 0.1, memory_tokens: int = 200_000,
-                 remember_prompts: bool = False) -> None:
+                 remember_prompts: bool = False, local: bool = True) -> None:
+        """``local=False``: draft from the memory alone, never from the request's own text (``auto``'s
+        memory arm: its automaton covers the request; no per-request trie is built)."""
         super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None else 24)
         self.depth = check_int("depth", depth)
         self.max_match = min(check_int("max_match", max_match), self.depth - 1)  # room for a continuation
         self.spec_factor, self.min_prob = float(spec_factor), float(min_prob)
         self.memory_tokens = check_int("memory_tokens", memory_tokens)
         self.remember_prompts = remember_prompts
+        self.use_local = local
         self.memory: SuffixMemory | None = None
         self.local: SuffixTrie | None = None
         self._fed = self._prompt_len = 0
@@ -230,12 +233,20 @@ class SuffixDecodingProposer(Proposer):
         self.memory = ctx.remember(("suffix", "memory", self.depth, self.memory_tokens),
                                    lambda: SuffixMemory(self.depth, self.memory_tokens))
         self.local = SuffixTrie(self.depth)
-        self.local.extend("request", tokens)
+        if self.use_local:
+            self.local.extend("request", tokens)
         self._fed = self._prompt_len = len(tokens)
         self._tokens = list(tokens)
 
+    def memory_match(self, tokens: list[int]) -> int:
+        """The length of the longest suffix of ``tokens`` (at most ``max_match``) that occurs in the
+        memory; 0 before ``begin`` or with an empty memory."""
+        if self.memory is None or not self.memory.tokens:
+            return 0
+        return self.memory.trie.match(tokens, self.max_match)[1]
+
     def _sync(self, tokens: list[int]) -> None:
-        if len(tokens) > self._fed:
+        if len(tokens) > self._fed and self.use_local:
             self.local.extend("request", tokens[self._fed:])
             self._fed = len(tokens)
         self._tokens = tokens
@@ -255,7 +266,8 @@ class SuffixDecodingProposer(Proposer):
             return tree
         # the request's own trie holds the text up to the root, the matched suffix's own occurrence
         # included: it has no continuation yet, so it is left out of the match's count
-        local, local_score = self._candidate(self.local, tokens, budget, own_text=True)
+        local, local_score = self._candidate(self.local, tokens, budget, own_text=True) if self.use_local \
+            else ([], 0.0)
         glob, glob_score = (self._candidate(self.memory.trie, tokens, budget, own_text=False)
                             if self.memory.tokens else ([], 0.0))
         nodes, source = (glob, "suffix-global") if glob_score > local_score else (local, "suffix-local")
