@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import InvalidParameterError
 from ..models.store import atomic_write
+from .workloads import DEFAULT_WORKLOAD_REL
 
 RESULTS_DIR = Path("docs") / "results"
 PAGE = Path("docs") / "results.md"
@@ -69,7 +70,7 @@ def cpu_of(summary: dict) -> str:
 
 def workload_name(summary: dict) -> str:
     w = str(summary.get("workload") or "")
-    return Path(w).stem if ("/" in w or w.endswith(".jsonl")) else (w or "workload")
+    return Path(w).stem if ("/" in w or w.endswith(".jsonl")) else (w.split(" (")[0] or "workload")
 
 
 def _check_summary(s, where: str) -> None:
@@ -150,14 +151,17 @@ def run_section(s: dict, plot: str | None) -> str:
              + ("batch-invariant (greedy speculation is exact by construction)" if s.get("batch_invariant")
                 else "**not batch-invariant** (speculative output is not guaranteed identical to vanilla's)"),
              f"- greedy, {s.get('repeats')} run(s) per prompt (medians); draft model: {s.get('draft') or 'none'}"]
+    if str(s.get("workload") or "") not in ("", workload_name(s)) and "/" not in str(s.get("workload")):
+        lines.append(f"- workload: {s['workload']}")
     if s.get("command"):
         lines.append(f"- command: `{s['command']}`")
-    lines += ["", "| runner | system | tokens/s | vs vanilla | mean accepted | identical to vanilla |",
-              "|---|---|---:|---:|---:|---:|"]
+    lines += ["", "| runner | system | tokens/s | vs vanilla | by task group | mean accepted | identical to vanilla |",
+              "|---|---|---:|---:|---|---:|---:|"]
     for r in rows:
         ident = "" if r.get("identical_pct") is None else f"{r['identical_pct']:.0f}% ({r.get('identical')}/{r.get('compared')})"
+        groups = ", ".join(f"{g} {_num(v, '.2f')}x" for g, v in (r.get("speedup_by_group") or {}).items())
         lines.append(f"| {_row_label(r)} | {r.get('system')} | {_num(r.get('tokens_per_s'), '.1f')} | "
-                     f"{_num(r.get('speedup'), '.2f')}x | {_num(r.get('mean_accepted'), '.2f')} | {ident} |")
+                     f"{_num(r.get('speedup'), '.2f')}x | {groups} | {_num(r.get('mean_accepted'), '.2f')} | {ident} |")
     unsteady = [f"`{r['name']}` {len(r['unsteady'])}" for r in rows if r.get("unsteady")]
     if unsteady:
         lines += ["", "Prompts whose repeats were more than 1.5x apart (a busy machine, or a runner that learns "
@@ -195,29 +199,38 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool) -> 
     return "\n".join(parts).rstrip() + "\n"
 
 
+DEFAULT_WORKLOAD_NAME = DEFAULT_WORKLOAD_REL.stem  # the Spec-Bench dev set's runs lead the headline
+
+
 def headline(summaries: list[dict]) -> str:
-    """The README's headline: per machine, the newest run's vanilla, auto and best peers."""
+    """The README's headline: per machine, one line per workload (the Spec-Bench dev set first, the
+    chat case the project is measured on; then the newest first): vanilla, auto and the best peer."""
     lines = []
     for cpu, runs in latest_runs(summaries).items():
-        s = runs[0]
-        rows = {r["name"]: r for r in s["rows"]}
-        van = rows.get("vanilla")
-        if van is None:
-            continue
-        text = (f"- **{cpu}** ({str(s.get('date'))[:10]}, {workload_name(s)}, {s.get('prompts')} prompts): "
-                f"vanilla {van['tokens_per_s']:.1f} tokens/s")
-        ours = [r for r in s["rows"] if r.get("system") == "leapdecode" and r["name"] != "vanilla"]
-        if ours:
-            best = rows.get("auto") or max(ours, key=lambda r: r.get("speedup") or 0)
-            text += (f"; `{best['name']}` {best['speedup']:.2f}x vanilla"
-                     + (f", {best['identical_pct']:.0f}% identical" if best.get("identical_pct") is not None else ""))
-        cpp = [r for r in s["rows"] if r["name"].startswith("llama-server")]
-        if cpp:
-            fastest = max(cpp, key=lambda r: r.get("tokens_per_s") or 0)
-            text += (f"; llama.cpp's server: {fastest['tokens_per_s']:.1f} tokens/s at best "
-                     f"(`{fastest['name']}`)")
-        lines.append(text + ".")
+        for s in sorted(runs, key=lambda r: workload_name(r) != DEFAULT_WORKLOAD_NAME):
+            lines += _headline_line(cpu, s)
     return "\n".join(lines)
+
+
+def _headline_line(cpu: str, s: dict) -> list[str]:
+    """One run's headline line (none without a vanilla row)."""
+    rows = {r["name"]: r for r in s["rows"]}
+    van = rows.get("vanilla")
+    if van is None:
+        return []
+    text = (f"- **{cpu}** ({str(s.get('date'))[:10]}, {workload_name(s)}, {s.get('prompts')} prompts): "
+            f"vanilla {van['tokens_per_s']:.1f} tokens/s")
+    ours = [r for r in s["rows"] if r.get("system") == "leapdecode" and r["name"] != "vanilla"]
+    if ours:
+        best = rows.get("auto") or max(ours, key=lambda r: r.get("speedup") or 0)
+        text += (f"; `{best['name']}` {best['speedup']:.2f}x vanilla"
+                 + (f", {best['identical_pct']:.0f}% identical" if best.get("identical_pct") is not None else ""))
+    cpp = [r for r in s["rows"] if r["name"].startswith("llama-server")]
+    if cpp:
+        fastest = max(cpp, key=lambda r: r.get("tokens_per_s") or 0)
+        text += (f"; llama.cpp's server: {fastest['tokens_per_s']:.1f} tokens/s at best "
+                 f"(`{fastest['name']}`)")
+    return [text + "."]
 
 
 def replace_headline(readme: str, block: str) -> str:
