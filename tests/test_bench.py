@@ -311,6 +311,12 @@ def test_bench_bad_workload_is_a_clean_error(tmp_path, capsys):
     assert "missing.jsonl" in capsys.readouterr().err
     assert main(["bench", "-m", "tiny-random", "--workload", str(bad), "--methods", "nope"]) == 2
     assert "unknown method" in capsys.readouterr().err
+    # probe B24: with structured output an unknown category was "no question's schema is supported"
+    good = write_jsonl(tmp_path / "good.jsonl", [{"question_id": 1, "category": "qa", "turns": ["Hi."]}])
+    assert main(["bench", "-m", "tiny-random", "--workload", str(good), "--json-object", "--categories", "nosuch",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "nosuch" in err and "qa" in err and "schema" not in err, err
 
 
 def _tiny_hf_dir(path: Path) -> Path:

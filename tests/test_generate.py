@@ -154,7 +154,7 @@ def test_chat_messages_get_the_chat_template(model):
     assert encode_prompt(model, "hi") == tok.encode("hi")
     res = vanilla(model, msgs, max_new_tokens=12)
     assert res.prompt_tokens == len(want_ids)
-    assert res.tokens == vanilla(model, "", prompt_ids=want_ids, max_new_tokens=12).tokens
+    assert res.tokens == vanilla(model, None, prompt_ids=want_ids, max_new_tokens=12).tokens
     assert res.tokens != vanilla(model, "hi", max_new_tokens=12).tokens
     assert vanilla(model, "hi", chat=True, max_new_tokens=12).tokens == res.tokens
     # a system message and earlier turns are rendered too
@@ -213,7 +213,7 @@ def _reference_greedy(model, ids: list[int], n: int) -> list[int]:
 def test_long_prompt_is_prefilled_correctly(model):
     """Prompts of several prefill chunks give the tokens of a single full forward."""
     ids = model.tokenizer.encode(("The quick brown fox jumps over the lazy dog. " * 40))[:1100]
-    res = vanilla(model, "", prompt_ids=ids, max_new_tokens=6)
+    res = vanilla(model, None, prompt_ids=ids, max_new_tokens=6)
     assert res.prompt_tokens == 1100
     assert res.tokens == _reference_greedy(model, ids, 6)
 
@@ -310,8 +310,8 @@ BAD_PARAMS = [
     (dict(method="pld", options="max_ngram=2"), "options"),
     (dict(seed=-1), "seed"),
     (dict(seed=1.5), "seed"),
-    (dict(prompt_ids=[1, 10**6]), "prompt_ids"),
-    (dict(prompt_ids=[1, True]), "prompt_ids"),
+    (dict(prompt_ids=[1, 10**6]), r"prompt_ids must be token ids in \[0, "),
+    (dict(prompt_ids=[1, True]), "prompt_ids must be a list of token ids"),
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(method="bogus"), "bogus"),
@@ -323,7 +323,13 @@ BAD_PARAMS = [
 def test_bad_parameters(model, kw, word):
     kw = {"max_new_tokens": 4, **kw}
     with pytest.raises(InvalidParameterError, match=word):
-        leapdecode.generate(model, "hi", **kw)
+        leapdecode.generate(model, None if "prompt_ids" in kw else "hi", **kw)
+
+
+def test_a_prompt_and_prompt_ids_together_are_refused(model):
+    """Probe PA33: the prompt was silently ignored for prompt_ids."""
+    with pytest.raises(InvalidParameterError, match="not both"):
+        leapdecode.generate(model, "hi", prompt_ids=[1, 2], max_new_tokens=2)
 
 
 def test_unknown_method_lists_the_methods(model):
@@ -337,6 +343,7 @@ def test_unknown_method_lists_the_methods(model):
                                          (5, "prompt"), ([{"content": "hi"}], "message 0"),
                                          ([{"role": "user", "content": "hi"}, "hi"], "message 1"),
                                          ([{"role": "", "content": "hi"}], "role"),
+                                         ([{"role": "wizard", "content": "hi"}], "wizard"),  # probe PA29
                                          ([{"role": "user", "content": 5}], "content")])
 def test_bad_prompts(model, prompt, word):
     with pytest.raises(InvalidParameterError, match=word):
@@ -382,9 +389,22 @@ def _bad_cli_cases(tmp: Path):
         (gen + ["--method", "pld", "--tree-budget", "0", "hi"], ["tree_budget"]),
         (gen + ["--dtype", "fp8", "hi"], ["dtype"]),
         (gen + ["--stop", "", "hi"], ["stop"]),
+        (gen + ["--stop", "\udcff", "hi"], ["stop string", "UTF-8"]),  # probe G073: bytes that are not UTF-8
+        (gen + ["--strategy", "beam", "--strategy-option", "num_beams", "hi"], ["--strategy-option", "KEY=VALUE"]),
         (gen + [""], ["empty"]),
         (gen + ["x" * 3000], ["3000 tokens", "2048"]),
     ]
+
+
+def test_chat_skips_only_a_line_that_is_not_utf8(capsys, monkeypatch):
+    """Probe C08: with a strict decoder one bad line dropped the valid lines around it (exit 0 after
+    one answer); now that line alone is refused and the others are answered."""
+    piped = io.TextIOWrapper(io.BytesIO(b"hello\n\xff\xfe bad\nSay hi\n\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdin", piped)
+    rc = main(["chat", "-m", "tiny-random", "--max-new-tokens", "3", "--method", "vanilla"])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out.count("bot> ") == 2, captured
+    assert captured.err.count("not valid UTF-8") == 1 and "Traceback" not in captured.err
 
 
 def test_cli_bad_inputs(capsys, tmp_path):

@@ -255,7 +255,7 @@ def _vanilla(model, **kw):
     """Vanilla's result for these arguments, computed once (every parametrization sees the same cases)."""
     key = (id(model), repr(sorted(kw.items())))
     if key not in _VANILLA:
-        res = vanilla(model, "", **kw)
+        res = vanilla(model, None, **kw)
         check_stats(res, kw["max_new_tokens"], None, "vanilla", model)
         _VANILLA[key] = (model, res)
     return _VANILLA[key][1]
@@ -335,7 +335,7 @@ def test_long_prompts_and_the_end_of_the_context(tiny, env, method):
     unit = model.tokenizer.encode("the cat sat on the mat. ")
     for n, n_new in ((300, 24), (700, 12), (model.max_seq_len - 12, 40), (model.max_seq_len - 1, 5)):
         ids = (unit * (n // len(unit) + 1))[:n]
-        want = vanilla(model, "", prompt_ids=ids, max_new_tokens=n_new)
+        want = vanilla(model, None, prompt_ids=ids, max_new_tokens=n_new)
         got = run(model, "", method, env, "copy", prompt_ids=ids, max_new_tokens=n_new)
         assert got.tokens == want.tokens, (method, n, _divergence(want.tokens, got.tokens))
         assert got.finish_reason == want.finish_reason
@@ -358,14 +358,14 @@ def test_draft_with_a_shorter_context(tiny, fresh_runner):
     unit = model.tokenizer.encode("the cat sat on the mat. ")
     for n in (100, 300):
         ids = (unit * 20)[:n]
-        want = vanilla(model, "", prompt_ids=ids, max_new_tokens=60)
-        got = leapdecode.generate(runner, "", prompt_ids=ids, max_new_tokens=60, method="draft",
+        want = vanilla(model, None, prompt_ids=ids, max_new_tokens=60)
+        got = leapdecode.generate(runner, prompt_ids=ids, max_new_tokens=60, method="draft",
                                   options={"draft": "short"})
         assert got.tokens == want.tokens, (n, _divergence(want.tokens, got.tokens))
         if n == 100:
             assert got.stats["mean_accepted"] > 1  # it drafted while it had room
         # reading only the attention sink and the last 64 prompt tokens, it fits and drafts
-        windowed = leapdecode.generate(runner, "", prompt_ids=ids, max_new_tokens=60, method="draft",
+        windowed = leapdecode.generate(runner, prompt_ids=ids, max_new_tokens=60, method="draft",
                                        options={"draft": "short", "context_window": 64})
         assert windowed.tokens == want.tokens, (n, _divergence(want.tokens, windowed.tokens))
         assert windowed.stats["mean_accepted"] > 1
@@ -379,7 +379,7 @@ def test_draft_context_window(tiny, env, fresh_runner, window):
     model = tiny(seed=0)
     unit = model.tokenizer.encode("the cat sat on the mat. ")
     ids = (unit * 40)[:600]
-    want = vanilla(model, "", prompt_ids=ids, max_new_tokens=48)
+    want = vanilla(model, None, prompt_ids=ids, max_new_tokens=48)
     got = run(fresh_runner(model, verify_cost="flat"), "", "draft", env, "noisy", prompt_ids=ids,
               max_new_tokens=48, options={"context_window": window})
     assert got.tokens == want.tokens, (window, _divergence(want.tokens, got.tokens))
@@ -400,13 +400,13 @@ def test_auto_prefills_its_draft_only_when_the_hybrid_arm_drafts(tiny, env, fres
     gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=32, options=opts)
     auto = gen.proposer
     assert auto.draft is not None and auto.draft.defer_prefill and "hybrid" in auto.arms
-    auto._arms_for = lambda match_len: ["sam", "none"]  # never the draft model's arm
+    auto._arms_for = lambda match_len, memory_len: ["sam", "none"]  # never the draft model's arm
     res = gen.run()
     assert res.tokens == want.tokens
     assert res.stats["draft_forwards"] == 0 and "hybrid" not in res.stats["auto_arms"], res.stats
 
     gen = leapdecode.start_generation(runner, prompt, method="auto", max_new_tokens=32, options=opts)
-    gen.proposer._arms_for = lambda match_len: ["hybrid"]  # always the draft model's arm
+    gen.proposer._arms_for = lambda match_len, memory_len: ["hybrid"]  # always the draft model's arm
     res = gen.run()
     assert res.tokens == want.tokens
     assert res.stats["draft_forwards"] > 0 and res.stats["mean_accepted"] > 1.5, res.stats

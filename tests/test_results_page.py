@@ -27,7 +27,8 @@ def _summary(date: str, machine: str, rows: list[tuple], workload="/x/questions_
             "max_new_tokens": 64, "repeats": 2, "draft": "d", "cpu_flags": ["avx2"], "commit": "abc",
             "command": "leapdecode bench --limit 3", "skipped": ["skipping llama-server-draft: no draft"],
             "rows": [{"name": n, "system": sys_, "tokens_per_s": t, "speedup": sp, "mean_accepted": ma,
-                      "identical_pct": ip, "identical": 3, "compared": 3, "unsteady": []}
+                      "identical_pct": ip, "identical": 3, "compared": 3, "unsteady": [],
+                      "speedup_by_group": {"mt_bench": sp, "qa": round(sp * 0.9, 3)}}
                      for n, sys_, t, sp, ma, ip in rows], **extra}
 
 
@@ -52,7 +53,7 @@ def test_page_rows_order_latest_run_and_notes(tmp_path):
     assert page.index("## CPU A") < page.index("## CPU B") and "2026-01-01" not in page  # the latest run only
     table = [line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| `")]
     assert table[:6] == ["`vanilla`", "`auto`", "`pld`", "`hf`", "`llama-server`", "`llama-server-ngram`"]
-    assert "| `auto` | leapdecode | 24.0 | 1.20x | 1.50 | 100% (3/3) |" in page
+    assert "| `auto` | leapdecode | 24.0 | 1.20x | mt_bench 1.20x, qa 1.08x | 1.50 | 100% (3/3) |" in page
     assert "- command: `leapdecode bench --limit 3`" in page and "commit `abc`" in page
     assert "Runners that could not run: llama-server-draft: no draft." in page
     assert "Prompts whose repeats" not in page  # none was unsteady
@@ -65,6 +66,24 @@ def test_page_rows_order_latest_run_and_notes(tmp_path):
     (d / "new.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS[1:])))
     assert main([*args, "--check"]) == 1  # a changed summary makes the page stale
     assert out.read_text() == page  # --check writes nothing
+
+
+def test_headline_leads_with_the_spec_bench_run_and_lists_each_workload(tmp_path):
+    """A newer run of another workload (here `similar`, described in parentheses) does not replace
+    the Spec-Bench dev line: the headline has one line per workload, the dev set first."""
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "dev.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS)))
+    (d / "sim.json").write_text(json.dumps(_summary("2026-02-02 10:00:00", "CPU A", ROWS[1:4],
+                                                    workload="similar (requests of one kind in a row)")))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:headline -->\n<!-- /results:headline -->\n")
+    out = tmp_path / "results.md"
+    assert main(["results", "--dir", str(d), "--out", str(out), "--readme", str(readme), "--no-plots"]) == 0
+    lines = [line for line in readme.read_text().splitlines() if line.startswith("- **CPU A**")]
+    assert [line.split(", ")[1] for line in lines] == ["questions_dev", "similar"]
+    page = out.read_text()
+    assert "### similar: 3 prompts" in page and "- workload: similar (requests of one kind in a row)" in page
 
 
 def test_add_copies_a_summary_without_its_paths(tmp_path):

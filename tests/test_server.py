@@ -256,6 +256,16 @@ def test_a_message_that_is_not_utf8_is_a_400(server):
     assert r.status_code == 400 and "not valid UTF-8" in error_of(r)["message"], r.text
 
 
+def test_max_tokens_and_max_completion_tokens_must_agree(server):
+    """Issue 45 (probe HS45): both limits given and different was 4 tokens, the other silently ignored."""
+    base = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json={**base, "max_tokens": 4, "max_completion_tokens": 3})
+    assert r.status_code == 400 and error_of(r)["param"] == "max_completion_tokens", r.text
+    assert "disagree" in error_of(r)["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**base, "max_tokens": 3, "max_completion_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+
+
 def test_malformed_and_missing(server):
     url = server.url
     r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "tiny-random", "messages": [',

@@ -1174,7 +1174,7 @@ def _sample_outputs(runner, ids, n: int, method: str, options: dict, regex: str,
         kw = dict(regex=regex) if wrap is None else dict(constraint=wrap(compile_constraint(runner, regex=regex)))
         if not seeded:
             torch.manual_seed(i)
-        res = leapdecode.generate(runner, "", prompt_ids=ids, method=method, options=options, temperature=1.0,
+        res = leapdecode.generate(runner, prompt_ids=ids, method=method, options=options, temperature=1.0,
                                   seed=i if seeded else None, max_new_tokens=6, **kw)
         assert res.finish_reason == "stop", res
         counts[tuple(res.tokens)] += 1
@@ -1317,6 +1317,8 @@ def test_distribution_sampled_draft_tree(tiny, fresh_runner, chi2, monkeypatch):
     (dict(json_schema={"type": "nonsense"}), GrammarError, ["invalid JSON schema", "nonsense"]),
     (dict(json_schema='{"type": "object"'), GrammarError, ["not valid JSON"]),
     (dict(json_schema=["not", "a", "schema"]), GrammarError, ["must be an object"]),
+    (dict(json_schema=False), GrammarError, ["`false`", "no document"]),  # probe SO013
+    (dict(json_schema="false"), GrammarError, ["`false`", "no document"]),
     (dict(json_schema={"type": "array", "uniqueItems": True}), GrammarError, ["uniqueItems"]),
     (dict(json_schema={"type": "string", "format": "no-such-format"}), GrammarError, ["no-such-format"]),
     (dict(json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}),

@@ -125,6 +125,8 @@ def start_generation(
         raise InvalidParameterError(f"kv_policy needs the native backend ({runner.model.name} runs on "
                                     f"{runner.model.backend!r})")
     if prompt_ids is not None:
+        if prompt is not None and prompt != "":  # probe PA33: the prompt was silently ignored
+            raise InvalidParameterError("give a prompt or prompt_ids, not both")
         if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise InvalidParameterError("prompt_ids must be a list of token ids")
         vocab = runner.model.model.vocab_size

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import LeapdecodeError
+from .errors import InvalidParameterError, LeapdecodeError
 
 # subcommands that live in their own packages: module exposing add_parser(subparsers)
 PLUGIN_COMMANDS = ["leapdecode.bench.cli", "leapdecode.server.cli", "leapdecode.datastore_cli",
@@ -135,7 +135,7 @@ def strategy_options(a: argparse.Namespace) -> dict:
                                   "(e.g. --strategy beam)")
         return {}
     cls = strategy_spec(name).config
-    options = parse_option_assignments(cls, a.strategy_option)
+    options = parse_option_assignments(cls, a.strategy_option, flag="--strategy-option")
     for key, flag in given:
         value = getattr(a, key)
         if key not in cls.option_names():
@@ -268,7 +268,6 @@ DIFFUSION_UNSUPPORTED = (("temperature", "--temperature", 0.0), ("top_k", "--top
 def generate_diffusion(a: argparse.Namespace) -> int:
     """``generate -m <diffusion model>``: the diffusion decoders (``leapdecode diffusion generate``)."""
     from .diffusion.cli import cmd_generate as diffusion_generate
-    from .errors import InvalidParameterError
 
     given = [flag for key, flag, default in DIFFUSION_UNSUPPORTED if getattr(a, key, default) != default]
     if given:
@@ -348,8 +347,31 @@ def grammar_aligned(a: argparse.Namespace, kwargs: dict, prompt: str) -> int:
     return 0
 
 
+def _chat_line() -> str:
+    """The next line the user typed (``EOFError`` at the end).  A terminal's line goes through
+    ``input`` (line editing); piped input is read as bytes and decoded line by line, so that one line
+    that is not UTF-8 costs only that line (probe C08: a strict decoder dropped the valid lines
+    around it)."""
+    raw_in = getattr(sys.stdin, "buffer", None)
+    if sys.stdin.isatty() or raw_in is None:
+        if raw_in is None:  # a text stream (tests): no prompt echo from ``input`` to mimic
+            sys.stdout.write("you> ")
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line.rstrip("\r\n")
+        return input("you> ")
+    sys.stdout.write("you> ")
+    sys.stdout.flush()
+    raw = raw_in.readline()
+    if not raw:
+        raise EOFError
+    return raw.decode("utf-8").rstrip("\r\n")
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
     from .api import runner_for, start_generation
+    from .core.generate import check_text
 
     kwargs = decoding_kwargs(a)
     model = load_from_args(a)
@@ -360,11 +382,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
     print(f"chatting with {model.name} ({a.method}); empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
-            line = input("you> ")
+            line = check_text(_chat_line(), "that line")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        except UnicodeDecodeError:
+        except (UnicodeDecodeError, InvalidParameterError):  # bytes that are not UTF-8: this line only
             print("leapdecode: error: that line is not valid UTF-8; type it again", file=sys.stderr)
             continue
         if not line.strip():

@@ -320,8 +320,7 @@ def compile_structures(loaded, questions: list[Question], categories: list[str] 
     from ..errors import GrammarError
     from ..strategies.grammar import compile_constraint
 
-    if categories:
-        questions = [q for q in questions if q.category in set(categories)]
+    questions = select(questions, None, categories)  # an unknown category is named here (probe B24)
     runner = ModelRunner(loaded, prefix_cache_bytes=0)
     compile_constraint(runner, json_schema={"type": "object"})  # builds the tokenizer view once
     kept, times, refused = [], [], 0

@@ -178,13 +178,14 @@ class MethodConfig(OptionsConfig):
                                      low=1)
 
 
-def parse_option_assignments(config_cls: type[OptionsConfig], items: list[str] | None) -> dict[str, Any]:
-    """``["k=3", "beam=2"]`` (CLI ``--option``) -> typed values for ``config_cls``."""
+def parse_option_assignments(config_cls: type[OptionsConfig], items: list[str] | None,
+                             flag: str = "--option") -> dict[str, Any]:
+    """``["k=3", "beam=2"]`` (CLI ``--option``, or the ``flag`` named) -> typed values for ``config_cls``."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise InvalidParameterError(f"--option takes KEY=VALUE, got {item!r}")
+            raise InvalidParameterError(f"{flag} takes KEY=VALUE, got {item!r}")  # probe G039: the flag given
         out[key] = config_cls.parse_option(key, text.strip())
     return out

@@ -126,11 +126,15 @@ def cache_tokens(model, prompt_len: int, max_new_tokens: int, kv_policy: KVPolic
     return min(model.max_seq_len, prompt_len + max_new_tokens + TREE_MARGIN)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # every front end's (the server's too)
+
+
 def _check_message(m: Any, i: int) -> None:
     if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise InvalidParameterError(f"message {i} must be a {{'role': ..., 'content': ...}} mapping, got {m!r:.80}")
-    if not isinstance(m["role"], str) or not m["role"]:
-        raise InvalidParameterError(f"message {i}: 'role' must be a non-empty string, got {m['role']!r:.80}")
+    if m["role"] not in CHAT_ROLES:  # probe PA29: an unknown role went into the template
+        raise InvalidParameterError(f"message {i}: 'role' must be one of {', '.join(CHAT_ROLES)}, "
+                                    f"got {m['role']!r:.80}")
     if not isinstance(m["content"], str):
         raise InvalidParameterError(f"message {i}: 'content' must be a string, got {type(m['content']).__name__}")
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, 
 from pydantic_core import PydanticCustomError
 
 from ..core.config import MethodConfig
+from ..core.generate import CHAT_ROLES
 from ..core.kv_policy import KVPolicy, parse_kv_policy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
@@ -434,6 +435,9 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _resolve(self, info: ValidationInfo) -> "_Request":
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise verbatim(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                           "disagree; give one of them", param="max_completion_tokens")  # probe HS45
         if self.best_of is not None and self.best_of != self.choices_per_prompt:
             raise PydanticCustomError("unsupported_parameter", "other than n is not supported by this server",
                                       {"param": "best_of"})
@@ -611,7 +615,7 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = CHAT_ROLES
 
 
 class ChatMessage(BaseModel):

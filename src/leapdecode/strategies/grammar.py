@@ -112,8 +112,10 @@ def check_json_schema(schema: Any) -> dict:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         except RecursionError:
             raise GrammarError("the JSON schema is nested too deeply to read") from None
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
+    if schema is False:  # probe SO013: was the engine's "Unimplemented keys: ['not']", a key never written
+        raise GrammarError("the JSON schema is `false`: it accepts no document at all")
+    if schema is True:
+        schema = {}
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
     try:
