@@ -256,6 +256,16 @@ def test_a_message_that_is_not_utf8_is_a_400(server):
     assert r.status_code == 400 and "not valid UTF-8" in error_of(r)["message"], r.text
 
 
+def test_a_response_format_schema_nested_too_deep_is_a_400(server):
+    """Probe HR06: a response_format schema nested 2,000 levels was a 500 (RecursionError)."""
+    schema = '{"type": "object", "properties": {"a": ' * 2000 + '{"type": "object"}' + "}}" * 2000
+    body = ('{"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+            '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ' + schema + "}}}")
+    r = httpx.post(server.url + "/v1/chat/completions", content=body.encode(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in error_of(r)["message"], r.text[:300]
+
+
 def test_max_tokens_and_max_completion_tokens_must_agree(server):
     """Issue 45 (probe HS45): both limits given and different was 4 tokens, the other silently ignored."""
     base = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
