@@ -272,6 +272,28 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     assert "| vanilla |" in report and "| draft |" in report and "MT-bench" in report
 
 
+def test_a_draft_loads_once_and_only_for_a_row_that_drafts_with_it(tmp_path, capsys, monkeypatch):
+    """Two rows with the draft model load it once (the second row gets the first's); a run whose
+    rows use no draft (here `pld`, as `auto` with a trained head) loads none and reports none."""
+    from leapdecode.models import loader
+
+    loads: list[str] = []
+    real = loader.load_draft
+
+    def counted(name, target):
+        loads.append(name)
+        return real(name, target)
+
+    monkeypatch.setattr(loader, "load_draft", counted)
+    wl = write_jsonl(tmp_path / "q.jsonl", SHORT[:1])
+    common = ["bench", "-m", "tiny-random", "--dtype", "fp32", "--draft", "tiny-random:1", "--workload", str(wl),
+              "--max-new-tokens", "4", "--no-progress", "--no-plots", "--json", "--repeats", "1"]
+    assert main([*common, "--methods", "draft,draft:tree_budget=3", "--out", str(tmp_path / "a")]) == 0
+    assert loads == ["tiny-random:1"] and json.loads(capsys.readouterr().out)["draft"] == "tiny-random:1"
+    assert main([*common, "--methods", "pld", "--out", str(tmp_path / "b")]) == 0
+    assert loads == ["tiny-random:1"] and json.loads(capsys.readouterr().out)["draft"] is None
+
+
 def test_bench_method_rows_with_options(tmp_path, capsys):
     """``METHOD:KEY=VALUE`` rows: two settings of one method in one run, each its own row with its
     options applied; a bad option or method in a row is a clean error."""

@@ -45,6 +45,7 @@ PEER_FAMILIES = {
     "llama-server": ["llama-server", "llama-server-draft", "llama-server-ngram"],
 }
 EXTRA_PEER_ROWS = ["llama-server-ngram-simple"]  # rows named one by one, in no family
+DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # peer rows that run the draft model
 PEER_NAMES = list(dict.fromkeys([*(n for names in PEER_FAMILIES.values() for n in names), *EXTRA_PEER_ROWS]))
 PEERS_INSTALL_HINT = (
     "pip install 'leapdecode[peers]' (builds llama.cpp; on x86 CPUs set "
@@ -206,7 +207,9 @@ class LeapdecodeRunner(Runner):
     def __init__(self, loaded, method: str, draft: str | None = None, tree_budget: int | None = None,
                  options: dict | None = None, drafts: dict | None = None) -> None:
         """``drafts``: draft models already loaded by other rows (name -> LoadedModel), shared so
-        that each draft loads once per bench; this row adds the ones it loads."""
+        that each draft loads once per bench; this row adds the ones it loads.  A row loads a draft
+        only when its method builds one (at its first run: the warm-up), so ``auto`` with a trained
+        head, which leaves the registered draft out, never loads it."""
         from ..core.runner import ModelRunner
         from ..proposers import method_config, method_spec
 
@@ -226,12 +229,7 @@ class LeapdecodeRunner(Runner):
         # one runner per bench row: each method learns across the bench's prompts, as in a process
         # that serves one method, without sharing what it learns with the other rows
         self.runner = ModelRunner(loaded, prefix_cache_bytes=0)  # every run prefills its prompt
-        if drafts is not None:
-            for name, d in drafts.items():
-                self.runner.add_draft(name, d)
-            name = getattr(self.config, "draft", None) or loaded.draft_name
-            if "draft" in fields and name is not None and name not in drafts:
-                drafts[name] = self.runner.draft(name)
+        self.shared_drafts = drafts if drafts is not None else {}
 
     def mark(self) -> Any:
         return self.runner.memory.snapshot()
@@ -242,8 +240,14 @@ class LeapdecodeRunner(Runner):
     def _run(self, prompt_ids, max_new_tokens, temperature, seed, structure) -> RunOutput:
         from ..api import start_generation
 
-        res = start_generation(self.runner, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
-                               temperature=temperature, seed=seed, method=self.config, **(structure or {})).run()
+        have = self.runner.drafts
+        for name, d in self.shared_drafts.items():  # loaded by another row
+            if name not in have:
+                self.runner.add_draft(name, d)
+        gen = start_generation(self.runner, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, method=self.config, **(structure or {}))
+        self.shared_drafts.update(self.runner.drafts)  # what this row's method loaded, for the next rows
+        res = gen.run()
         return RunOutput(tokens=list(res.tokens), wall_s=0.0, target_forwards=res.stats.get("target_forwards"),
                          text=res.text, finish_reason=res.finish_reason, extra={"stats": res.stats},
                          constraint_s=res.stats.get("constraint_s"))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidParameterError, LeapdecodeError
 from . import report, stats
-from .runners import LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
+from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
 from .workloads import Question, load_workload, select
 
 WARMUP_TOKENS = 8
@@ -286,7 +286,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     summary.update({
         "model": loaded.name, "backend": loaded.backend, "dtype": str(loaded.dtype).replace("torch.", ""), "weights": loaded.weights,
         "attention": getattr(loaded.model, "attention", "-"), "batch_invariant": batch_invariant(loaded),
-        "device": str(loaded.device), "draft": cfg.draft or loaded.draft_name,
+        "device": str(loaded.device), "draft": drafts_used(cfg.draft, loaded, drafts, runners),
         "methods": methods, "peers": [r.name for r in runners if r.system != "leapdecode"],
         "workload": workload_desc, "questions": len(questions), "prompts": n_prompt,
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "repeats": cfg.repeats,
@@ -312,6 +312,16 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
 def structure_of(q: Question) -> dict | None:
     """``compile_constraint`` keywords for a question's output (None: free text)."""
     return {"json_schema": q.meta["json_schema"]} if "json_schema" in q.meta else None
+
+
+def drafts_used(named: str | None, loaded, drafts: dict, runners: list[Runner]) -> str | None:
+    """The draft models the run's rows used: those leapdecode's rows loaded (``auto`` with a trained
+    head loads none), and the draft of a peer row that runs one (HF assisted, llama.cpp's draft row)."""
+    used = set(drafts)
+    if any(r.system != "leapdecode" and r.name in DRAFT_PEERS for r in runners):
+        used.add(named or loaded.draft_name)
+    used.discard(None)
+    return ", ".join(sorted(used)) or None
 
 
 def compile_structures(loaded, questions: list[Question], categories: list[str] | None):
