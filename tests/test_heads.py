@@ -646,3 +646,22 @@ def test_cost_aware_medusa_and_hydra_verify_less_of_a_useless_head_same_tokens(t
         runs[aware] = out.stats
     drafted = {a: s["draft_nodes"] / max(s[f"{kind}_steps"], 1) for a, s in runs.items()}
     assert drafted[True] < 0.5 * drafted[False], drafted
+
+
+def test_eagle_calibrates_only_on_its_own_trees():
+    """In ``auto`` the head observes every step, also those another arm drafted: its nodes of the
+    step it drafted calibrate once, never again against a later step's tree (they once did, stale)."""
+    from leapdecode.core.tree import TokenTree
+    from leapdecode.core.verifier import Verdict
+    from leapdecode.proposers.tree_cost import TreeSizer
+
+    prop = EagleProposer.__new__(EagleProposer)
+    prop._steps = prop._accepted = 0
+    prop._verify_cost, prop.sizer = object(), TreeSizer()
+    tree = TokenTree()
+    tree.add(7, -1)
+    prop._node_p = [(7, 0.9)]  # what the head drafted for this step
+    prop.observe([1, 7, 8], tree, Verdict(accepted=[0], next_token=8, tokens=[7, 8]), None)
+    seen = list(prop.sizer.calibration.seen)
+    prop.observe([1, 7, 8, 7, 5], tree, Verdict(accepted=[], next_token=5, tokens=[5]), None)  # another arm's step
+    assert prop.sizer.calibration.seen == seen and prop._node_p == []

@@ -540,6 +540,9 @@ class EagleProposer(Proposer):
         self._accepted += len(verdict.accepted)
         if self._verify_cost is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+        # this step's nodes, used once: on a step another of auto's arms drafted, the head observes
+        # the verdict of a tree that is not its own (stale nodes calibrated against it were wrong)
+        self._node_p = []
         if not hidden:
             return
         rows = [0] + [a + 1 for a in verdict.accepted]
