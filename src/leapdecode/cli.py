@@ -353,13 +353,7 @@ def _chat_line() -> str:
     that is not UTF-8 costs only that line (probe C08: a strict decoder dropped the valid lines
     around it)."""
     raw_in = getattr(sys.stdin, "buffer", None)
-    if sys.stdin.isatty() or raw_in is None:
-        if raw_in is None:  # a text stream (tests): no prompt echo from ``input`` to mimic
-            sys.stdout.write("you> ")
-            line = sys.stdin.readline()
-            if not line:
-                raise EOFError
-            return line.rstrip("\r\n")
+    if raw_in is None or sys.stdin.isatty():  # a terminal, or a text stream without bytes (tests)
         return input("you> ")
     sys.stdout.write("you> ")
     sys.stdout.flush()

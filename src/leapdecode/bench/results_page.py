@@ -151,8 +151,9 @@ def run_section(s: dict, plot: str | None) -> str:
              + ("batch-invariant (greedy speculation is exact by construction)" if s.get("batch_invariant")
                 else "**not batch-invariant** (speculative output is not guaranteed identical to vanilla's)"),
              f"- greedy, {s.get('repeats')} run(s) per prompt (medians); draft model: {s.get('draft') or 'none'}"]
-    if str(s.get("workload") or "") not in ("", workload_name(s)) and "/" not in str(s.get("workload")):
-        lines.append(f"- workload: {s['workload']}")
+    described = str(s.get("workload") or "")
+    if described and "/" not in described and described != workload_name(s):  # a named workload's description
+        lines.append(f"- workload: {described}")
     if s.get("command"):
         lines.append(f"- command: `{s['command']}`")
     lines += ["", "| runner | system | tokens/s | vs vanilla | by task group | mean accepted | identical to vanilla |",

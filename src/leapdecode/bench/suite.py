@@ -215,7 +215,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                 n_before = len(records)
                 done_before = progress.tasks[0].completed
                 failed = None
-                marks = {r.name: r.mark() for r in runners}
+                marks = {r.name: r.mark() for r in runners} if cfg.repeats > 1 else {}
                 for rep in range(cfg.repeats):
                     if failed:
                         break

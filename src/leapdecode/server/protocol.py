@@ -615,9 +615,6 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
 
-ROLES = CHAT_ROLES
-
-
 class ChatMessage(BaseModel):
     """A message; an assistant's may carry ``tool_calls`` (its ``content`` then may be null), and a
     ``tool`` message answers one call (``tool_call_id``).  Fields are validated in this order."""
@@ -632,9 +629,9 @@ class ChatMessage(BaseModel):
     @field_validator("role", mode="before")
     @classmethod
     def _role(cls, v: Any) -> Any:
-        if v not in ROLES:
+        if v not in CHAT_ROLES:
             raise PydanticCustomError("ld_field", "must be one of {roles}; got {got}",
-                                      {"roles": ", ".join(ROLES), "got": _shown(v)})
+                                      {"roles": ", ".join(CHAT_ROLES), "got": _shown(v)})
         return v
 
     @field_validator("tool_calls", mode="before")
