@@ -488,3 +488,27 @@ def test_no_timed_prompt_pays_a_one_off_cost(tmp_path, monkeypatch):
     assert planted == ["vanilla", "pld"]  # paid once per runner, in the warm-up
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 2 and max(r["wall_s"] for r in records) < 0.4  # 2 prompts x 2 repeats x 2 rows
+
+
+def test_an_interrupted_bench_closes_every_runner(tmp_path, monkeypatch):
+    """A bench stopped mid-run (Ctrl-C, SIGTERM) closes every runner it started, so no peer server is
+    left running (they were only closed after a completed run)."""
+    from leapdecode.bench import runners as bench_runners
+
+    closed: list[str] = []
+    calls = {"n": 0}
+    real_run = bench_runners.LeapdecodeRunner._run
+
+    def interrupted(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 5:  # after the warm-ups, during the timed prompts
+            raise KeyboardInterrupt
+        return real_run(self, *args)
+
+    monkeypatch.setattr(bench_runners.LeapdecodeRunner, "_run", interrupted)
+    monkeypatch.setattr(bench_runners.LeapdecodeRunner, "close", lambda self: closed.append(self.name))
+    wl = write_jsonl(tmp_path / "q.jsonl", [{"question_id": i, "category": "qa", "turns": ["Hi there."]}
+                                            for i in range(3)])
+    assert main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "vanilla,pld", "--workload", str(wl),
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 130
+    assert calls["n"] == 5 and sorted(closed) == ["pld", "vanilla"]

@@ -152,3 +152,46 @@ def test_missing_pieces_are_skip_lines(tmp_path, monkeypatch):
     assert make_peers(["llama-server-draft"], loaded, str(tmp_path / "m.gguf"), None, 512, said.append) == []
     assert said[-1] == ("skipping llama-server-draft: llama-server-draft: no draft GGUF is known for this model; "
                         "pass --draft NAME")
+
+
+@pytest.mark.skipif(llama_server.with_parent_death(["x"]) == ["x"], reason="needs Linux and util-linux's setpriv")
+def test_a_killed_bench_takes_its_servers_with_it(tmp_path):
+    """A bench killed with SIGKILL (no finally runs) leaves no llama-server behind: the server is
+    started with a parent-death signal."""
+    import signal
+    import subprocess
+    import time
+
+    binary, _ = fake_server(tmp_path, 0)
+    pid_file = tmp_path / "pid"
+    port = llama_server.free_port()
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from leapdecode.bench import llama_server
+s = llama_server.LlamaServer([{str(binary)!r}, "--port", "{port}"], {port})
+open({str(pid_file)!r}, "w").write(str(s.proc.pid))
+time.sleep(60)
+"""])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None, "the stand-in server did not start"
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    os.kill(pid, 0)  # running
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        try:  # (reaped by init once it exits; a zombie still answers kill 0)
+            if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the server outlived its killed bench")

@@ -186,6 +186,25 @@ def config_from_args(a: argparse.Namespace):
     return cfg
 
 
+def terminable(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with SIGTERM (``kill``, a CI timeout) turned into ``SystemExit(143)`` in
+    the main thread, so that the bench's ``finally`` stops the peer servers it started."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -216,7 +235,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                       f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts of "
                       f"{cfg.workload or 'the Spec-Bench dev set'} x {cfg.max_new_tokens} tokens "
                       "(models are fetched and converted on first use)", markup=False, highlight=False)
-    summary = run_bench(cfg, console=console)
+    summary = terminable(run_bench, cfg, console=console)
     out = Console(stderr=a.json)
     if not out.is_terminal:  # a pipe or file: do not squeeze the table into 80 columns
         out = Console(stderr=a.json, width=200)

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -226,6 +227,13 @@ def server_command(binary: Path, name: str, gguf: Path, n_ctx: int, threads: int
             "-ngl", "0", *extra]
 
 
+def with_parent_death(command: list[str]) -> list[str]:
+    """``command`` run so that it gets SIGTERM when the bench's process dies, however it dies (util-linux's
+    ``setpriv --pdeathsig``, where installed; a bench killed with SIGKILL left its servers running)."""
+    setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
+    return [setpriv, "--pdeathsig", "SIGTERM", "--", *command] if setpriv else list(command)
+
+
 class LlamaServer:
     """One running ``llama-server`` (started in ``__init__``, stopped by ``close``)."""
 
@@ -234,7 +242,7 @@ class LlamaServer:
         self.command = command
         # its log goes to a file (a pipe nobody reads would fill and stall the server)
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        self.proc = subprocess.Popen(with_parent_death(command), stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self._wait_ready(start_timeout_s)
 
     def log_tail(self, lines: int = 3) -> str:

@@ -8,13 +8,13 @@ first turn is the history every runner gets for the second turn), ``repeats`` ti
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core.cost_model import machine_description
 from ..errors import InvalidParameterError, LeapdecodeError
 from . import report, stats
 from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
@@ -62,16 +62,6 @@ def validate_methods(methods: list[str]) -> list[str]:
         split_method_row(m)
         out.append(m)
     return out
-
-
-def _machine(loaded) -> str:
-    import torch
-
-    from ..core.cost_model import hardware_name
-
-    if loaded.device.type == "cuda":
-        return f"{hardware_name(loaded.device)}, torch {torch.__version__}"
-    return f"{hardware_name(loaded.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def _cpu_flags() -> list[str]:
@@ -162,121 +152,124 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                              for m in methods]
     if peers:
         runners += make_peers(peers, loaded, cfg.model, cfg.draft, n_ctx=loaded.max_seq_len, say=note)
-    greedy = cfg.temperature <= 0
+    started = list(runners)  # (a runner dropped on the way is closed too)
+    try:
+        greedy = cfg.temperature <= 0
 
-    # warm-up: one short generation per runner on the longest first-turn prompt that fits, so that
-    # every one-off cost (the kernel build, the prefill path's measurement and the dense copies a
-    # long prompt triggers, the verification-cost probe, a draft's lazy load and prefill, a peer's
-    # start-up) is paid before any timed prompt (tests/test_bench.py plants one)
-    fitting = [(q, ids) for q in questions
-               if len(ids := encode_turn(loaded, q, [], q.turns[0])) + WARMUP_TOKENS < loaded.max_seq_len]
-    warm_q, first = max(fitting, key=lambda c: len(c[1])) if fitting else \
-        (questions[0], encode_turn(loaded, questions[0], [], questions[0].turns[0]))
-    for r in list(runners):
-        try:
-            mark = r.mark()
-            r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed, structure_of(warm_q))
-        except LeapdecodeError:
-            raise
-        except Exception as e:
-            if r.system == "leapdecode":
+        # warm-up: one short generation per runner on the longest first-turn prompt that fits, so that
+        # every one-off cost (the kernel build, the prefill path's measurement and the dense copies a
+        # long prompt triggers, the verification-cost probe, a draft's lazy load and prefill, a peer's
+        # start-up) is paid before any timed prompt (tests/test_bench.py plants one)
+        fitting = [(q, ids) for q in questions
+                   if len(ids := encode_turn(loaded, q, [], q.turns[0])) + WARMUP_TOKENS < loaded.max_seq_len]
+        warm_q, first = max(fitting, key=lambda c: len(c[1])) if fitting else \
+            (questions[0], encode_turn(loaded, questions[0], [], questions[0].turns[0]))
+        for r in list(runners):
+            try:
+                mark = r.mark()
+                r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed, structure_of(warm_q))
+            except LeapdecodeError:
                 raise
-            note(f"skipping {r.name}: warm-up failed ({type(e).__name__}: {e})")
-            runners.remove(r)
-            continue
-        r.rewind(mark)  # the warm-up prompt is timed later: its text is not in a memory then
+            except Exception as e:
+                if r.system == "leapdecode":
+                    raise
+                note(f"skipping {r.name}: warm-up failed ({type(e).__name__}: {e})")
+                runners.remove(r)
+                continue
+            r.rewind(mark)  # the warm-up prompt is timed later: its text is not in a memory then
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records: list[dict] = []
-    total = sum(len(q.turns) for q in questions) * cfg.repeats * len(runners)
-    order = [r.name for r in runners]
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        records: list[dict] = []
+        total = sum(len(q.turns) for q in questions) * cfg.repeats * len(runners)
+        order = [r.name for r in runners]
 
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
-    progress = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-                        disable=not cfg.progress, transient=False)
-    n_prompt = 0
-    with progress:
-        task = progress.add_task("", total=total)
-        for q in questions:
-            history: list[dict] = []
-            for turn_no, turn in enumerate(q.turns, start=1):
-                ids = encode_turn(loaded, q, history, turn)
-                if len(ids) + 1 > loaded.max_seq_len:
-                    note(f"question {q.question_id} turn {turn_no}: prompt of {len(ids)} tokens exceeds the "
-                         f"context ({loaded.max_seq_len}); skipped")
-                    progress.advance(task, cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
-                    break
-                ref_tokens: list[int] | None = None
-                ref_text = ""
-                n_before = len(records)
-                done_before = progress.tasks[0].completed
-                failed = None
-                marks = {r.name: r.mark() for r in runners} if cfg.repeats > 1 else {}
-                for rep in range(cfg.repeats):
-                    if failed:
+        progress = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                            disable=not cfg.progress, transient=False)
+        n_prompt = 0
+        with progress:
+            task = progress.add_task("", total=total)
+            for q in questions:
+                history: list[dict] = []
+                for turn_no, turn in enumerate(q.turns, start=1):
+                    ids = encode_turn(loaded, q, history, turn)
+                    if len(ids) + 1 > loaded.max_seq_len:
+                        note(f"question {q.question_id} turn {turn_no}: prompt of {len(ids)} tokens exceeds the "
+                             f"context ({loaded.max_seq_len}); skipped")
+                        progress.advance(task, cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
                         break
-                    seed = None if greedy else cfg.seed * 1_000_003 + n_prompt * 101 + rep
-                    for r in list(runners):
-                        progress.update(task, description=f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
-                        if rep:
-                            r.rewind(marks[r.name])  # a repeat drafts from what the first run could
-                        try:
-                            res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed, structure_of(q))
-                        except LeapdecodeError:
-                            raise
-                        except Exception as e:
-                            if r.system == "leapdecode":
-                                # an engine failure on one prompt: drop the prompt for every
-                                # runner (so all rows cover the same prompts) and go on
-                                failed = f"{r.name}: {type(e).__name__}: {e}"
-                                break
-                            note(f"dropping {r.name}: {type(e).__name__}: {e}")
-                            runners.remove(r)
-                            continue
-                        if r.name == "vanilla" and ref_tokens is None:
-                            ref_tokens, ref_text = res.tokens, res.text
-                        div = stats.first_divergence(res.tokens, ref_tokens) if greedy and ref_tokens is not None else None
-                        n = res.new_tokens
-                        gs = res.extra.get("stats") or {}  # a leapdecode generation's own stats
-                        # tokens decided per forward: a leapdecode generation's own count (its
-                        # end-of-sequence token included: vanilla is 1.00), else the new tokens
-                        decided = gs.get("decided_tokens", n)
-                        records.append({
-                            "method": r.name, "model": loaded.name, "system": r.system,
-                            "question_id": q.question_id, "category": q.category, "group": q.group,
-                            "turn": turn_no, "repeat": rep, "prompt_tokens": len(ids), "new_tokens": n,
-                            "wall_s": round(res.wall_s, 5),
-                            "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
-                            "target_forwards": res.target_forwards,
-                            "decided_tokens": decided,
-                            "mean_accepted": round(decided / res.target_forwards, 4) if res.target_forwards else None,
-                            "identical": (div is None) if greedy and ref_tokens is not None else None,
-                            "first_divergence": div,
-                            "finish_reason": res.finish_reason,
-                            "peak_rss_mb": res.peak_rss_mb,
-                            "peak_gpu_mb": res.peak_gpu_mb,
-                            **{k: gs[k] for k in RECORDED_STATS if k in gs},
-                            **({"valid": output_valid(res.text, q.meta["json_schema"])
-                                if res.finish_reason == "stop" else None,
-                                "ended": res.finish_reason == "stop",
-                                "constraint_s": res.constraint_s} if "json_schema" in q.meta else {}),
-                        })
-                        progress.advance(task)
-                if failed:
-                    del records[n_before:]
-                    note(f"question {q.question_id} turn {turn_no} ({len(ids)} prompt tokens) skipped: {failed}")
-                    progress.update(task, completed=done_before
-                                    + cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
-                    break
-                history += [{"role": "user", "content": turn}, {"role": "assistant", "content": ref_text}]
-                n_prompt += 1
-            report.write_jsonl(out / "results.jsonl", records)  # partial results survive an interrupt
-    for r in runners:
-        r.close()
+                    ref_tokens: list[int] | None = None
+                    ref_text = ""
+                    n_before = len(records)
+                    done_before = progress.tasks[0].completed
+                    failed = None
+                    marks = {r.name: r.mark() for r in runners} if cfg.repeats > 1 else {}
+                    for rep in range(cfg.repeats):
+                        if failed:
+                            break
+                        seed = None if greedy else cfg.seed * 1_000_003 + n_prompt * 101 + rep
+                        for r in list(runners):
+                            progress.update(task, description=f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
+                            if rep:
+                                r.rewind(marks[r.name])  # a repeat drafts from what the first run could
+                            try:
+                                res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed, structure_of(q))
+                            except LeapdecodeError:
+                                raise
+                            except Exception as e:
+                                if r.system == "leapdecode":
+                                    # an engine failure on one prompt: drop the prompt for every
+                                    # runner (so all rows cover the same prompts) and go on
+                                    failed = f"{r.name}: {type(e).__name__}: {e}"
+                                    break
+                                note(f"dropping {r.name}: {type(e).__name__}: {e}")
+                                runners.remove(r)
+                                continue
+                            if r.name == "vanilla" and ref_tokens is None:
+                                ref_tokens, ref_text = res.tokens, res.text
+                            div = stats.first_divergence(res.tokens, ref_tokens) if greedy and ref_tokens is not None else None
+                            n = res.new_tokens
+                            gs = res.extra.get("stats") or {}  # a leapdecode generation's own stats
+                            # tokens decided per forward: a leapdecode generation's own count (its
+                            # end-of-sequence token included: vanilla is 1.00), else the new tokens
+                            decided = gs.get("decided_tokens", n)
+                            records.append({
+                                "method": r.name, "model": loaded.name, "system": r.system,
+                                "question_id": q.question_id, "category": q.category, "group": q.group,
+                                "turn": turn_no, "repeat": rep, "prompt_tokens": len(ids), "new_tokens": n,
+                                "wall_s": round(res.wall_s, 5),
+                                "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
+                                "target_forwards": res.target_forwards,
+                                "decided_tokens": decided,
+                                "mean_accepted": round(decided / res.target_forwards, 4) if res.target_forwards else None,
+                                "identical": (div is None) if greedy and ref_tokens is not None else None,
+                                "first_divergence": div,
+                                "finish_reason": res.finish_reason,
+                                "peak_rss_mb": res.peak_rss_mb,
+                                "peak_gpu_mb": res.peak_gpu_mb,
+                                **{k: gs[k] for k in RECORDED_STATS if k in gs},
+                                **({"valid": output_valid(res.text, q.meta["json_schema"])
+                                    if res.finish_reason == "stop" else None,
+                                    "ended": res.finish_reason == "stop",
+                                    "constraint_s": res.constraint_s} if "json_schema" in q.meta else {}),
+                            })
+                            progress.advance(task)
+                    if failed:
+                        del records[n_before:]
+                        note(f"question {q.question_id} turn {turn_no} ({len(ids)} prompt tokens) skipped: {failed}")
+                        progress.update(task, completed=done_before
+                                        + cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
+                        break
+                    history += [{"role": "user", "content": turn}, {"role": "assistant", "content": ref_text}]
+                    n_prompt += 1
+                report.write_jsonl(out / "results.jsonl", records)  # partial results survive an interrupt
+    finally:  # an interrupted or failed bench leaves no peer server running
+        for r in started:
+            r.close()
     if not records:
         raise LeapdecodeError("no prompt could be benchmarked: " + "; ".join(notes[-3:]))
 
@@ -290,7 +283,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         "methods": methods, "peers": [r.name for r in runners if r.system != "leapdecode"],
         "workload": workload_desc, "questions": len(questions), "prompts": n_prompt,
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "repeats": cfg.repeats,
-        "seed": cfg.seed, "machine": _machine(loaded), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seed": cfg.seed, "machine": machine_description(loaded.device), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "elapsed_s": round(time.perf_counter() - t_start, 1), "skipped": notes,
         "python": sys.version.split()[0], "cpu_flags": _cpu_flags(), "commit": _commit(),
         "command": cfg.command,
