@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from leapdecode.heads_train import chain_hits, eagle_loss, optimizer_step  # noqa: E402
+from leapdecode.heads_eval import chain_hits  # noqa: E402
+from leapdecode.heads_train import eagle_loss, optimizer_step  # noqa: E402
 from leapdecode.models.registry import DEFAULT_MODEL, get_entry  # noqa: E402
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, default_layers  # noqa: E402
 from leapdecode.proposers.heads.store import read_head  # noqa: E402

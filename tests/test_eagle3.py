@@ -23,7 +23,9 @@ from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import HeadMismatchError, InvalidParameterError
-from leapdecode.heads_train import chain_hits, eagle_loss, ttt_outputs
+from leapdecode.heads_eval import chain_hits
+from leapdecode.heads_train import eagle_loss
+from leapdecode.proposers.heads.eagle import ttt_outputs
 from leapdecode.models.qkernel import kernel_problem
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads.common import fingerprint

@@ -10,7 +10,8 @@
    deterministic rule does not care how children were chosen: not an error, only slower).
 3. ``train-head``: a few steps, a checkpoint, a resumed run continues from the saved step, the
    manifest is written atomically; ``heads list``; the typed errors (no head, a head for another
-   model, corrupt files).
+   model, corrupt files).  The data shards, Magpie requests, token files, ``--init`` and the
+   per-category accuracy: tests/test_head_training.py.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def _train(kind, model, out: Path, steps: int, **kw) -> dict:
     (data / "text.txt").write_text(TRAIN_TEXT)
     recipe = Recipe(kind=kind, data=(str(data / "prompts.jsonl"), str(data / "text.txt")), max_prompts=6,
                     gen_tokens=48, text_chunks=8, seq_len=64, steps=steps, batch=2, lr=kw.pop("lr", 3e-3),
-                    medusa_heads=3, val_prompts=0, checkpoint_minutes=kw.pop("checkpoint_minutes", 5.0))
+                    medusa_heads=3, val_prompts=0, checkpoint_minutes=kw.pop("checkpoint_minutes", 5.0),
+                    eval_per_category=0, eval_humaneval=0)
     kw.setdefault("log", lambda m: None)
     return train_head(model, recipe, out, progress=False, **kw)
 
@@ -346,12 +348,18 @@ def test_train_checkpoint_resume_and_manifest(tiny, tmp_path, monkeypatch):
     assert manifest["target"] == {"name": model.name, "fingerprint": fingerprint(model)}
     assert manifest["data"]["sequences"] > 0 and manifest["config"]["heads"] == 3
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
-    # a resumed run continues from the saved step (and the saved data)
+    # the same work directory again: refused without --resume (it holds a checkpoint)
+    with pytest.raises(InvalidParameterError, match="--resume"):
+        _train("medusa", model, out, steps=2, install_head=False)
+    # a resumed run goes on from the saved step for --steps more, on the shards (nothing new to add)
     seen = []
-    second = _train("medusa", model, out, steps=5, install_head=True, log=seen.append)
+    second = _train("medusa", model, out, steps=2, install_head=True, log=seen.append, resume=True)
     assert second["steps"] == 5 and any("resuming from step 3" in m for m in seen), seen
-    assert any("features extracted before" in m for m in seen)
+    added = second["data"]["this_run"]
+    assert added["added_sequences"] == second["data"]["sequences"] - first["data"]["sequences"] > 0
+    assert added["generated_tokens"] == 0  # the six prompts were answered in the first run: only new text chunks
     assert torch.load(out / CHECKPOINT, weights_only=False)["step"] == 5
+    assert [r["steps"] for r in second["runs"]] == [[0, 3], [3, 5]]
     # installed into the store: the method finds it without a path, and `heads list` shows it
     ids = model.tokenizer.encode("hello hello")
     got = leapdecode.generate(ModelRunner(model), prompt_ids=ids, method="medusa", max_new_tokens=10)
@@ -379,10 +387,13 @@ def test_train_head_cli_smoke_and_heads_list(tmp_path, capsys):
     out = tmp_path / "eagle"
     rc = cli_main(["train-head", "-m", "tiny-random:0", "--kind", "eagle", "--data", str(data), "--steps", "2",
                    "--seq-len", "32", "--text-chunks", "2", "--out", str(out), "--no-progress", "--dtype", "fp32",
-                   "--eagle-intermediate", "32", "--train-vocab", "128", "--threads", "1"])
+                   "--eagle-intermediate", "32", "--train-vocab", "128", "--threads", "1",
+                   "--eval-per-category", "0", "--eval-humaneval", "1"])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["kind"] == "eagle" and printed["steps"] == 2
+    top1 = printed["top1"]["humaneval held-apart"]  # scored after the run: 3 drafted steps, each a fraction
+    assert len(top1) == 3 and all(0.0 <= x <= 1.0 for x in top1), printed
     assert cli_main(["heads", "list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert len(listed) == 1 and listed[0]["kind"] == "eagle" and listed[0]["target"]["name"] == "tiny-random:0"
@@ -560,7 +571,7 @@ def test_training_data_sources_chat_prompts_and_round_robin(tiny, tmp_path):
     """A JSONL's ``chat`` lines are asked through the chat template; several sources share
     --max-prompts and --text-chunks in turn."""
     from leapdecode.core.generate import encode_prompt
-    from leapdecode.heads_train import ChatPrompt, Recipe, collect, encode_item, file_items, interleave
+    from leapdecode.heads_data import ChatPrompt, encode_item, file_items, interleave, plan
 
     assert interleave([[1, 2, 3], [], ["a"]]) == [1, "a", 2, 3]
     data = tmp_path / "d.jsonl"
@@ -575,16 +586,12 @@ def test_training_data_sources_chat_prompts_and_round_robin(tiny, tmp_path):
     other.write_text("".join('{"prompt": "p%d"}\n' % i for i in range(5)), encoding="utf-8")
     mine = tmp_path / "f.jsonl"
     mine.write_text("".join('{"prompt": "q%d"}\n' % i for i in range(5)), encoding="utf-8")
-    seen: list[int] = []
-
-    def progress(name, total):
-        seen.append((name, total))
-        return lambda: None
-
-    got = collect(model, Recipe(kind="medusa", data=(str(other), str(mine)), max_prompts=4, gen_tokens=2,
-                                text_chunks=0), progress)
-    firsts = [model.tokenizer.decode(t[:2].tolist()) for t in got.tokens]
-    assert len(got.tokens) == 4 and [f[:2] for f in firsts] == ["p0", "q0", "p1", "q1"], firsts
+    items, _, _ = plan(model, (str(other), str(mine)), held=set(), max_prompts=4, text_chunks=0, seq_len=64, seed=0)
+    assert [it.prompt for it in items] == ["p0", "q0", "p1", "q1"]
+    # the prompts a run made are skipped by the next one (their keys are in the shards)
+    later, _, _ = plan(model, (str(other), str(mine)), held={it.key for it in items}, max_prompts=4, text_chunks=0,
+                       seq_len=64, seed=0)
+    assert [it.prompt for it in later] == ["p2", "q2", "p3", "q3"]
 
 
 # ============================================================================ cost-aware EAGLE trees

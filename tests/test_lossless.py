@@ -159,7 +159,8 @@ def env(tiny, tmp_path_factory):
         save_head(heads / f"hydra-{s}", HydraHeads.for_target(tiny(seed=s), heads=3),
                   {"target": {"name": f"tiny-random:{s}", "fingerprint": fingerprint(tiny(seed=s))}})
         train_head(tiny(seed=s), Recipe(kind="eagle", data=(str(work / "head-data.txt"),), text_chunks=16,
-                                        seq_len=64, steps=150, batch=2, lr=3e-3, val_prompts=0),
+                                        seq_len=64, steps=150, batch=2, lr=3e-3, val_prompts=0,
+                                        eval_per_category=0, eval_humaneval=0),
                    work / f"eagle-run-{s}", progress=False, install_head=False, log=lambda m: None)
         shutil.copytree(work / f"eagle-run-{s}", heads / f"eagle-{s}")
     return Env(drafts=drafts, datastore=ds, datastore_path=str(path), heads_path=str(heads))

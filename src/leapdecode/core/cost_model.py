@@ -206,6 +206,18 @@ def hardware_name(device: torch.device) -> str:
     return name
 
 
+def machine_description(device: torch.device) -> str:
+    """What a measured figure ran on: ``hardware_name``, and on a CPU the cores and torch threads, and
+    torch's version (a bench summary's ``machine``; the results page reads the part before the
+    first comma)."""
+    import os
+
+    if device.type == "cuda":
+        return f"{hardware_name(device)}, torch {torch.__version__}"
+    return (f"{hardware_name(device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}")
+
+
 PROBE_VERSION = 2  # how profiles are measured (2: ratios within rounds, median of 5); older ones are measured again
 PROFILE_MAX_AGE_S = 7 * 24 * 3600  # a stored profile older than this is measured again
 CONTENDED_MAX_AGE_S = 600  # ... and one measured while other processes held the cores, after this

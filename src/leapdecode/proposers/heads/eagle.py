@@ -222,6 +222,37 @@ class Eagle3Head(EagleHead):
         return _rms(out, self.out_norm, self.eps)
 
 
+def ttt_outputs(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, steps: int,
+                segments: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """EAGLE-3's training-time test: the head's outputs ``[t, H]`` of ``steps`` unrolled steps over
+    ``t = len(inp)`` rows.  Step 0 row ``i`` reads ``(inp[i], emb[i + 1])`` at position ``i`` and sees
+    rows ``<= i``; step ``j`` row ``i`` reads ``(step j - 1's output at row i, emb[i + 1 + j])`` at
+    position ``i + j`` and sees step 0's rows ``<= i`` and its own row of steps ``1 .. j``: what
+    decoding computes for a chain of ``j`` drafted tokens after the decided row ``i``.  ``emb``:
+    at least ``t + steps`` rows (those past the text are padding whose outputs carry no loss).
+    ``segments`` (``[t]``, non-decreasing): rows of different windows see nothing of each other and
+    positions restart at each window's first row, so each window's outputs are its own call's."""
+    t = inp.shape[0]
+    dev = inp.device
+    rows = torch.arange(t, device=dev)
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    first = None
+    if segments is not None:
+        causal = causal & (segments[:, None] == segments[None, :])
+        rows = rows - torch.searchsorted(segments, segments)  # position within the window
+        first = causal
+    out, k, v = head(inp, emb[1 : t + 1], rows, mask=first)
+    outs, ks, vs = [out], [k], [v]
+    eye = torch.eye(t, dtype=torch.bool, device=dev)
+    for j in range(1, steps):
+        mask = torch.cat([causal] + [eye] * j, 1)  # the exact context up to the row, then its own drafted rows
+        out, k, v = head(out, emb[1 + j : 1 + j + t], rows + j, torch.cat(ks, 1), torch.cat(vs, 1), mask)
+        outs.append(out)
+        ks.append(k)
+        vs.append(v)
+    return outs
+
+
 class DraftKV:
     """The draft layer's keys and values during one generation, and the head run over them:
     *committed* entries (decided positions, ``feed``) and *pending* ones (this proposal's tree levels,
