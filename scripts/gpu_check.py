@@ -18,7 +18,8 @@ measures, on the same weights:
    (the property speculative decoding's exactness rests on);
 5. ``identity``: greedy pld and draft (a draft model with the target's own weights) against
    vanilla, token for token, in each configuration, plus their speed;
-6. ``tests``: ``pytest tests/test_static_step.py`` on the GPU.
+6. ``tests``: ``pytest tests/test_static_step.py tests/test_head_training.py`` on the GPU (their
+   CUDA-marked tests: graph capture, and ``train-head`` with the target on the GPU).
 
 Every section is timed, its failure recorded rather than fatal, and ``gpu_check.json`` plus
 ``gpu_check.md`` (the table for docs/results.md) are rewritten after each, so a run stopped at its
@@ -294,7 +295,8 @@ def section_tests(ctx) -> dict:
         return {"skipped": "not on a GPU"}
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                        str(ROOT / "tests" / "test_static_step.py")], capture_output=True, text=True, env=env,
+                        str(ROOT / "tests" / "test_static_step.py"), str(ROOT / "tests" / "test_head_training.py")],
+                       capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=240)
     tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
     return {"returncode": p.returncode, "tail": tail}

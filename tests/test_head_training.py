@@ -257,3 +257,16 @@ def test_cli_refuses_bad_sources_before_loading(tmp_path, capsys):
     assert cli_main(["train-head", "-m", "no-such-model", "--kind", "eagle3", "--data", f"tokens:{tmp_path}/x.npz"]) == 2
     assert "no such file" in capsys.readouterr().err
     assert cli_main(["train-head", "-m", "no-such-model", "--kind", "eagle3", "--resume", "--restart"]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_train_head_where_the_target_runs_on_a_gpu(tmp_path):
+    """The same train-head on a GPU (scripts/gpu_check.py runs it when a GPU is lent): shards,
+    training and scoring with the target and the head on CUDA."""
+    from leapdecode.models.tiny import tiny_loaded
+
+    model = tiny_loaded(seed=0, device="cuda")
+    res = _run(model, _recipe([_prompts(tmp_path)], eval_humaneval=1, eval_tokens=4), tmp_path / "work")
+    assert res["steps"] == 2 and res["runs"][-1]["device"].startswith("cuda")
+    assert len(res["accuracy"]["sets"]["humaneval held-apart"]["top1"]) == 3

@@ -263,7 +263,6 @@ def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch,
     """Issue 45 (probes F04, F04b): random bytes written into the middle of a packed int4 file gave
     NaN logits and 40 x token 0 with exit 0. ``save_packed`` records the file's digests; a load checks
     the sampled one (milliseconds) and packs again on a mismatch; ``models verify`` checks the whole."""
-    import json
 
     from leapdecode.models import blockquant, store
     from leapdecode.models.store import digest_path, digest_problem

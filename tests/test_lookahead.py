@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import leapdecode
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.tree import TokenTree
-from leapdecode.core.verifier import Verdict, verify
+from leapdecode.core.verifier import verify
 from leapdecode.errors import InvalidParameterError
 from leapdecode import ModelRunner
 from leapdecode.core.proposer import DecodeContext

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import leapdecode
 from leapdecode.errors import InvalidParameterError
 from leapdecode.models import native
-from leapdecode.models.invariance import CASES, TREE, tree_mismatches, tree_vs_sequential
+from leapdecode.models.invariance import tree_mismatches, tree_vs_sequential
 from leapdecode.models.loader import load
 from leapdecode.models.linear import PackedLinear
 from leapdecode.models.native import ModelConfig, NativeCausalLM

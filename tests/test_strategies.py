@@ -34,7 +34,7 @@ from leapdecode.models.kv_cache import KVCache
 from leapdecode.models.native import NativeCausalLM
 from leapdecode.models.tiny import byte_tokenizer, tiny_config, tiny_native
 from leapdecode.strategies import search as search_mod
-from leapdecode.strategies.registry import STRATEGIES, BeamConfig, build_search, strategy_config
+from leapdecode.strategies.registry import STRATEGIES, BeamConfig, strategy_config
 from leapdecode.strategies.stochastic_beam import conditional_poisson_sample, odds_weights
 from conftest import tiny_server
 

@@ -172,6 +172,7 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
     from .errors import InvalidParameterError
     from .bench.results_page import head_table
     from .heads_eval import accuracy
+    from .heads_train import ProgressBars
     from .proposers.heads.store import bundled_root, load_head
 
     for name in ("per_category", "humaneval"):
@@ -183,11 +184,16 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
         check_output(a.save, "--save", directory=False)
     target = load_from_args(a)
     results, heads = {}, {}
+    bars = ProgressBars(True)  # (the target's text, once: later heads and runs read it from the cache)
     for spec in a.head or [None]:
         path = bundled_root() if spec == "bundled" else spec
         head, manifest = load_head(("eagle3", "eagle"), target, path)
         label = spec or "the store's head"
-        res = accuracy(target, head, per_category=a.per_category, humaneval=a.humaneval, tokens=a.tokens)
+        try:
+            res = accuracy(target, head, per_category=a.per_category, humaneval=a.humaneval, tokens=a.tokens,
+                           progress=bars.task)
+        finally:
+            bars.close()
         results[label] = res["sets"]
         heads[label] = {"kind": manifest.get("kind"), "steps": manifest.get("steps"),
                         "created": manifest.get("created"), "notes": res["notes"]}

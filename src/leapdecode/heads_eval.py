@@ -114,21 +114,22 @@ def score(head: EagleHead, target, seqs: dict[str, list[dict]], steps: int = STE
     Spec-Bench sets together, token-weighted.  ``train_vocab``: predictions among the lowest ids only
     (0: the whole vocabulary, what decoding uses)."""
     head = head.float().eval()
+    dev = next(head.parameters()).device  # (the cached sequences are on the CPU; the head may be on a GPU)
     weight = target.model.head_weight.detach()
-    weight = (weight[:train_vocab] if train_vocab else weight).float()
+    weight = (weight[:train_vocab] if train_vocab else weight).float().to(dev)
     embed = target.model.embed
     res: dict[str, dict] = {}
     dev_hits, dev_count = [0] * steps, [0] * steps
     for name, items in seqs.items():
         hits, count = [0] * steps, [0] * steps
         for s in items:
-            ids, labels = s["ids"].long(), s["labels"].long()
+            ids, labels = s["ids"].long(), s["labels"].long().to(dev)
             m = len(ids) - 1
             with torch.no_grad():
-                emb = embed(ids.to(embed.weight.device)).float().cpu()
+                emb = embed(ids.to(embed.weight.device)).float().to(dev)
                 emb = torch.cat([emb, emb.new_zeros(steps, emb.shape[-1])])
-                inp = head.fuse_states(s["states"].float()[:m]) if isinstance(head, Eagle3Head) else \
-                    s["feats"].float()[:m]
+                inp = head.fuse_states(s["states"].float()[:m].to(dev)) if isinstance(head, Eagle3Head) else \
+                    s["feats"].float()[:m].to(dev)
                 for j, (h, c) in enumerate(chain_hits(head, inp, emb, labels, weight, steps, skip=s["prompt_len"] - 1)):
                     hits[j] += h
                     count[j] += c

@@ -275,7 +275,7 @@ def train_head(target, recipe: Recipe, out: str | Path | None = None, *, resume:
     out.mkdir(parents=True, exist_ok=True)
     fp = fingerprint(target)
     t_start = time.perf_counter()
-    bar = _Progress(progress)
+    bar = ProgressBars(progress)
     try:
         return _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, command, log)
     finally:
@@ -373,15 +373,15 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
             last_ckpt = time.perf_counter()
     run_s = time.perf_counter() - t_loop
     trained_s = base_trained + run_s
-    bar.close()  # (the validation prints no bars)
 
     # ---- the head, its validation and accuracy, the manifest
     head.eval()
     accuracy = None
     if kind in ("eagle", "eagle3") and (recipe.eval_per_category or recipe.eval_humaneval):
         accuracy = heads_eval.accuracy(target, head, per_category=recipe.eval_per_category,
-                                       humaneval=recipe.eval_humaneval, tokens=recipe.eval_tokens)
+                                       humaneval=recipe.eval_humaneval, tokens=recipe.eval_tokens, progress=bar.task)
         _write_json(out / ACCURACY, accuracy)
+    bar.close()  # (the validation prints no bars)
     run = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": [first_step, step],
            "train_seconds": round(run_s, 2), "trained_tokens_per_s": round(trained_tokens / run_s, 1) if run_s else None,
            "data": added, "device": str(dev), "command": command,
@@ -429,7 +429,7 @@ def validate(target, kind: str, head_dir: Path, prompts: list[list[int]], max_ne
             "new_tokens": new, "target_forwards": forwards, "max_new_tokens": max_new_tokens}
 
 
-class _Progress:
+class ProgressBars:
     """rich progress bars on stderr (off when disabled or not a terminal)."""
 
     def __init__(self, enabled: bool) -> None:
