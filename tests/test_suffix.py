@@ -193,6 +193,41 @@ def test_auto_memory_arm_drafts_from_earlier_requests(tiny):
     assert "auto_memory_tokens" not in plain.stats  # off by default
 
 
+def test_the_memory_arm_matches_the_memory_once_per_step(tiny, monkeypatch):
+    """auto asks the memory how long its match is, then (memory arm) drafts from it: one match of the
+    memory's trie per text, not two; a memory changed in between is matched again."""
+    model = tiny(seed=0)
+    runner = ModelRunner(model)
+    opts = {"use_memory": True}
+    leapdecode.generate(runner, PROMPT, method="auto", options=opts, max_new_tokens=64)
+    from leapdecode.proposers.registry import SuffixConfig
+
+    c = SuffixConfig()  # (auto's memory arm: suffix's defaults)
+    memory = runner.memory.get(("suffix", "memory", c.depth, c.memory_tokens), lambda: pytest.fail("no memory"))
+    calls: list[int] = []
+    real = SuffixTrie.match
+
+    def counted(self, tokens, limit):
+        if self is memory.trie:
+            calls.append(len(tokens))
+        return real(self, tokens, limit)
+
+    monkeypatch.setattr(SuffixTrie, "match", counted)
+    second = leapdecode.generate(runner, PROMPT, method="auto", options=opts, max_new_tokens=64)
+    assert second.stats["auto_arms"].get("memory", 0) > 0
+    assert calls and len(calls) == len(set(calls)), calls  # each text length matched once
+    from leapdecode.proposers.suffix import SuffixDecodingProposer
+
+    p = SuffixDecodingProposer(local=False)
+    p.memory = memory
+    calls.clear()
+    ids = model.tokenizer.encode(PROMPT)
+    p.memory_match(ids)
+    memory.add([1, 2, 3])  # the memory changed (another request ended): the kept match is stale
+    p.propose(ids, 8)
+    assert calls == [len(ids), len(ids)]
+
+
 def test_random_documents_drafts_stay_exact(tiny):
     """Memory full of unrelated texts (drafts mostly wrong): greedy tokens are still vanilla's."""
     model = tiny(seed=1)

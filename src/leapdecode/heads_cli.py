@@ -78,7 +78,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=0,
                    help="torch threads (default 0: torch's own choice; on a busy shared CPU 1 avoids "
                         "OpenMP spin-waiting, which made a tiny run 60x slower here)")
-    t.add_argument("--restart", action="store_true", help="delete the work directory's checkpoint and data shards first")
+    t.add_argument("--restart", action="store_true",
+                   help="delete the work directory's checkpoint and data shards first")
     t.add_argument("--no-install", action="store_true", help="do not copy the head into the model cache")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train_head)

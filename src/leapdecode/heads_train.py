@@ -383,7 +383,8 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
         _write_json(out / ACCURACY, accuracy)
     bar.close()  # (the validation prints no bars)
     run = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": [first_step, step],
-           "train_seconds": round(run_s, 2), "trained_tokens_per_s": round(trained_tokens / run_s, 1) if run_s else None,
+           "train_seconds": round(run_s, 2),
+           "trained_tokens_per_s": round(trained_tokens / run_s, 1) if run_s else None,
            "data": added, "device": str(dev), "command": command,
            "top1": {k: v["top1"] for k, v in (accuracy or {}).get("sets", {}).items()
                     if k in (heads_eval.DEV, heads_eval.HUMANEVAL)}}

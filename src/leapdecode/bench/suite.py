@@ -231,7 +231,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                                 continue
                             if r.name == "vanilla" and ref_tokens is None:
                                 ref_tokens, ref_text = res.tokens, res.text
-                            div = stats.first_divergence(res.tokens, ref_tokens) if greedy and ref_tokens is not None else None
+                            div = (stats.first_divergence(res.tokens, ref_tokens)
+                                   if greedy and ref_tokens is not None else None)
                             n = res.new_tokens
                             gs = res.extra.get("stats") or {}  # a leapdecode generation's own stats
                             # tokens decided per forward: a leapdecode generation's own count (its
@@ -245,7 +246,8 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                                 "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
                                 "target_forwards": res.target_forwards,
                                 "decided_tokens": decided,
-                                "mean_accepted": round(decided / res.target_forwards, 4) if res.target_forwards else None,
+                                "mean_accepted": (round(decided / res.target_forwards, 4)
+                                                  if res.target_forwards else None),
                                 "identical": (div is None) if greedy and ref_tokens is not None else None,
                                 "first_divergence": div,
                                 "finish_reason": res.finish_reason,

@@ -176,6 +176,18 @@ class MethodConfig(OptionsConfig):
     method: ClassVar[str] = "base"
     tree_budget: int | None = option(None, "most drafted nodes verified per step (default: the method's own)",
                                      low=1)
+    # the budget drafted when ``tree_budget`` is None: a number (the proposer reads it from here), or
+    # how the proposer derives it; ``leapdecode methods`` shows it as ``tree_budget``'s default
+    default_tree_budget: ClassVar[int | str] = 24
+
+    @classmethod
+    def tree_budget_default_text(cls) -> str:
+        return str(cls.default_tree_budget)
+
+    @classmethod
+    def options_table(cls) -> list[tuple[str, str, str]]:
+        return [(name, cls.tree_budget_default_text() if name == "tree_budget" else default, help_)
+                for name, default, help_ in super().options_table()]
 
 
 def parse_option_assignments(config_cls: type[OptionsConfig], items: list[str] | None,

@@ -61,6 +61,7 @@ from ..core.tree import TokenTree
 from ..core.proposer import DecodeContext, Proposer
 from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
 from .suffix import SuffixDecodingProposer
+from .configs import AutoConfig
 
 MEMORY_MIN_MATCH = 4  # the memory arm is offered where its match is at least this long
 
@@ -124,8 +125,9 @@ class AutoProposer(Proposer):
     name = "auto"
 
     def __init__(self, draft_proposer: Proposer | None = None, tree_budget: int | None = None,
-                 sam_len: int = 16, sam_only_match: int = MATCH_BUCKETS[3], explore: float = 0.15,
-                 discount: float = 0.99, head_proposer: Proposer | None = None,
+                 sam_len: int = AutoConfig.sam_len, sam_only_match: int = AutoConfig.sam_only_match,
+                 explore: float = AutoConfig.explore, discount: float = AutoConfig.discount,
+                 head_proposer: Proposer | None = None,
                  memory_proposer: SuffixDecodingProposer | None = None) -> None:
         self.sam_only_match = sam_only_match
         self.sam = SuffixAutomatonProposer(draft_len=sam_len)
@@ -138,7 +140,7 @@ class AutoProposer(Proposer):
         self.discount, self.explore = discount, explore
         self.bandit: BanditStats | None = None  # the runner's, shared by this target's generations
         self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) \
-            or getattr(head_proposer, "default_budget", None) or 24
+            or getattr(head_proposer, "default_budget", None) or AutoConfig.default_tree_budget
         self._pending: tuple[int, str, int] | None = None
         self._t_step = 0.0
         self._t_end: float | None = None  # when the pending step's observe() finished

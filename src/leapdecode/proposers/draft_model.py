@@ -74,7 +74,8 @@ from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer, feed_committed
-from .common import ATTENTION_SINK, CONTEXT_WINDOW, DRAFT_VOCAB, coupled_first, draw_children, subset_head
+from .common import ATTENTION_SINK, coupled_first, draw_children, subset_head
+from .configs import DraftConfig
 
 
 class DraftModelProposer(Proposer):
@@ -84,14 +85,14 @@ class DraftModelProposer(Proposer):
         self,
         draft,  # LoadedModel
         tree_budget: int | None = None,
-        top_k: int = 4,
-        beam: int = 4,
-        max_depth: int = 8,
-        adaptive: bool = True,
-        tau: float = 0.05,
-        draft_vocab: int = DRAFT_VOCAB,
-        staged: bool = True,
-        context_window: int | None = CONTEXT_WINDOW,
+        top_k: int = DraftConfig.top_k,
+        beam: int = DraftConfig.beam,
+        max_depth: int = DraftConfig.max_depth,
+        adaptive: bool = DraftConfig.adaptive,
+        tau: float = DraftConfig.tau,
+        draft_vocab: int = DraftConfig.draft_vocab,
+        staged: bool = DraftConfig.staged,
+        context_window: int | None = DraftConfig.context_window,
         defer_prefill: bool = False,
     ) -> None:
         for name, v in (("top_k", top_k), ("beam", beam), ("max_depth", max_depth)):
@@ -111,7 +112,7 @@ class DraftModelProposer(Proposer):
         self.defer_prefill = defer_prefill
         self._prompt: list[int] | None = None  # the prompt still to prefill (deferred)
         self.draft = draft
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or DraftConfig.default_tree_budget
         self.top_k, self.beam, self.max_depth = top_k, beam, max_depth
         self.adaptive = adaptive
         self.tau = tau

@@ -33,12 +33,13 @@ import torch
 from ..core.tree import TokenTree
 from ..core.proposer import DecodeContext, Proposer
 from .common import check_int
+from .configs import JacobiConfig
 
 
 class JacobiProposer(Proposer):
     name = "jacobi"
 
-    def __init__(self, tree_budget: int | None = None, k: int = 8) -> None:
+    def __init__(self, tree_budget: int | None = None, k: int = JacobiConfig.k) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
         self.k = check_int("k", k)

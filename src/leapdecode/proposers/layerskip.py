@@ -77,8 +77,9 @@ from ..core.sampling import apply_repetition_penalty, sample, sample_at, target_
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
-from .common import DRAFT_VOCAB, subset_head
+from .common import subset_head
 from .common import check_int
+from .configs import LayerSkipConfig
 
 DEFAULT_SKIP_FRACTION = 0.3
 
@@ -165,11 +166,11 @@ class LayerSkipProposer(Proposer):
         self,
         target,  # LoadedModel
         tree_budget: int | None = None,
-        skip: int | float | None = None,
-        k: int = 6,
-        min_conf: float = 0.6,
-        update_every: int = 4,
-        draft_vocab: int = DRAFT_VOCAB,
+        skip: int | float | None = LayerSkipConfig.skip,
+        k: int = LayerSkipConfig.k,
+        min_conf: float = LayerSkipConfig.min_conf,
+        update_every: int = LayerSkipConfig.update_every,
+        draft_vocab: int = LayerSkipConfig.draft_vocab,
     ) -> None:
         if getattr(target, "backend", None) != "native":
             raise InvalidParameterError(

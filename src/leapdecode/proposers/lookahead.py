@@ -85,6 +85,7 @@ import torch
 from ..core.tree import TokenTree
 from ..core.proposer import DecodeContext, Proposer
 from .common import check_int, merge_candidates
+from .configs import LookaheadConfig
 
 
 class NGramPool:
@@ -187,8 +188,8 @@ class LookaheadWindow:
 class LookaheadProposer(Proposer):
     name = "lookahead"
 
-    def __init__(self, tree_budget: int | None = None, window: int = 5, ngram: int = 4,
-                 guesses: int | None = None) -> None:
+    def __init__(self, tree_budget: int | None = None, window: int = LookaheadConfig.window, ngram: int = LookaheadConfig.ngram,
+                 guesses: int | None = LookaheadConfig.guesses) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
         self.window = check_int("window", window)

@@ -62,6 +62,7 @@ from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
 from .common import check_int, copy_continuation, merge_candidates
+from .configs import PldConfig
 
 
 class NGramIndex:
@@ -110,11 +111,11 @@ class PromptLookupProposer(Proposer):
     def __init__(
         self,
         tree_budget: int | None = None,
-        max_ngram: int = 4,
-        min_ngram: int = 1,
-        draft_len: int = 10,
-        max_matches: int = 4,
-        cost_aware: bool = True,
+        max_ngram: int = PldConfig.max_ngram,
+        min_ngram: int = PldConfig.min_ngram,
+        draft_len: int = PldConfig.draft_len,
+        max_matches: int = PldConfig.max_matches,
+        cost_aware: bool = PldConfig.cost_aware,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -124,7 +125,7 @@ class PromptLookupProposer(Proposer):
             raise InvalidParameterError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
         self.draft_len = check_int("draft_len", draft_len)
         self.max_matches = check_int("max_matches", max_matches)
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or PldConfig.default_tree_budget
         self.cost_aware = cost_aware
         self.acceptance = ChainAcceptance(self.max_ngram + 1, self.draft_len)  # bucket: the matched n
         self._verify_cost = None

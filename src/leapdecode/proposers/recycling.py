@@ -49,6 +49,7 @@ from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
 from .common import check_int
+from .configs import RecyclingConfig
 
 RANK_PRIOR = (0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.02, 0.01)
 DEPTH_CAPS = (8, 4, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1)
@@ -153,9 +154,9 @@ class TokenRecyclingProposer(Proposer):
     def __init__(
         self,
         tree_budget: int | None = None,
-        k: int = 8,
-        template: list[list[int]] | None = None,
-        persist: bool = True,
+        k: int = RecyclingConfig.k,
+        template: list[list[int]] | None = RecyclingConfig.template,
+        persist: bool = RecyclingConfig.persist,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -164,7 +165,7 @@ class TokenRecyclingProposer(Proposer):
         if not isinstance(paths, (list, tuple)) or not paths:
             raise InvalidParameterError("template must be a non-empty list of rank paths")
         self.template = compile_template(paths, self.k)
-        self.default_budget = tree_budget or min(28, len(self.template))
+        self.default_budget = tree_budget or min(RecyclingConfig.default_tree_budget, len(self.template))
         self.persist = bool(persist)
         self.matrix: AdjacencyMatrix | None = None
         self._steps = self._nodes = 0

@@ -47,6 +47,7 @@ from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
 from .datastore import Datastore, default_path, vocab_sha256
 from .common import check_int
+from .configs import RestConfig
 
 # suffix-match lengths whose continuations are calibrated apart (how far they can be trusted)
 MATCH_BUCKETS = (0, 4, 8)
@@ -142,11 +143,11 @@ class RestProposer(Proposer):
         self,
         datastore: Datastore,
         tree_budget: int | None = None,
-        max_suffix: int = 16,
-        min_suffix: int = 2,
-        draft_len: int = 10,
-        max_candidates: int = 128,
-        cost_aware: bool = True,
+        max_suffix: int = RestConfig.max_suffix,
+        min_suffix: int = RestConfig.min_suffix,
+        draft_len: int = RestConfig.draft_len,
+        max_candidates: int = RestConfig.max_candidates,
+        cost_aware: bool = RestConfig.cost_aware,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -159,7 +160,7 @@ class RestProposer(Proposer):
         if not isinstance(datastore, Datastore):
             raise InvalidParameterError(f"datastore must be a Datastore, got {type(datastore).__name__}")
         self.datastore = datastore
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or RestConfig.default_tree_budget
         self.cost_aware = cost_aware
         self._use_costs = False  # set per generation by begin()
         self._last: tuple[AcceptanceCalibration, list[float]] | None = None

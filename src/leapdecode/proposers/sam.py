@@ -55,6 +55,7 @@ from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
 from .common import check_int, copy_continuation, merge_candidates
+from .configs import SamConfig
 
 # suffix-match length buckets: how far a match's draft can be trusted (also auto's bandit context)
 MATCH_BUCKETS = (0, 1, 4, 12)
@@ -167,11 +168,11 @@ class SuffixAutomatonProposer(Proposer):
     def __init__(
         self,
         tree_budget: int | None = None,
-        draft_len: int = 16,
-        min_match: int = 1,
-        corpus_tokens: list[list[int]] | None = None,
-        occurrence: str = "recent",
-        cost_aware: bool = True,
+        draft_len: int = SamConfig.draft_len,
+        min_match: int = SamConfig.min_match,
+        corpus_tokens: list[list[int]] | None = SamConfig.corpus_tokens,
+        occurrence: str = SamConfig.occurrence,
+        cost_aware: bool = SamConfig.cost_aware,
     ) -> None:
         if tree_budget is not None:
             check_int("tree_budget", tree_budget)
@@ -185,7 +186,7 @@ class SuffixAutomatonProposer(Proposer):
         ):
             raise InvalidParameterError("corpus_tokens must be a list of token-id lists")
         self.static = build_static(corpus_tokens, self._recent) if corpus_tokens else None
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or SamConfig.default_tree_budget
         self.cost_aware = cost_aware
         self.acceptance = ChainAcceptance(len(MATCH_BUCKETS), self.draft_len)
         self._verify_cost = None

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from ..core.proposer import DecodeContext, Proposer
 from ..core.tree import TokenTree
 from .common import check_int
+from .configs import SuffixConfig
 
 
 class SuffixTrie:
@@ -174,6 +175,7 @@ class SuffixMemory:
         self.max_tokens = max_tokens
         self.order: OrderedDict[int, int] = OrderedDict()  # document -> its length, oldest first
         self.tokens = 0
+        self.version = 0  # changes whenever the content does (a match found before is stale then)
         self._ids = itertools.count()
 
     def snapshot(self) -> list[tuple[int, list[int]]]:
@@ -192,12 +194,14 @@ class SuffixMemory:
                 self.trie.extend(doc, tokens)
         self.order = OrderedDict((doc, len(tokens)) for doc, tokens in snap)
         self.tokens = sum(self.order.values())
+        self.version += 1
 
     def add(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)[-self.max_tokens:]  # a document longer than the memory: its end
         if not tokens:
             return
         doc = next(self._ids)
+        self.version += 1
         self.trie.extend(doc, tokens)
         self.order[doc] = len(tokens)
         self.tokens += len(tokens)
@@ -210,12 +214,13 @@ class SuffixMemory:
 class SuffixDecodingProposer(Proposer):
     name = "suffix"
 
-    def __init__(self, tree_budget: int | None = None, depth: int = 48, max_match: int = 16,
-                 spec_factor: float = 1.0, min_prob: float = 0.1, memory_tokens: int = 200_000,
-                 remember_prompts: bool = False, local: bool = True) -> None:
+    def __init__(self, tree_budget: int | None = None, depth: int = SuffixConfig.depth, max_match: int = SuffixConfig.max_match,
+                 spec_factor: float = SuffixConfig.spec_factor, min_prob: float = SuffixConfig.min_prob, memory_tokens: int = SuffixConfig.memory_tokens,
+                 remember_prompts: bool = SuffixConfig.remember_prompts, local: bool = True) -> None:
         """``local=False``: draft from the memory alone, never from the request's own text (``auto``'s
         memory arm: its automaton covers the request; no per-request trie is built)."""
-        super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None else 24)
+        super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None
+                         else SuffixConfig.default_tree_budget)
         self.depth = check_int("depth", depth)
         self.max_match = min(check_int("max_match", max_match), self.depth - 1)  # room for a continuation
         self.spec_factor, self.min_prob = float(spec_factor), float(min_prob)
@@ -226,6 +231,7 @@ class SuffixDecodingProposer(Proposer):
         self.local: SuffixTrie | None = None
         self._fed = self._prompt_len = 0
         self._tokens: list[int] = []
+        self._memory_hit: tuple | None = None  # (text length, memory version, node, match length)
         self._steps = self._global_drafts = self._local_drafts = self._nodes = 0
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
@@ -237,13 +243,17 @@ class SuffixDecodingProposer(Proposer):
             self.local.extend("request", tokens)
         self._fed = self._prompt_len = len(tokens)
         self._tokens = list(tokens)
+        self._memory_hit = None
 
     def memory_match(self, tokens: list[int]) -> int:
         """The length of the longest suffix of ``tokens`` (at most ``max_match``) that occurs in the
-        memory; 0 before ``begin`` or with an empty memory."""
+        memory; 0 before ``begin`` or with an empty memory.  The match is kept for a ``propose`` at
+        the same text (``auto``'s memory arm asks first, then drafts)."""
         if self.memory is None or not self.memory.tokens:
             return 0
-        return self.memory.trie.match(tokens, self.max_match)[1]
+        node, length = self.memory.trie.match(tokens, self.max_match)
+        self._memory_hit = (len(tokens), self.memory.version, node, length)
+        return length
 
     def _sync(self, tokens: list[int]) -> None:
         if len(tokens) > self._fed and self.use_local:
@@ -251,8 +261,9 @@ class SuffixDecodingProposer(Proposer):
             self._fed = len(tokens)
         self._tokens = tokens
 
-    def _candidate(self, trie: SuffixTrie, tokens: list[int], budget: int, own_text: bool):
-        node, length = trie.match(tokens, self.max_match)
+    def _candidate(self, trie: SuffixTrie, tokens: list[int], budget: int, own_text: bool,
+                   found: tuple | None = None):
+        node, length = found or trie.match(tokens, self.max_match)
         if length == 0:
             return [], 0.0
         cap = min(budget, max(1, int(self.spec_factor * length)))
@@ -268,7 +279,9 @@ class SuffixDecodingProposer(Proposer):
         # included: it has no continuation yet, so it is left out of the match's count
         local, local_score = self._candidate(self.local, tokens, budget, own_text=True) if self.use_local \
             else ([], 0.0)
-        glob, glob_score = (self._candidate(self.memory.trie, tokens, budget, own_text=False)
+        hit = self._memory_hit  # (memory_match's at this text and this memory: not matched twice)
+        found = hit[2:] if hit is not None and hit[:2] == (len(tokens), self.memory.version) else None
+        glob, glob_score = (self._candidate(self.memory.trie, tokens, budget, own_text=False, found=found)
                             if self.memory.tokens else ([], 0.0))
         nodes, source = (glob, "suffix-global") if glob_score > local_score else (local, "suffix-local")
         if not nodes:

@@ -51,6 +51,7 @@ import torch
 
 from ..core.tree import TokenTree
 from ..core.proposer import DecodeContext, Proposer, feed_committed
+from .configs import DraftConfig
 
 _SENTINELS = ("\x00leapdecode-system\x00", "\x00leapdecode-user\x00")
 
@@ -177,19 +178,19 @@ class UniversalDraftProposer(Proposer):
         self,
         draft,  # LoadedModel with a tokenizer other than the target's
         tree_budget: int | None = None,
-        draft_len: int = 6,
-        min_draft_len: int = 2,
-        max_draft_len: int = 12,
-        adaptive: bool = True,
-        window: int = 6,
-        anchor_lag: int = 8,
+        draft_len: int = DraftConfig.draft_len,
+        min_draft_len: int = DraftConfig.min_draft_len,
+        max_draft_len: int = DraftConfig.max_draft_len,
+        adaptive: bool = DraftConfig.adaptive,
+        window: int = DraftConfig.window,
+        anchor_lag: int = DraftConfig.anchor_lag,
     ) -> None:
         if not 1 <= min_draft_len <= max_draft_len:
             raise ValueError("need 1 <= min_draft_len <= max_draft_len")
         if window < 1 or anchor_lag < 1:
             raise ValueError("window and anchor_lag must be >= 1")
         self.draft = draft
-        self.default_budget = tree_budget or 16
+        self.default_budget = tree_budget or DraftConfig.other_tokenizer_tree_budget
         self.min_len, self.max_len = min_draft_len, max_draft_len
         self.draft_len = min(max(draft_len, min_draft_len), max_draft_len)
         self.adaptive = adaptive

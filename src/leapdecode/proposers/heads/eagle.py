@@ -64,7 +64,8 @@ from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ...models.qkernel import LayerStack, attention_supported
-from ..common import DRAFT_VOCAB, check_int, draw_children
+from ..common import check_int, draw_children
+from ..configs import EagleConfig
 from ..tree_cost import TreeSizer
 from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
                      require_native, running_head, target_features)
@@ -382,9 +383,9 @@ class KernelDraftKV(DraftKV):
 class EagleProposer(Proposer):
     name = "eagle"
 
-    def __init__(self, target, head: EagleHead, tree_budget: int | None = None, top_k: int = 4, beam: int = 4,
-                 max_depth: int = 6, draft_vocab: int = DRAFT_VOCAB, prompt_window: int = 128,
-                 head_weights: str = "auto", cost_aware: bool = True) -> None:
+    def __init__(self, target, head: EagleHead, tree_budget: int | None = None, top_k: int = EagleConfig.top_k, beam: int = EagleConfig.beam,
+                 max_depth: int = EagleConfig.max_depth, draft_vocab: int = EagleConfig.draft_vocab, prompt_window: int = EagleConfig.prompt_window,
+                 head_weights: str = EagleConfig.head_weights, cost_aware: bool = EagleConfig.cost_aware) -> None:
         require_native(target, "eagle")
         if not isinstance(head, EagleHead):
             raise InvalidParameterError(f"eagle needs an EagleHead, got {type(head).__name__}")
@@ -403,7 +404,7 @@ class EagleProposer(Proposer):
         self._prompt_feats: dict[int, torch.Tensor] = {}
         self.feats: dict[int, torch.Tensor] = {}
         self._states: dict[int, torch.Tensor] = {}
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or EagleConfig.default_tree_budget
         self._steps = self._drafted = self._accepted = self._head_forwards = 0
         self._time = 0.0
 

@@ -44,11 +44,12 @@ from torch import nn
 from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
-from ..common import DRAFT_VOCAB, check_int, draw_children
+from ..common import check_int, draw_children
 from ..tree_cost import TreeSizer
 from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
                      require_native, running_head, target_features)
 from .medusa import ResBlock  # Hydra's later blocks are Medusa's residual block
+from ..configs import HydraConfig
 
 
 class GroundedBlock(nn.Module):
@@ -108,8 +109,8 @@ class HydraHeads(nn.Module):
 class HydraProposer(Proposer):
     name = "hydra"
 
-    def __init__(self, target, heads: HydraHeads, tree_budget: int | None = None, top_k: int = 4, beam: int = 4,
-                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto", cost_aware: bool = True) -> None:
+    def __init__(self, target, heads: HydraHeads, tree_budget: int | None = None, top_k: int = HydraConfig.top_k, beam: int = HydraConfig.beam,
+                 draft_vocab: int = HydraConfig.draft_vocab, head_weights: str = HydraConfig.head_weights, cost_aware: bool = HydraConfig.cost_aware) -> None:
         require_native(target, "hydra")
         if not isinstance(heads, HydraHeads):
             raise InvalidParameterError(f"hydra needs HydraHeads, got {type(heads).__name__}")
@@ -122,7 +123,7 @@ class HydraProposer(Proposer):
         self.target = target
         self.heads = heads
         self.net: nn.Module = heads  # what runs: the heads, or their int8 copy (``begin``)
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or HydraConfig.default_tree_budget
         self._steps = self._drafted = self._accepted = self._head_calls = 0
         self._time = 0.0
 

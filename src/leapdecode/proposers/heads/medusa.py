@@ -45,7 +45,8 @@ from torch import nn
 from ...core.proposer import DecodeContext, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
-from ..common import DRAFT_VOCAB, check_int, draw_children
+from ..common import check_int, draw_children
+from ..configs import MedusaConfig
 from ..tree_cost import TreeSizer
 from .common import (HeadVocab, best_first, candidate_tree, check_head_weights, head_stats, int8_linears, node_dist,
                      require_native, running_head, target_features)
@@ -91,8 +92,8 @@ class MedusaHeads(nn.Module):
 class MedusaProposer(Proposer):
     name = "medusa"
 
-    def __init__(self, target, heads: MedusaHeads, tree_budget: int | None = None, top_k: int = 4,
-                 draft_vocab: int = DRAFT_VOCAB, head_weights: str = "auto", cost_aware: bool = True) -> None:
+    def __init__(self, target, heads: MedusaHeads, tree_budget: int | None = None, top_k: int = MedusaConfig.top_k,
+                 draft_vocab: int = MedusaConfig.draft_vocab, head_weights: str = MedusaConfig.head_weights, cost_aware: bool = MedusaConfig.cost_aware) -> None:
         require_native(target, "medusa")
         if not isinstance(heads, MedusaHeads):
             raise InvalidParameterError(f"medusa needs MedusaHeads, got {type(heads).__name__}")
@@ -106,7 +107,7 @@ class MedusaProposer(Proposer):
         self.heads = heads
         self.dtype = next(heads.parameters()).dtype
         self.net: nn.Module = heads  # what runs: the heads, or their int8 copy (``begin``)
-        self.default_budget = tree_budget or 24
+        self.default_budget = tree_budget or MedusaConfig.default_tree_budget
         self._steps = self._drafted = self._accepted = 0
         self._time = 0.0
 
