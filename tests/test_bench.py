@@ -196,13 +196,13 @@ def test_humaneval_workload():
     assert len(qs) == 164
     assert qs[0].question_id == "HumanEval/0" and qs[0].category == "humaneval"
     assert not qs[0].chat and qs[0].turns[0].lstrip().startswith(("def ", "from ", "import "))
-    # --workload humaneval-heldout: the problems train-head never trains on (heads_train uses held_apart)
-    from leapdecode import heads_train
+    # --workload humaneval-heldout: the problems train-head never trains on (heads_data uses held_apart)
+    from leapdecode import heads_data
     from leapdecode.bench.workloads import held_apart, load_workload
 
     held, _ = load_workload("humaneval-heldout")
     assert [q.question_id for q in held] == [f"HumanEval/{i}" for i in range(7, 164, 8)]
-    assert heads_train.held_apart is held_apart
+    assert heads_data.held_apart is held_apart
 
 
 # --------------------------------------------------------------------------- peers

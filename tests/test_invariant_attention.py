@@ -18,7 +18,8 @@ from leapdecode.errors import InvalidParameterError
 from leapdecode.models.kv_cache import KVCache
 from leapdecode.models.loader import load
 
-from test_quant import CASES, PROMPTS, TREE, _mismatches, _tree_vs_sequential
+from leapdecode.models.invariance import CASES, TREE
+from test_quant import PROMPTS, _mismatches, _tree_vs_sequential
 
 
 def test_attended_slots_are_prefix_then_ancestors_then_self():

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .bench.results_page import DEV_SET, HUMANEVAL_SET
-from .bench.workloads import find_default_workload, load_workload
+from .bench.workloads import WorkloadError, find_default_workload, load_workload
 from .models import store
 from .proposers.heads.common import fingerprint
 from .proposers.heads.eagle import Eagle3Head, EagleHead, ttt_outputs
@@ -42,7 +42,7 @@ def eval_questions(per_category: int, humaneval: int) -> tuple[dict[str, list], 
     if per_category:
         try:
             dev, _ = load_workload(find_default_workload())
-        except Exception as e:  # noqa: BLE001 (no shared data here: scored on HumanEval alone, said)
+        except WorkloadError as e:  # no shared data here: scored on HumanEval alone, said
             notes.append(f"Spec-Bench dev not scored: {e}")
             dev = []
         for q in dev:
