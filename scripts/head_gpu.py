@@ -50,13 +50,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from leapdecode.heads_data import user_turn_prefix  # noqa: E402
 from leapdecode.heads_eval import chain_hits  # noqa: E402
 from leapdecode.heads_train import eagle_loss, optimizer_step  # noqa: E402
 from leapdecode.models.registry import DEFAULT_MODEL, get_entry  # noqa: E402
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, default_layers  # noqa: E402
 from leapdecode.proposers.heads.store import read_head  # noqa: E402
 
-MARK = "\u2063PLACEHOLDER\u2063"
 
 
 def log(msg: str) -> None:
@@ -80,12 +80,6 @@ def assemble(parts_dir: Path, dest: Path, sha256: str | None) -> Path:
         raise SystemExit(f"assembled GGUF sha256 {h.hexdigest()} != {sha256} ({len(parts)} parts)")
     os.replace(tmp, dest)
     return dest
-
-
-def user_prefix(tok) -> str:
-    """The chat template's text up to where a user's request starts."""
-    text = tok.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False)
-    return text[: text.index(MARK)]
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -265,7 +259,7 @@ def main() -> int:
     t = time.time()
     magpie: list[str] = []
     if a.magpie:
-        prefix = tok.encode(user_prefix(tok), add_special_tokens=False)
+        prefix = tok.encode(user_turn_prefix(tok), add_special_tokens=False)
         qs = generate(model, [prefix] * a.magpie, 160, a.gen_batch * 2, gen_deadline, eos, pad, sample=True)
         seen = set()
         for q in qs:

@@ -31,7 +31,6 @@ warning, and its sequences are extracted again.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import io
 import json
@@ -42,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from .bench.workloads import held_apart
+from .bench.workloads import held_apart, load_humaneval
 from .errors import HeadMismatchError, InvalidParameterError
 from .proposers.heads.common import target_features
 from .proposers.heads.store import atomic_write
@@ -73,10 +72,6 @@ class Item:
     text: list[int] | None = None
     magpie: int | None = None
 
-    @property
-    def generated(self) -> bool:
-        return self.text is None
-
 
 @dataclass
 class HeadData:
@@ -102,10 +97,8 @@ def key_of(source: str, payload: str | list[int]) -> str:
 
 
 def humaneval_prompts() -> list[str]:
-    from .bench.workloads import humaneval_path
-
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
+    """HumanEval's 164 prompts, in order (the bench's reader, ``load_humaneval``)."""
+    return [q.turns[0] for q in load_humaneval()]
 
 
 def stdlib_texts(limit: int) -> list[str]:
@@ -260,14 +253,19 @@ def encode_item(target, prompt) -> list[int]:
     return target.tokenizer.encode(prompt)
 
 
+def user_turn_prefix(tok) -> str:
+    """A chat template's text up to where a user's request starts (also scripts/head_gpu.py's)."""
+    text = tok.apply_chat_template([{"role": "user", "content": MAGPIE_MARK}], tokenize=False)
+    return text[: text.index(MAGPIE_MARK)]
+
+
 def user_turn_opening(target) -> list[int]:
-    """The token ids of the target's chat template up to where a user's request starts (Magpie's
-    prompt: the target writes the request that would follow)."""
+    """The token ids of ``user_turn_prefix`` for the target (Magpie's prompt: the target writes the
+    request that would follow)."""
     tok = target.tokenizer
     if not getattr(tok, "chat_template", None):
         raise InvalidParameterError(f"--data magpie:N needs a chat template; {target.name} has none")
-    text = tok.apply_chat_template([{"role": "user", "content": MAGPIE_MARK}], tokenize=False)
-    return tok.encode(text[: text.index(MAGPIE_MARK)])
+    return tok.encode(user_turn_prefix(tok))
 
 
 def make_sequence(target, item: Item, *, opening: list[int] | None, prompt_tokens: int, gen_tokens: int,

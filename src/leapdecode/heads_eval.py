@@ -31,7 +31,6 @@ from .proposers.heads.eagle import Eagle3Head, EagleHead, ttt_outputs
 from .proposers.heads.store import atomic_write
 
 STEPS = 3  # drafted tokens scored per chain
-DEV, HUMANEVAL = DEV_SET, HUMANEVAL_SET  # the sets scored together (the results page's names)
 
 
 def eval_questions(per_category: int, humaneval: int) -> tuple[dict[str, list], list[str]]:
@@ -51,7 +50,7 @@ def eval_questions(per_category: int, humaneval: int) -> tuple[dict[str, list], 
                 picked.append(q)
     if humaneval:
         he, _ = load_workload("humaneval-heldout")
-        sets[HUMANEVAL] = he[:humaneval]
+        sets[HUMANEVAL_SET] = he[:humaneval]
     return sets, notes
 
 
@@ -110,7 +109,7 @@ def chain_hits(head: EagleHead, inp: torch.Tensor, emb: torch.Tensor, labels: to
 
 
 def score(head: EagleHead, target, seqs: dict[str, list[dict]], steps: int = STEPS, train_vocab: int = 0) -> dict:
-    """{set: {"top1": [step 1, 2, ...], "tokens": scored tokens, "prompts": n}}, plus ``DEV``: the
+    """{set: {"top1": [step 1, 2, ...], "tokens": scored tokens, "prompts": n}}, plus ``DEV_SET``: the
     Spec-Bench sets together, token-weighted.  ``train_vocab``: predictions among the lowest ids only
     (0: the whole vocabulary, what decoding uses)."""
     head = head.float().eval()
@@ -139,7 +138,7 @@ def score(head: EagleHead, target, seqs: dict[str, list[dict]], steps: int = STE
             dev_hits = [a + b for a, b in zip(dev_hits, hits)]
             dev_count = [a + b for a, b in zip(dev_count, count)]
     if any(dev_count):
-        res[DEV] = {"top1": [round(h / c, 4) if c else None for h, c in zip(dev_hits, dev_count)],
+        res[DEV_SET] = {"top1": [round(h / c, 4) if c else None for h, c in zip(dev_hits, dev_count)],
                     "tokens": dev_count[0], "prompts": sum(v["prompts"] for k, v in res.items()
                                                            if k.startswith("spec-bench/"))}
     return res

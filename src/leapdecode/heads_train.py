@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -50,13 +49,15 @@ import torch
 import torch.nn.functional as F
 
 from . import heads_data, heads_eval
+from .bench.results_page import DEV_SET, HUMANEVAL_SET
 from .errors import HeadMismatchError, InvalidParameterError
 from .models import store
 from .proposers.heads.common import fingerprint
 from .proposers.heads.eagle import Eagle3Head, EagleHead, default_layers, ttt_outputs
 from .proposers.heads.hydra import HydraHeads
 from .proposers.heads.medusa import MedusaHeads
-from .proposers.heads.store import KIND_METHOD, KINDS, atomic_write, check_kind, install, load_head, save_head
+from .proposers.heads.store import (KIND_METHOD, KINDS, atomic_write, check_kind, install, load_head, model_slug,
+                                    save_head)
 
 CHECKPOINT = "checkpoint.pt"
 ACCURACY = "accuracy.json"
@@ -244,8 +245,7 @@ def new_head(kind: str, target, recipe: Recipe) -> torch.nn.Module:
 def default_workdir(target, kind: str) -> Path:
     """Where ``train-head`` keeps a model's training of ``kind`` without ``--out``: the model cache's
     ``train/<model>-<kind>``."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(target.name)).name)[:60] or "model"
-    return store.cache_dir() / "train" / f"{name}-{check_kind(kind)}"
+    return store.cache_dir() / "train" / f"{model_slug(target.name)}-{check_kind(kind)}"
 
 
 def train_head(target, recipe: Recipe, out: str | Path | None = None, *, resume: bool = False,
@@ -387,7 +387,7 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
            "trained_tokens_per_s": round(trained_tokens / run_s, 1) if run_s else None,
            "data": added, "device": str(dev), "command": command,
            "top1": {k: v["top1"] for k, v in (accuracy or {}).get("sets", {}).items()
-                    if k in (heads_eval.DEV, heads_eval.HUMANEVAL)}}
+                    if k in (DEV_SET, HUMANEVAL_SET)}}
     history.append(run)
     checkpoint()
     manifest = {"target": {"name": target.name, "fingerprint": fp}, "data": data.description,
@@ -400,7 +400,7 @@ def _train(target, recipe, kind, out, fp, t_start, bar, restart, install_head, c
     save_head(out, head, manifest)
     if install_head:
         manifest["installed"] = str(install(out, target))
-    dev_top1 = ((accuracy or {}).get("sets", {}).get(heads_eval.DEV) or {}).get("top1")
+    dev_top1 = ((accuracy or {}).get("sets", {}).get(DEV_SET) or {}).get("top1")
     log(f"{kind} head: steps {first_step} -> {step} ({run_s:.1f} s, {run['trained_tokens_per_s']} tokens/s); "
         f"held-apart acceptance {manifest['acceptance']}; Spec-Bench dev top-1 per step {dev_top1}; "
         f"head in {out}")

@@ -76,14 +76,15 @@ def bundled_root() -> Path:
     return Path(__file__).resolve().parents[2] / "bundled_heads"
 
 
-def _slug(name: str) -> str:
+def model_slug(name: str) -> str:
+    """A model name as a directory name's part (the store's heads, ``train-head``'s work directories)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(name)).name)[:60] or "model"
 
 
 def store_dir(kind: str, target, fp: str | None = None) -> Path:
     """Where the store keeps ``target``'s head of ``kind``."""
     fp = fp or fingerprint(target)
-    return heads_root() / f"{_slug(target.name)}-{check_kind(kind)}-{fp[:12]}"
+    return heads_root() / f"{model_slug(target.name)}-{check_kind(kind)}-{fp[:12]}"
 
 
 def atomic_write(path: Path, data: bytes) -> None:
