@@ -390,21 +390,30 @@ def _bad_cli_cases(tmp: Path):
         (gen + ["--dtype", "fp8", "hi"], ["dtype"]),
         (gen + ["--stop", "", "hi"], ["stop"]),
         (gen + ["--stop", "\udcff", "hi"], ["stop string", "UTF-8"]),  # probe G073: bytes that are not UTF-8
-        (gen + ["--strategy", "beam", "--strategy-option", "num_beams", "hi"], ["--strategy-option", "KEY=VALUE"]),
+        (gen + ["--strategy", "beam", "--strategy-option", "num_beams", "hi"], ["--strategy-option", "KEY=VALUE"]),  # probe G039
         (gen + [""], ["empty"]),
         (gen + ["x" * 3000], ["3000 tokens", "2048"]),
     ]
 
 
 def test_chat_skips_only_a_line_that_is_not_utf8(capsys, monkeypatch):
-    """Probe C08: with a strict decoder one bad line dropped the valid lines around it (exit 0 after
-    one answer); now that line alone is refused and the others are answered."""
+    """Probes C02 (a traceback) and C08 (with a strict decoder one bad line dropped the valid lines
+    around it, exit 0 after one answer): now that line alone is refused and the others are answered."""
     piped = io.TextIOWrapper(io.BytesIO(b"hello\n\xff\xfe bad\nSay hi\n\n"), encoding="utf-8", errors="strict")
     monkeypatch.setattr(sys, "stdin", piped)
     rc = main(["chat", "-m", "tiny-random", "--max-new-tokens", "3", "--method", "vanilla"])
     captured = capsys.readouterr()
     assert rc == 0 and captured.out.count("bot> ") == 2, captured
     assert captured.err.count("not valid UTF-8") == 1 and "Traceback" not in captured.err
+
+
+def test_chat_names_a_system_message_that_is_not_utf8(capsys, monkeypatch):
+    """Probe C09: `chat --system $'be \\xff nice'` raised a TypeError from the tokenizer."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n\n"))
+    rc = main(["chat", "-m", "tiny-random", "--max-new-tokens", "3", "--system", "be \udcff nice"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in err
+    assert "--system is not valid UTF-8" in err.strip().splitlines()[-1], err
 
 
 def test_cli_bad_inputs(capsys, tmp_path):

@@ -195,7 +195,8 @@ def test_an_engine_panic_is_one_line_without_its_backtrace(tiny):
 
 @pytest.mark.parametrize("structure", [{"regex": "(a{1000}){1000}"}, {"grammar": 'start: "x"{1000000}'}])
 def test_a_grammar_the_engine_cannot_follow_is_a_grammar_error(tiny, structure, capsys, tmp_path):
-    """Probes SO025-SO040 (and the server's HR11, HR17, HR19): a huge repetition compiles, then hits
+    """Probes SO025-SO040 (SO026 is the nested regex here; the API's PA37, PA38; the server's HR11,
+    HR17, HR19): a huge repetition compiles, then hits
     the engine's limits while generating: a GrammarError naming the limit (CLI exit 2), not a
     RuntimeError traceback."""
     pytest.importorskip("llguidance")

@@ -137,7 +137,7 @@ def test_the_damage_is_named_for_models_verify(cache):
 
 
 def test_losing_the_exact_kernel_is_said_once(monkeypatch, capsys):
-    """Issue 44/45 (probes F09, F09c, F06, F10a: the fallback was silent): where the kernel cannot
+    """Issue 44/45 (probes F09, F09b, F09c, F06, F06b, F10a: the fallback was silent, whatever the method): where the kernel cannot
     run, ``weights="auto"`` on a GGUF model says once, naming why, that float weights run instead and
     exactness is not guaranteed; an explicit ``weights="int4"`` says it runs torch's re-quantized
     int4; a model without a GGUF, or a GPU, says nothing."""

@@ -36,6 +36,11 @@ def _write_weights(path: Path, payload: bytes) -> None:
     save_file({"w": torch.tensor(list(payload), dtype=torch.uint8)}, str(path), metadata={"format": "pt"})
 
 
+SMALL_FILES = {"tokenizer.json": '{"version": "1.0", "model": {}}', "tokenizer_config.json": '{"eos_token": "</s>"}',
+               "generation_config.json": '{"eos_token_id": 2}',
+               "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+
+
 def _fake_converter(calls: list | None = None, delay: float = 0.0):
     def convert(gguf_path: Path, out: Path) -> dict:
         data = Path(gguf_path).read_bytes()
@@ -44,6 +49,8 @@ def _fake_converter(calls: list | None = None, delay: float = 0.0):
         time.sleep(delay)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        for fname, text in SMALL_FILES.items():
+            (out / fname).write_text(text)
         _write_weights(out / registry.WEIGHTS_FILE, data[:16])
         return {"architecture": "LlamaForCausalLM", "parameters": 1, "chat_template": True, "dtype": "float32"}
 
@@ -421,6 +428,57 @@ def test_verify(fake, cache):
     assert not ok and str(fake["files"][0]) in msg
 
 
+@pytest.mark.parametrize("fname,junk", [
+    ("tokenizer.json", "not a tokenizer"),  # probe F17 (and F25's broken tokenizer.json)
+    ("tokenizer_config.json", "{broken"),  # probe F23
+    ("generation_config.json", "{broken"),  # probe F24
+    ("chat_template.jinja", "{% for %}"),  # probe F21
+    ("tokenizer.json", '{"version": "1.0", "model": {"x": 1}}'),  # valid JSON, not what was written
+])
+def test_verify_names_a_damaged_model_file_and_repair_mends_it(fake, cache, fname, junk, capsys):
+    """Issue 45 (probes F17, F21, F23, F24, F25): `models verify` said "ok" for a cache whose tokenizer
+    was broken. Each small file's sha256 is recorded at conversion; a damaged one is named, and
+    `models fetch NAME --repair` converts the model again."""
+    from leapdecode.cli import main
+
+    path = registry.ensure_converted("fake")
+    assert registry.verify("fake")[0]
+    (path / fname).write_text(junk)
+    ok, msg = registry.verify("fake")
+    assert not ok and str(path / fname) in msg and "models fetch fake --repair" in msg, msg
+    assert main(["models", "fetch", "fake", "--repair"]) == 0
+    assert (path / fname).read_text() == SMALL_FILES[fname] and registry.verify("fake")[0]
+    assert len(fake["calls"]) == 2  # converted again
+
+
+def test_verify_names_damaged_packed_weights(fake, cache):
+    """Issue 45 (probes F04, F25): random bytes inside a packed int4 file: `models verify` said "ok"."""
+    registry.ensure_converted("fake")
+    packed = cache / "packed" / "fake-0123-int4-v1-isa.safetensors"
+    packed.parent.mkdir(parents=True)
+    packed.write_bytes(b"packed weights" * 100)
+    store.write_digest(packed, packed)
+    assert registry.verify("fake")[0]
+    with open(packed, "r+b") as f:  # same size, one byte changed
+        f.seek(700)
+        f.write(b"X")
+    ok, msg = registry.verify("fake")
+    assert not ok and str(packed) in msg and "damaged" in msg, msg
+
+
+def test_verify_checks_a_copy_converted_before_digests_were_recorded(fake, cache):
+    """A converted copy without the recorded digests (converted by an older version) is still
+    checked: its JSON files must parse and its chat template must parse."""
+    path = registry.ensure_converted("fake")
+    meta = json.loads((path / "leapdecode.json").read_text())
+    del meta["files"]
+    (path / "leapdecode.json").write_text(json.dumps(meta))
+    assert registry.verify("fake")[0]
+    (path / "generation_config.json").write_text("{broken")
+    ok, msg = registry.verify("fake")
+    assert not ok and "generation_config.json is not valid JSON" in msg, msg
+
+
 def test_verify_not_installed(fake, monkeypatch):
     monkeypatch.setattr(install, "installed_version", lambda d: None)
     ok, msg = registry.verify("fake")
@@ -502,6 +560,7 @@ def test_convert_smollm2_for_real(cache):
     assert (path / "generation_config.json").is_file()
     meta = json.loads((path / "leapdecode.json").read_text())
     assert meta["source_sha256"] == registry.REGISTRY["smollm2-135m"].sha256
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(meta["files"])
     ok, msg = registry.verify("smollm2-135m")
     assert ok, msg
     assert _leftovers(cache) == []

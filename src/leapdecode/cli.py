@@ -372,7 +372,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     runner = runner_for(model)
     messages: list[dict] = []
     if a.system:
-        messages.append({"role": "system", "content": a.system})
+        messages.append({"role": "system", "content": check_text(a.system, "--system")})
     print(f"chatting with {model.name} ({a.method}); empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:

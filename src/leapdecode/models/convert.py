@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from ..errors import ModelFileError
-from .store import FORMAT_VERSION, META_FILE, WEIGHTS_FILE, publish, safetensors_problem, say, share_permissions
+from .store import (FORMAT_VERSION, META_FILE, WEIGHTS_FILE, publish, safetensors_problem, say, share_permissions,
+                    small_file_digests)
 
 
 def leapdecode_version() -> str:
@@ -196,7 +197,7 @@ def convert_into_cache(gguf_path: Path, target: Path, staging_dir: Path, meta: d
     problem = safetensors_problem(out / WEIGHTS_FILE)
     if problem is not None:
         raise ModelFileError(f"converting {gguf_path} wrote a bad {WEIGHTS_FILE}: it {problem}")
-    meta = {**meta, **info, "format": FORMAT_VERSION, "leapdecode_version": leapdecode_version(),
+    meta = {**meta, **info, "files": small_file_digests(out), "format": FORMAT_VERSION, "leapdecode_version": leapdecode_version(),
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "convert_seconds": round(time.perf_counter() - t0, 1)}
     (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -225,7 +225,7 @@ def repair(name: str) -> tuple[bool, str]:
     target = converted_dir(name)
     weights = target / WEIGHTS_FILE
     damaged = store.converted_problem(target, entry.sha256) or (
-        store.safetensors_problem(weights) if weights.is_file() else "missing")
+        store.safetensors_problem(weights) if weights.is_file() else "missing") or store.model_files_problem(target)
     ensure_converted(name, force=damaged is not None)
     for packed in sorted((cache_dir() / "packed").glob(f"{name}-*.safetensors")):
         if store.digest_problem(packed, full=True) is not None:
@@ -319,6 +319,9 @@ def verify(name: str) -> tuple[bool, str]:
         return False, f"{name}: converted copy {target} is unreadable ({type(e).__name__}: {e}); run `leapdecode models fetch {name} --repair`"
     if n == 0:
         return False, f"{name}: converted copy {target} holds no weights"
+    problem = store.model_files_problem(target)  # tokenizer, configs, chat template (probes F17-F25)
+    if problem is not None:
+        return False, f"{name}: the converted copy is damaged: {problem}; run `leapdecode models fetch {name} --repair`"
     from .qkernel import cached_library_problem
 
     problem = cached_library_problem()

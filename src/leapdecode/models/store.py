@@ -367,6 +367,45 @@ def weights_problem(directory: Path) -> tuple[Path, str] | None:
     return None
 
 
+def small_file_digests(directory: Path) -> dict[str, str]:
+    """sha256 of each file of a converted model but its weights and its metadata (config,
+    tokenizer, generation config, chat template), recorded in its metadata at conversion."""
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())
+            if f.is_file() and f.name not in (WEIGHTS_FILE, META_FILE)}
+
+
+def model_files_problem(path: Path) -> str | None:
+    """Why the small files of the converted model in ``path`` are damaged (issue 45, probes F17,
+    F21, F23-F25), or None: each JSON file parses, the chat template parses, and where the
+    conversion recorded their sha256 (``small_file_digests``) each still matches."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    recorded = meta.get("files") if isinstance(meta, dict) else None
+    for name, digest in (recorded or {}).items():
+        f = path / name
+        try:
+            if hashlib.sha256(f.read_bytes()).hexdigest() != digest:
+                return f"{f} differs from the file the conversion wrote (sha256 mismatch)"
+        except OSError as e:
+            return f"{f} cannot be read ({e.strerror or e})"
+    for f in sorted(path.glob("*.json")):
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{f} is not valid JSON ({' '.join(str(e).split())[:120]})"
+    template = path / "chat_template.jinja"
+    if template.is_file():
+        from jinja2 import Environment, TemplateSyntaxError
+
+        try:
+            Environment().parse(template.read_text(encoding="utf-8"))
+        except (OSError, ValueError, TemplateSyntaxError) as e:
+            return f"{template} does not parse ({e})"
+    return None
+
+
 def has_current_meta(path: Path, sha256: str | None = None) -> bool:
     """``path/leapdecode.json`` is of this format version (and converted from ``sha256``)."""
     try:
