@@ -213,6 +213,7 @@ class DraftModelProposer(Proposer):
         if self.cache.room() < len(new):  # the draft's context is full: no draft, the target goes on alone
             self._tree_to_cand, self._last_depth = {}, 0
             return TokenTree()
+        t_root = time.perf_counter()
         logits = self._feed(new)
         greedy = self.params.greedy
         k = min(self.top_k, budget)
@@ -244,6 +245,9 @@ class DraftModelProposer(Proposer):
             return added
 
         frontier = add_children(-1, self._dist(logits))
+        # the root's forward is measured too (its time, and its best child when sized by cost): the
+        # sizer learns at every step, not only when it drafts deeper (it could stop for good)
+        self.sizer.note_forward(time.perf_counter() - t_root, [cand_p[c] for c in frontier] if sizer is not None else [])
         self._pending_of = {}
         log_tau = math.log(self.tau) if self.adaptive and not self._cost_model else -math.inf
         depth = 1

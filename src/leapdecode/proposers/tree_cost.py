@@ -38,7 +38,11 @@ class TreeSizer:
         return math.log(self.calibration(p))
 
     def note_forward(self, seconds: float, child_probs: list[float]) -> None:
-        """One drafter forward took ``seconds`` and gave children with these probabilities."""
+        """One drafter forward took ``seconds`` and gave children with these probabilities.  The
+        drafters call it for every forward, the root's included: were only the deeper levels'
+        forwards noted, a pessimistic state (a slow first forward, a hard warm-up prompt) would stop
+        all deeper drafting and, with it, every chance to learn otherwise (issue 46: one-node trees
+        for a whole HumanEval run)."""
         self.forward_s = seconds if self.forward_s is None else 0.8 * self.forward_s + 0.2 * seconds
         if child_probs:
             top = self.calibration(max(child_probs))

@@ -468,8 +468,9 @@ class EagleProposer(Proposer):
             self.n_fed = max(self.n_fed, n)
             return tree  # no exact input for the root yet (the first step, or a step not observed)
         with torch.inference_mode():
+            t_root = time.perf_counter()
             root_feat = self._feed_decided(tokens)
-            tree = self._grow(tokens, root_feat, budget, t0)
+            tree = self._grow(tokens, root_feat, budget, t0, t_root)
         self._drafted += len(tree)
         self._time += time.perf_counter() - t0
         return tree
@@ -488,7 +489,7 @@ class EagleProposer(Proposer):
                 self.feats.pop(t - 1, None)
         return out[-1]
 
-    def _grow(self, tokens: list[int], root_feat: torch.Tensor, budget: int, t0: float) -> TokenTree:
+    def _grow(self, tokens: list[int], root_feat: torch.Tensor, budget: int, t0: float, t_root: float) -> TokenTree:
         params, gen = self.ctx.params, self.ctx.generator
         greedy = params.greedy
         sizer = self.sizer if self._verify_cost is not None else None
@@ -523,6 +524,8 @@ class EagleProposer(Proposer):
             return added
 
         frontier = add_children(-1, root_feat, self.out.logits(self.net.readout(root_feat)))
+        if sizer is not None:  # the root's forward is measured too: every step teaches the sizer
+            sizer.note_forward(time.perf_counter() - t_root, [cand_p[c] for c in frontier])
         self.kv.drop_pending()
         slot_of: dict[int, int] = {}  # expanded candidate -> its pending slot
         anc: list[list[int]] = []  # per pending slot: the pending slots it attends to (itself included)
