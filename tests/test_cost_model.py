@@ -166,11 +166,20 @@ def test_profile_is_kept_per_model_file_and_machine(tiny, tmp_path, monkeypatch)
     assert [p.name for p in store.parent.iterdir()] == ["verify_cost.json"]  # no temporary file left
     again = cost_model.verify_cost_for(*fresh())
     assert len(calls) == 1 and again.seconds == first.seconds  # read back, not measured
+    # entries of a model file that is gone (a test's temporary model), or too old to be read, are
+    # dropped when the next profile is stored
+    profiles = json.loads(store.read_text())
+    (live,) = profiles
+    gone = live.replace(str(weights.resolve()), str(tmp_path / "deleted" / "model"))
+    stale = live.replace("probe", "older-probe")
+    profiles[gone] = dict(profiles[live])
+    profiles[stale] = dict(profiles[live], measured_at=time.time() - cost_model.PROFILE_MAX_AGE_S - 1)
+    store.write_text(json.dumps(profiles))
 
     os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))  # another version of the file
     cost_model.verify_cost_for(*fresh())
     assert len(calls) == 2
-    assert len(json.loads(store.read_text())) == 2
+    assert len(json.loads(store.read_text())) == 2 and gone not in json.loads(store.read_text())
 
     profiles = json.loads(store.read_text())
     for entry in profiles.values():

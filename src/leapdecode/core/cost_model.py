@@ -262,6 +262,17 @@ def _load_profile(key: str) -> VerifyCost | None:
     return None
 
 
+def _profile_is_live(key: str, entry) -> bool:
+    """Is a stored profile still of use: younger than ``PROFILE_MAX_AGE_S`` and of a model file
+    that still exists (a test's or a deleted model's entries are dropped when a profile is stored,
+    so the file does not grow for ever)."""
+    parts = key.split("|")
+    try:
+        return time.time() - float(entry["measured_at"]) < PROFILE_MAX_AGE_S and len(parts) > 1 and Path(parts[1]).exists()
+    except (TypeError, ValueError, KeyError):
+        return False
+
+
 def _store_profile(key: str, cost: VerifyCost) -> None:
     """Add the profile to the JSON file (written to a temporary file, then renamed); a cache
     directory that cannot be written is not an error, the profile is just measured next time."""
@@ -273,6 +284,7 @@ def _store_profile(key: str, cost: VerifyCost) -> None:
                 profiles = {}
         except (OSError, ValueError):
             profiles = {}
+        profiles = {k: v for k, v in profiles.items() if _profile_is_live(k, v)}
         profiles[key] = {"sizes": cost.sizes, "seconds": cost.seconds, "measured_at": time.time(),
                          "contended": cost.contended}
         atomic_write(path, json.dumps(profiles, indent=1))
