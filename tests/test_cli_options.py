@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from leapdecode import cli
+from leapdecode import cli, cli_args
 from leapdecode.models import loader
 
 
@@ -42,7 +42,7 @@ def test_option_values_are_typed_by_the_config():
     a = cli.build_parser().parse_args(["generate", "--method", "draft", "--option", "max_depth=3",
                                        "--option", "adaptive=false", "--option", "context_window=none",
                                        "--option", "tau=0.1", "--draft", "tiny-random:1", "hi"])
-    opts = cli.method_options(a)
+    opts = cli_args.method_options(a)
     assert opts == {"max_depth": 3, "adaptive": False, "context_window": None, "tau": 0.1, "draft": "tiny-random:1"}
     cfg = method_config("draft", opts)
     assert (cfg.max_depth, cfg.adaptive, cfg.context_window, cfg.draft) == (3, False, None, "tiny-random:1")
@@ -50,7 +50,7 @@ def test_option_values_are_typed_by_the_config():
 
 def test_sampling_top_k_is_not_the_draft_top_k():
     a = cli.build_parser().parse_args(["generate", "--method", "draft", "--top-k", "5", "--option", "top_k=2", "hi"])
-    kw = cli.decoding_kwargs(a)
+    kw = cli_args.decoding_kwargs(a)
     assert kw["top_k"] == 5 and kw["options"]["top_k"] == 2
 
 

@@ -11,7 +11,11 @@ submodule ``PKG.NAME`` when there is one, else of ``PKG`` itself.
 1. no import runs up the layers (type-only imports included: a name from a higher layer in a
    signature is a dependency on it too);
 2. no import cycle between modules (type-only imports excluded: they never run);
-3. no module imports a private name (leading underscore) from another module of the package.
+3. no module imports a private name (leading underscore) from another module of the package,
+   nor reads one as an attribute of a package module it imported (``runner._entries``);
+4. no module imports the package's modules by name at run time (``importlib.import_module``,
+   ``__import__``): such an import hides from the checks above (``cli.py`` once loaded its
+   subcommands that way, which hid an import cycle).
 
 Each failure prints the offending edges (module -> module, file:line).
 """
@@ -141,8 +145,12 @@ def test_the_source_tree_is_found():
     assert len(EDGES) > 50  # the parser sees the imports
 
 
+def upward(edges: list[Edge]) -> list[Edge]:
+    return [e for e in edges if layer(e.dst)[0] > layer(e.src)[0]]
+
+
 def test_imports_never_run_up_the_layers():
-    bad = [e for e in EDGES if layer(e.dst)[0] > layer(e.src)[0]]
+    bad = upward(EDGES)
     report = "\n".join(f"  {layer(e.src)[1]} -> {layer(e.dst)[1]}: {e}" for e in bad)
     print(report)
     assert not bad, f"{len(bad)} import(s) run up the layers (models <- core <- proposers <- top):\n{report}"
@@ -244,3 +252,81 @@ def test_the_import_parser(monkeypatch, tmp_path, src, code, dst, type_only):
     monkeypatch.setitem(MODULES, src, f)
     edges = [e for e in edges_of(src) if e.dst.startswith(PKG)]
     assert [(e.dst, e.type_only) for e in edges] == [(dst, type_only)], edges
+
+
+def test_a_planted_upward_import_is_caught(monkeypatch, tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from ..api import generate\n")
+    monkeypatch.setitem(MODULES, f"{PKG}.core.generate", f)
+    assert [e.dst for e in upward(edges_of(f"{PKG}.core.generate"))] == [f"{PKG}.api"]
+
+
+# ------------------------------------------------------------- private attributes, dynamic imports
+def module_aliases(tree: ast.AST, src: str) -> dict[str, str]:
+    """Local names bound to modules of the package by this module's imports."""
+    out = {}
+    for node, _ in _imports(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES and alias.asname:
+                    out[alias.asname] = alias.name
+            continue
+        target = _resolve_relative(src, node.level, node.module) if node.level else (node.module or "")
+        for alias in node.names:
+            if f"{target}.{alias.name}" in MODULES:
+                out[alias.asname or alias.name] = f"{target}.{alias.name}"
+    return out
+
+
+def private_accesses(src: str) -> list[str]:
+    """``mod._name`` where ``mod`` is another module of the package imported here."""
+    tree = ast.parse(MODULES[src].read_text())
+    aliases = module_aliases(tree, src)
+    return [f"{src}:{n.lineno} {n.value.id}.{n.attr} ({aliases[n.value.id]})" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+            and aliases[n.value.id] != src and n.attr.startswith("_") and not n.attr.endswith("__")]
+
+
+def test_no_private_attribute_of_another_module_is_read():
+    bad = [a for m in MODULES for a in private_accesses(m)]
+    assert not bad, "private names read across modules:\n" + "\n".join(bad)
+
+
+def test_a_planted_private_access_is_caught(monkeypatch, tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from ..core import runner\n\ndef f():\n    return runner._hidden\n")
+    monkeypatch.setitem(MODULES, f"{PKG}.bench.suite", f)
+    assert private_accesses(f"{PKG}.bench.suite") == [f"{PKG}.bench.suite:4 runner._hidden ({PKG}.core.runner)"]
+
+
+# modules allowed to import by name at run time, and why (none of them imports the package)
+DYNAMIC_IMPORTS_ALLOWED = {
+    f"{PKG}.bench.workloads": "imports standard-library modules to read their docstrings (the `similar` workload)",
+}
+
+
+def dynamic_imports(src: str) -> list[int]:
+    """Lines of ``importlib.import_module(...)`` and ``__import__(...)`` calls."""
+    tree = ast.parse(MODULES[src].read_text())
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            f = n.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in ("import_module", "__import__"):
+                out.append(n.lineno)
+    return out
+
+
+def test_no_module_imports_the_package_by_name():
+    found = {m: lines for m in MODULES if (lines := dynamic_imports(m))}
+    bad = {m: lines for m, lines in found.items() if m not in DYNAMIC_IMPORTS_ALLOWED}
+    assert not bad, f"imports by name at run time (hidden from the layer and cycle checks): {bad}"
+    assert set(found) == set(DYNAMIC_IMPORTS_ALLOWED), "an allowed module no longer imports by name: drop it"
+
+
+def test_a_planted_dynamic_import_is_caught(monkeypatch, tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import importlib\n\ndef f():\n    return importlib.import_module('leapdecode.cli')\n")
+    monkeypatch.setitem(MODULES, f"{PKG}.api", f)
+    assert dynamic_imports(f"{PKG}.api") == [4]

@@ -797,7 +797,7 @@ def test_serve_cli_defaults():
 
 
 def test_serve_default_drafts():
-    from leapdecode.server.cli import default_drafts
+    from leapdecode.server.settings import default_drafts
 
     paired = SimpleNamespace(draft_name="small")
     alone = SimpleNamespace(draft_name=None)
@@ -954,7 +954,7 @@ def test_start_up_refuses_what_every_request_would_then_refuse():
     KV-cache budget too small for any request, started and then answered every request with a 400
     that blamed the client; both are start-up errors now."""
     from leapdecode.errors import LeapdecodeError
-    from leapdecode.server.cli import ServeSettings
+    from leapdecode.server.settings import ServeSettings
 
     settings = ServeSettings(model="tiny-random", load={}, method="draft", options={}, drafts=None, warmup=False)
     with pytest.raises(LeapdecodeError, match="draft"):

@@ -32,7 +32,7 @@ PRESETS = ["stdlib", "self-answers"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from .cli import add_model_args
+    from .cli_args import add_model_args
 
     p = subparsers.add_parser("datastore", help="build or inspect a REST datastore (--method rest)",
                               description="Retrieval datastores for --method rest (REST, He et al., 2024).")
@@ -100,7 +100,7 @@ def _file_texts(files: list[Path]) -> Iterator[str]:
 def _self_answers(a: argparse.Namespace, show: bool) -> tuple[object, list[str], dict]:
     """Generate the model's greedy answers to the workload's prompts: (model, texts, sources)."""
     from .bench.workloads import load_workload, select
-    from .cli import load_from_args
+    from .cli_args import load_from_args
     from .api import generate
 
     questions, desc = load_workload(a.workload)

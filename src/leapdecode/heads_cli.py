@@ -20,7 +20,7 @@ from .models.store import check_output
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from .cli import add_model_args
+    from .cli_args import add_model_args
     from .heads_train import Recipe
 
     d = Recipe(kind="medusa")
@@ -132,7 +132,7 @@ def _check(a: argparse.Namespace) -> None:
 
 
 def cmd_train_head(a: argparse.Namespace) -> int:
-    from .cli import load_from_args
+    from .cli_args import load_from_args
     from .heads_data import check_sources
     from .heads_train import Recipe, train_head
 
@@ -168,7 +168,7 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
     import platform
     import time
 
-    from .cli import load_from_args
+    from .cli_args import load_from_args
     from .core.cost_model import machine_description
     from .errors import InvalidParameterError
     from .bench.results_page import head_table

@@ -27,7 +27,7 @@ DEMO_OUT = Path("bench_out") / "demo"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..cli import add_model_args
+    from ..cli_args import add_model_args
 
     p = subparsers.add_parser(
         "bench", help="benchmark decoding methods (and peer systems) on Spec-Bench or HumanEval",
@@ -208,7 +208,7 @@ def terminable(fn, *args, **kwargs):
 def cmd_bench(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cli import is_diffusion_model
+    from ..cli_args import is_diffusion_model
     from .report import print_table
     from .suite import run_bench
 

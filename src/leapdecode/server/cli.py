@@ -7,14 +7,13 @@ import ipaddress
 import math
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import LeapdecodeError
+from .settings import ServeSettings
 
 
 def add_parser(subparsers) -> None:
-    from ..cli import add_model_args
+    from ..cli_args import add_model_args
     from ..proposers import DEFAULT_METHOD, METHODS
     from . import DEFAULT_MAX_BODY_BYTES
 
@@ -105,54 +104,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def default_drafts(model, method: str, options: dict, given: list[str] | None) -> list[str]:
-    """The drafts to load: those given, else the model's registered draft when the method uses one."""
-    from ..proposers import METHODS
-
-    if given:
-        return list(given)
-    if options.get("draft"):
-        return [options["draft"]]
-    if METHODS[method].uses_draft_model and model.draft_name and options.get("use_draft", True) is not False:
-        return [model.draft_name]
-    return []
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Everything ``leapdecode serve`` builds its app from, validated; picklable, so that each Ray
-    Serve replica builds the very same app in its own process (``ray_serve.py``)."""
-
-    model: str
-    load: dict[str, Any]  # load()'s keyword arguments: backend, dtype, device, weights, attention
-    method: str
-    options: dict[str, Any]  # the default method's options (--option)
-    drafts: list[str] | None  # --draft as given (None: the model's registered draft where the method uses one)
-    app: dict[str, Any] = field(default_factory=dict)  # create_app's other keyword arguments
-    warmup: bool = True
-    threads: int | None = None  # torch.set_num_threads before loading (None: leave torch's choice)
-
-    def build_app(self):
-        """Load the model and build the app (and warm it up): what a server or a replica runs."""
-        from ..api import generate
-        from ..models.loader import load
-        from ..proposers.registry import build_proposer
-        from .app import create_app
-
-        if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)
-        model = load(self.model, **self.load)
-        app = create_app(model, default_method=self.method, default_options=self.options,
-                         drafts=default_drafts(model, self.method, self.options, self.drafts), **self.app)
-        if self.warmup:  # allocates the caches and builds the default method; fails here, not on a request
-            generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
-        else:  # the default method is still built once, so that what every request needs (a draft) fails here
-            build_proposer(app.state.default_config, app.state.runner)
-        return app
 
 
 def check_ray_args(a: argparse.Namespace) -> None:

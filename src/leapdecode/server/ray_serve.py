@@ -1,7 +1,7 @@
 """``leapdecode serve --ray``: replicas of the same OpenAI-compatible app behind Ray Serve.
 
 Each replica is a Ray actor (its own process) that builds the app exactly as ``leapdecode
-serve`` does (``cli.ServeSettings.build_app``: load the model with the same weights, dtype and
+serve`` does (``settings.ServeSettings.build_app``: load the model with the same weights, dtype and
 attention, ``create_app`` with the same method, drafts, batch, queue and cache sizes, the same
 warm-up) and Ray Serve's HTTP proxy routes requests to the replicas, so clients see the same
 API on the same paths (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` with
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import LeapdecodeError
 
 if TYPE_CHECKING:
-    from .cli import ServeSettings
+    from .settings import ServeSettings
 
 APP_NAME = "leapdecode"  # the Serve application (and the prefix of its deployment's name)
 DEPLOYMENT_NAME = "LeapdecodeReplica"
