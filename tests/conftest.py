@@ -184,6 +184,28 @@ def flat_cost():
 
 
 @pytest.fixture
+def pessimistic_sizers(monkeypatch):
+    """``pessimistic_sizers(module)`` -> a list that fills with the ``TreeSizer``s ``module`` (a
+    drafter's module) creates from now on, each planted in a state where no deeper level can pay for
+    itself (a forward of 10 s, a best child accepted 1% of the time)."""
+    from leapdecode.proposers.tree_cost import TreeSizer
+
+    def plant(module) -> list:
+        made = []
+
+        def pessimistic() -> TreeSizer:
+            sizer = TreeSizer()
+            sizer.forward_s, sizer.top_accept = 10.0, 0.01
+            made.append(sizer)
+            return sizer
+
+        monkeypatch.setattr(module, "TreeSizer", pessimistic)
+        return made
+
+    return plant
+
+
+@pytest.fixture
 def fresh_runner():
     """``fresh_runner(model, verify_cost=None, drafts=None, **runner_kwargs)`` -> a new ``ModelRunner``
     (empty memory, no measured costs) for ``model``.

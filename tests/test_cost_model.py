@@ -423,22 +423,13 @@ def test_a_runner_measures_again_after_a_contended_profile_expires(tiny, monkeyp
     assert len(calls) == 2  # an uncontended profile stays for the process's life
 
 
-def test_a_pessimistic_draft_sizer_learns_again(tiny, fresh_runner, monkeypatch):
+def test_a_pessimistic_draft_sizer_learns_again(tiny, fresh_runner, pessimistic_sizers):
     """Issue 46 (as for eagle, tests/test_heads.py): the draft model's tree sizer noted the draft's
     forward time and best child only for deeper levels, so a pessimistic state (a slow first forward)
     stopped deeper drafting for good. The root's forward teaches it at every step."""
     import leapdecode.proposers.draft_model as draft_module
-    from leapdecode.proposers.tree_cost import TreeSizer
 
-    made = []
-
-    def pessimistic() -> TreeSizer:
-        sizer = TreeSizer()
-        sizer.forward_s, sizer.top_accept = 10.0, 0.01  # no deeper level can pay for itself
-        made.append(sizer)
-        return sizer
-
-    monkeypatch.setattr(draft_module, "TreeSizer", pessimistic)
+    made = pessimistic_sizers(draft_module)
     target = tiny(seed=0)
     runner = fresh_runner(target, verify_cost="flat", drafts={"copy-8": tiny(seed=0, copy=8)})
     prompt = "the cat sat on the mat the cat"

@@ -617,24 +617,15 @@ def test_tree_sizer_follows_costs_and_calibration():
     assert sizer.log_accept(0.95) < before - 2.0
 
 
-def test_a_pessimistic_eagle_sizer_learns_again(tiny, tmp_path, monkeypatch):
+def test_a_pessimistic_eagle_sizer_learns_again(tiny, tmp_path, pessimistic_sizers):
     """Issue 46: the sizer's means of the draft forward's time and of the best child's acceptance
     were updated only when a deeper level was drafted, so a pessimistic state (a warm-up on a hard
     prompt left the best child at 0.15) stopped deeper drafting for the rest of the process:
     one-node trees on all of HumanEval held-apart (1.40x, against 1.64x once fixed). The root's
     forward teaches the sizer at every step."""
     import leapdecode.proposers.heads.eagle as eagle_module
-    from leapdecode.proposers.tree_cost import TreeSizer
 
-    made = []
-
-    def pessimistic() -> TreeSizer:
-        sizer = TreeSizer()
-        sizer.forward_s, sizer.top_accept = 10.0, 0.01  # no deeper level can pay for itself
-        made.append(sizer)
-        return sizer
-
-    monkeypatch.setattr(eagle_module, "TreeSizer", pessimistic)
+    made = pessimistic_sizers(eagle_module)
     model = tiny(seed=0)
     head_dir = write_head("eagle", model, tmp_path / "eagle", seed=0)
     ids = model.tokenizer.encode(PROMPTS[1])
