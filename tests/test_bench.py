@@ -210,6 +210,7 @@ def test_peer_names():
     assert expand_peers(["hf"]) == ["hf", "hf-assisted", "hf-pld"]
     assert expand_peers(["llama.cpp", "hf-pld"]) == ["llamacpp", "llamacpp-pld", "hf-pld"]
     assert expand_peers(["hf-generate"]) == ["hf"]
+    assert expand_peers(["llama-server-plain"]) == ["llama-server"]
     with pytest.raises(ValueError, match="unknown peer"):
         expand_peers(["vllm"])
 
@@ -396,6 +397,20 @@ def test_demo_configuration():
     assert expand_peers(cfg.peers)[0] == "hf" and cfg.out == bench_cli.DEMO_OUT
     # the demo runs HF's plain generate only (three HF rows took it past 10 minutes on a fresh machine)
     assert "hf-assisted" not in expand_peers(cfg.peers)
+
+
+def test_demo_runs_llama_servers_plain_row_only_when_built(monkeypatch, tmp_path):
+    """With llama.cpp's server built by an earlier bench, the demo added its three rows and took
+    13.5 min on the Xeon (2026-11-29); it adds the plain row alone."""
+    from leapdecode.bench import cli as bench_cli
+    from leapdecode.bench import llama_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    monkeypatch.setattr(llama_server, "server_binary", lambda: binary)
+    cfg = bench_cli.config_from_args(build_parser().parse_args(["bench", "--demo"]))
+    rows = expand_peers(cfg.peers)
+    assert "llama-server" in rows and not [r for r in rows if r.startswith("llama-server-")], rows
 
 
 def test_demo_falls_back_to_humaneval_without_the_development_data(monkeypatch):

@@ -47,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "llamacpp-pld: llama-cpp-python), llama-server (= llama-server, llama-server-draft, "
                         "llama-server-ngram: llama.cpp's own server plain, with the draft model's GGUF and with "
                         "--spec-type ngram-mod; built from source once per machine, ~25 min on 2 cores), "
-                        "hf-generate (HF's plain generate alone), or single rows (e.g. llama-server-ngram-simple)")
+                        "hf-generate (HF's plain generate alone), llama-server-plain (its plain row alone), or single rows (e.g. llama-server-ngram-simple)")
     p.add_argument("--workload", help="Spec-Bench-format jsonl, `humaneval`, `humaneval-heldout`, `schemastore` "
                                       "(structured output: SchemaStore's real-world JSON schemas, each output "
                                       "constrained to its schema; needs the structured extra), or `similar` "
@@ -168,7 +168,7 @@ def config_from_args(a: argparse.Namespace):
 
             with contextlib.suppress(ServerUnavailable):
                 if server_binary() is not None:  # built by an earlier bench: the demo never builds it
-                    cfg.peers.append("llama-server")
+                    cfg.peers.append("llama-server-plain")  # its plain row only: the three took 13.5 min
         if cfg.workload is None:
             from .workloads import WorkloadError, find_default_workload
 

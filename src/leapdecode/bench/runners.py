@@ -43,6 +43,7 @@ PEER_FAMILIES = {
     "hf-generate": ["hf"],  # HF's plain generate alone (``hf`` names the whole family)
     # llama.cpp's own server, built from source once per machine (bench/llama_server.py)
     "llama-server": ["llama-server", "llama-server-draft", "llama-server-ngram"],
+    "llama-server-plain": ["llama-server"],  # llama.cpp's plain server alone (``make demo``'s peer)
 }
 EXTRA_PEER_ROWS = ["llama-server-ngram-simple"]  # rows named one by one, in no family
 DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # peer rows that run the draft model
