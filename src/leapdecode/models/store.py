@@ -370,7 +370,7 @@ def weights_problem(directory: Path) -> tuple[Path, str] | None:
 def small_file_digests(directory: Path) -> dict[str, str]:
     """sha256 of each file of a converted model but its weights and its metadata (config,
     tokenizer, generation config, chat template), recorded in its metadata at conversion."""
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())
+    return {f.name: file_sha256(f, show=False) for f in sorted(directory.iterdir())
             if f.is_file() and f.name not in (WEIGHTS_FILE, META_FILE)}
 
 
@@ -386,7 +386,7 @@ def model_files_problem(path: Path) -> str | None:
     for name, digest in (recorded or {}).items():
         f = path / name
         try:
-            if hashlib.sha256(f.read_bytes()).hexdigest() != digest:
+            if file_sha256(f, show=False) != digest:
                 return f"{f} differs from the file the conversion wrote (sha256 mismatch)"
         except OSError as e:
             return f"{f} cannot be read ({e.strerror or e})"
