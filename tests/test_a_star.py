@@ -284,7 +284,7 @@ def test_on_smollm2_steps_end_at_the_delimiter():
     (dict(method="draft"), InvalidParameterError, "does not combine with method 'draft'"),
     (dict(top_k=5), InvalidParameterError, "top_k"),
     (dict(temperature=0.0), InvalidParameterError, "temperature > 0"),
-    (dict(stop=["x"]), InvalidParameterError, "stop strings"),
+    (dict(stop=["x"]), InvalidParameterError, "does not combine with stop"),
     (dict(strategy_options={"scorer": "tests", "tests": "pass"}), InvalidParameterError, "no option 'tests'"),
     (dict(strategy_options={"scorer": "tests"}), ScorerError, "cannot score a partial"),
     (dict(strategy_options={"scorer": "bleu"}), ScorerError, "unknown scorer"),

@@ -50,8 +50,8 @@ def test_option_values_are_typed_by_the_config():
 
 def test_sampling_top_k_is_not_the_draft_top_k():
     a = cli.build_parser().parse_args(["generate", "--method", "draft", "--top-k", "5", "--option", "top_k=2", "hi"])
-    kw = cli_args.decoding_kwargs(a)
-    assert kw["top_k"] == 5 and kw["options"]["top_k"] == 2
+    request = cli_args.decoding_request(a)
+    assert request.sampling.top_k == 5 and request.method.top_k == 2
 
 
 def test_cli_bogus_option_in_a_fresh_process():

@@ -486,7 +486,7 @@ def test_cli_runs_the_strategies_as_the_api_does(capsys, argv, name, options):
     (["--strategy", "contrastive", "--method", "draft"], "does not combine with method 'draft'"),
     (["--strategy", "contrastive", "--strategy-option", "alpha=0"], "alpha"),
     (["--strategy", "dola", "--temperature", "0.5"], "deterministic"),
-    (["--strategy", "dola", "--repetition-penalty", "1.2"], "repetition_penalty"),
+    (["--strategy", "dola", "--repetition-penalty", "1.2"], "--repetition-penalty"),
 ])
 def test_cli_bad_flags_exit_2_naming_them_before_loading(no_loading, capsys, argv, named):
     from leapdecode import cli
@@ -684,9 +684,9 @@ def test_adadec_refuses_bad_options_and_speculation(tiny):
 @pytest.mark.parametrize("kwargs, named", [
     ({"method": "draft"}, "does not combine with method 'draft'"),
     ({"method": "pld"}, "does not combine with method 'pld'"),
-    ({"stop": ["\n"]}, "stop strings"),
+    ({"stop": ["\n"]}, "does not combine with stop"),
     ({"kv_policy": "int8"}, "kv_policy"),
-    ({"regex": "[a-z]+"}, "structured output"),
+    ({"regex": "[a-z]+"}, "does not combine with regex"),
     ({"top_p": 0.9}, "top_p"),
     ({"temperature": 0.8}, "deterministic"),
 ])

@@ -132,9 +132,9 @@ def test_cli_bad_kv_policy_exits_2_before_loading(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("leapdecode: error:") and "recent (9)" in err and len(err.splitlines()) == 1
     a = cli.build_parser().parse_args(["generate", "--kv-policy", "streaming:window=16", "hi"])
-    assert cli.decoding_kwargs(a)["kv_policy"] == StreamingConfig(window=16)
+    assert cli.decoding_request(a).kv_policy == StreamingConfig(window=16)
     a = cli.build_parser().parse_args(["generate", "hi"])
-    assert cli.decoding_kwargs(a)["kv_policy"] is None
+    assert cli.decoding_request(a).kv_policy is None
     with pytest.raises(SystemExit):
         cli.main(["generate", "--help"])
     assert "LOSSY" in capsys.readouterr().out

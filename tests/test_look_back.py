@@ -248,8 +248,8 @@ def test_options_are_typed_and_checked():
     ({"temperature": 0.0}, "give a temperature > 0"),
     ({"method": "draft"}, "does not combine with method 'draft'"),
     ({"top_p": 0.9}, "top_p"),
-    ({"stop": ["\n"]}, "stop strings"),
-    ({"regex": "[a-z]+"}, "structured output"),
+    ({"stop": ["\n"]}, "does not combine with stop"),
+    ({"regex": "[a-z]+"}, "does not combine with regex"),
 ])
 def test_what_does_not_combine_is_a_typed_error(tiny, kwargs, named):
     with pytest.raises(InvalidParameterError, match=named):

@@ -422,7 +422,7 @@ def test_sandbox_runs_humaneval_style_tests():
      "num_return_sequences"),
     (dict(strategy="best-of-n", temperature=0.0), InvalidParameterError, "temperature > 0"),
     (dict(strategy="best-of-n", kv_policy="int8"), InvalidParameterError, "kv_policy"),
-    (dict(strategy="best-of-n", regex="[a-z]+"), InvalidParameterError, "structured output"),
+    (dict(strategy="best-of-n", regex="[a-z]+"), InvalidParameterError, "does not combine with regex"),
 ])
 def test_bad_scaling_parameters_are_typed_errors(tiny, kwargs, error, named):
     kw = {"temperature": 1.0, **kwargs}

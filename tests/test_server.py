@@ -424,7 +424,7 @@ def test_internal_fault_is_a_500_with_a_logged_id(server, client, monkeypatch, c
     def boom(*args, **kwargs):
         raise RuntimeError("the server is shutting down (not really: an internal fault)")
 
-    monkeypatch.setattr(engine_mod, "start_generation", boom)
+    monkeypatch.setattr(engine_mod, "start_request", boom)
     caplog.set_level(logging.ERROR, logger="leapdecode.server")
     for stream in (False, True):
         r = httpx.post(server.url + "/v1/completions", timeout=60,

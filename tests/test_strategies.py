@@ -423,7 +423,7 @@ def test_the_runner_gets_the_cache_back_after_a_search_and_after_errors(monkeypa
     (dict(strategy="cps-beam", temperature=1.0, top_k=5), "top_k"),
     (dict(strategy="beam", stop=["x"]), "stop"),
     (dict(strategy="beam", kv_policy="int8"), "kv_policy"),
-    (dict(strategy="beam", regex="[a-z]+"), "structured output"),
+    (dict(strategy="beam", regex="[a-z]+"), "does not combine with regex"),
     (dict(num_beams=4), "num_beams needs a strategy"),
     (dict(strategy_options={"num_beams": 4}), "need a strategy"),
     (dict(strategy="beam", strategy_options=[1]), "mapping"),
@@ -725,7 +725,7 @@ def test_cli_generate_with_a_strategy_prints_every_hypothesis(capsys):
     (["--strategy", "beam", "--method", "draft"], "does not combine with method 'draft'"),
     (["--strategy", "beam", "--temperature", "0.8"], "deterministic"),
     (["--strategy", "cps-beam"], "temperature > 0"),
-    (["--strategy", "beam", "--regex", "[a-z]+"], "structured output"),
+    (["--strategy", "beam", "--regex", "[a-z]+"], "does not combine with --regex"),
     (["--strategy", "beam", "--n", "9"], "num_return_sequences"),
 ])
 def test_cli_bad_strategy_flags_exit_2_naming_them_before_loading(no_loading, capsys, argv, named):

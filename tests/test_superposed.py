@@ -303,7 +303,7 @@ def test_options_are_typed_and_checked(tmp_path):
 @pytest.mark.parametrize("kwargs, named", [
     ({"temperature": 0.7}, "deterministic"),
     ({"method": "pld"}, "does not combine with method 'pld'"),
-    ({"stop": ["\n"]}, "stop strings"),
+    ({"stop": ["\n"]}, "does not combine with stop"),
     ({"kv_policy": "int8"}, "kv_policy"),
 ])
 def test_what_does_not_combine_is_a_typed_error(tiny, kwargs, named):

@@ -4,7 +4,9 @@
 options={"top_k": 8})``: sampling parameters are keyword arguments (``SamplingParams``), a
 method's own options go in ``options`` (validated against the method's typed config, see
 ``leapdecode.proposers.registry``), or ``method`` is a config object (``DraftConfig(top_k=8)``).
-Everything is validated before any model work starts.
+Everything is validated before any model work starts, by the one request validator every front end
+shares (``leapdecode.request.validate_request``); ``start_request(model, request, prompt)`` starts a
+``GenerationRequest`` validated already (what the command line and the server do).
 
 ``strategy="beam"`` (or a config object, ``BeamConfig(num_beams=8)``) searches instead of decoding
 one sequence: the strategy's options go in ``strategy_options``, or through the shorthands
@@ -36,15 +38,15 @@ from typing import Any
 
 from .core.config import MethodConfig
 from .core.constraint import Constraint
-from .core.generate import Generation, GenerationResult, check_max_new_tokens, check_stop, encode_prompt
-from .core.kv_policy import KVPolicy, parse_kv_policy
+from .core.generate import Generation, GenerationResult, encode_prompt
+from .core.kv_policy import KVPolicy
 from .core.runner import ModelRunner, runner_for
-from .core.sampling import SamplingParams
 from .errors import InvalidParameterError
 from .models.loader import LoadedModel
 from .models.loader import load as load_causal
-from .proposers.registry import DEFAULT_METHOD, build_proposer, method_config
-from .strategies.registry import SHORTHANDS, StrategyConfig, build_search, strategy_config
+from .proposers.registry import build_proposer
+from .request import GenerationRequest, check_method_name, validate_request
+from .strategies.registry import SHORTHANDS, StrategyConfig, build_search
 from .strategies.search import SearchResult, TreeSearch
 
 
@@ -104,24 +106,23 @@ def start_generation(
             raise InvalidParameterError(f"{diffusion_label(model)} is a diffusion model: decode it with "
                                         "leapdecode.generate or leapdecode.diffusion.generate (no streaming)")
         raise InvalidParameterError(f"model must be what leapdecode.load() returned, got {type(model).__name__}")
-    check_not_diffusion_method(method)
-    params = SamplingParams(temperature, top_k, top_p, min_p, typical_p, repetition_penalty, seed)
-    check_max_new_tokens(max_new_tokens)
-    stops = check_stop(stop)
     shorthands = {"num_beams": num_beams, "num_return_sequences": num_return_sequences,
                   "length_penalty": length_penalty, "patience": patience}
-    scfg = resolve_strategy(strategy, strategy_options, shorthands)
-    if scfg is not None:
-        if method is None:
-            method = "vanilla"
-        cfg = method_config(method, options)
-        check_strategy_combination(scfg, cfg, params, stops, kv_policy,
-                                   structured=any(v is not None for v in (json_schema, regex, grammar, constraint)))
-    else:
-        cfg = method_config(DEFAULT_METHOD if method is None else method, options)
-    policy = parse_kv_policy(kv_policy)
+    request = validate_request(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        typical_p=typical_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, method=method,
+        options=options, strategy=strategy, strategy_options=merge_shorthands(strategy, strategy_options, shorthands),
+        kv_policy=kv_policy, json_schema=json_schema, regex=regex, grammar=grammar, constraint=constraint)
+    return start_request(model, request, prompt, prompt_ids=prompt_ids, chat=chat)
+
+
+def start_request(model: LoadedModel | ModelRunner, request: GenerationRequest, prompt: Any = None, *,
+                  prompt_ids: list[int] | None = None, chat: bool | None = None) -> "Generation | TreeSearch":
+    """The generation (or search) of a validated request (``request.validate_request``), not
+    started: the prompt is encoded (or ``prompt_ids`` checked), ``max_new_tokens`` capped at the
+    context, a structure compiled, the method's proposer built (loading what it needs)."""
     runner = runner_for(model)
-    if policy is not None and runner.model.backend != "native":  # before any draft model loads
+    if request.kv_policy is not None and runner.model.backend != "native":  # before any draft model loads
         raise InvalidParameterError(f"kv_policy needs the native backend ({runner.model.name} runs on "
                                     f"{runner.model.backend!r})")
     if prompt_ids is not None:
@@ -136,78 +137,39 @@ def start_generation(
     else:
         ids = encode_prompt(runner.model, prompt, chat)
     # never more than the context can hold (the cache is sized from this)
-    max_new_tokens = min(max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
-    if scfg is not None:
-        return build_search(scfg, runner, ids, max_new_tokens, temperature=params.temperature, seed=params.seed,
-                            sampling=params, method=cfg, stop=stops)
-    if json_schema is not None or regex is not None or grammar is not None:
-        if constraint is not None:
-            raise InvalidParameterError("give json_schema, regex or grammar, or a compiled constraint, not both")
+    max_new_tokens = min(request.max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
+    params, stops = request.sampling, list(request.stop)
+    if request.strategy is not None:
+        return build_search(request.strategy, runner, ids, max_new_tokens, temperature=params.temperature,
+                            seed=params.seed, sampling=params, method=request.method, stop=stops)
+    constraint = request.constraint
+    if request.structure:
         from .strategies.grammar import compile_constraint
 
-        constraint = compile_constraint(runner, json_schema=json_schema, regex=regex, grammar=grammar)
-    proposer = build_proposer(cfg, runner)
-    return Generation(runner, ids, params, proposer, method=cfg.method, max_new_tokens=max_new_tokens,
-                      stop=stops, tree_budget=cfg.tree_budget, kv_policy=policy, constraint=constraint)
+        constraint = compile_constraint(runner, **request.structure)
+    proposer = build_proposer(request.method, runner)
+    return Generation(runner, ids, params, proposer, method=request.method.method, max_new_tokens=max_new_tokens,
+                      stop=stops, tree_budget=request.method.tree_budget, kv_policy=request.kv_policy,
+                      constraint=constraint)
 
 
-def resolve_strategy(strategy: "str | StrategyConfig | None", options: dict[str, Any] | None,
-                     shorthands: dict[str, Any]) -> StrategyConfig | None:
-    """The validated strategy config of a call (None: no strategy): ``strategy`` with its
-    ``options`` and the shorthand keyword arguments (``num_beams``, ...; None: not given), which
-    must agree with ``options`` where both set an option."""
+def merge_shorthands(strategy: Any, options: Any, shorthands: dict[str, Any]) -> Any:
+    """``strategy_options`` with the API's shorthand keywords (``num_beams``, ...; None: not given)
+    merged in; they need a strategy and must agree with ``strategy_options`` where both set one."""
     given = {SHORTHANDS[k]: v for k, v in shorthands.items() if v is not None}
+    if not given:
+        return options
     if strategy is None:
-        if options:
-            raise InvalidParameterError("strategy_options need a strategy (strategy='beam', ...)")
-        if given:
-            raise InvalidParameterError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} a strategy "
-                                        "(strategy='beam', ...)")
-        return None
+        raise InvalidParameterError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} a strategy "
+                                    "(strategy='beam', ...)")
     if options is not None and not isinstance(options, dict):
-        raise InvalidParameterError(f"strategy options must be a mapping of option names to values, got "
-                                    f"{options!r:.80}")
+        return options  # the validator names it
     merged = dict(options or {})
     for key, value in given.items():
         if key in merged and merged[key] != value:
             raise InvalidParameterError(f"{key}={value!r} and strategy option {key}={merged[key]!r} disagree")
         merged[key] = value
-    return strategy_config(strategy, merged or None)
-
-
-def check_strategy_combination(scfg: StrategyConfig, cfg: MethodConfig, params: SamplingParams,
-                               stop: list[str] | None, kv_policy: Any, structured: bool) -> None:
-    """Refuse what does not combine with a search (``InvalidParameterError`` naming both)."""
-    name = scfg.strategy
-    if scfg.parallel:  # N plain sampled generations: any method, the filters, stop strings
-        if params.temperature <= 0:
-            raise InvalidParameterError(f"strategy {name!r} samples: give a temperature > 0")
-        if kv_policy is not None:
-            raise InvalidParameterError(f"strategy {name!r} does not combine with a kv_policy")
-        if structured:
-            raise InvalidParameterError(f"strategy {name!r} does not combine with structured output "
-                                        "(json_schema, regex, grammar)")
-        return
-    if cfg.method != "vanilla":
-        raise InvalidParameterError(
-            f"strategy {name!r} does not combine with method {cfg.method!r}: a search scores every hypothesis "
-            "with the target's own forwards (use method 'vanilla', the default with a strategy)")
-    plain = (params.top_k, params.top_p, params.min_p, params.typical_p, params.repetition_penalty)
-    if plain != (0, 1.0, 0.0, 1.0, 1.0):
-        raise InvalidParameterError(f"strategy {name!r} does not combine with top_k, top_p, min_p, typical_p or "
-                                    "repetition_penalty")
-    if scfg.stochastic and params.temperature <= 0:
-        raise InvalidParameterError(f"strategy {name!r} samples: give a temperature > 0")
-    if not scfg.stochastic and params.temperature != 0:
-        raise InvalidParameterError(f"strategy {name!r} is deterministic (it scores with the model's "
-                                    f"log-probabilities): leave temperature at 0, got {params.temperature}")
-    if stop:
-        raise InvalidParameterError(f"strategy {name!r} does not combine with stop strings")
-    if kv_policy is not None:
-        raise InvalidParameterError(f"strategy {name!r} does not combine with a kv_policy")
-    if structured:
-        raise InvalidParameterError(f"strategy {name!r} does not combine with structured output "
-                                    "(json_schema, regex, grammar)")
+    return merged
 
 
 def generate(model: Any, prompt: Any = None, **kwargs: Any) -> GenerationResult:
@@ -305,18 +267,7 @@ def generate_diffusion(model: Any, prompt: Any = None, **kwargs: Any) -> Any:
     return diffusion_generate(model, prompt, **args)
 
 
-def check_not_diffusion_method(method: Any) -> None:
-    """A diffusion decoder's name asked of a causal model: ``InvalidParameterError``."""
-    from .proposers.registry import METHODS
-
-    if not isinstance(method, str) or method in METHODS:
-        return
-    from .diffusion.registry import DIFFUSION_METHODS
-
-    if method in DIFFUSION_METHODS:
-        raise InvalidParameterError(f"method {method!r} is a diffusion-LM method: it needs a LLaDA or Dream model "
-                                    "(a checkpoint directory, tiny-llada, tiny-dream); a causal model decodes with "
-                                    "a causal method (`leapdecode methods`)")
+check_not_diffusion_method = check_method_name  # the request validator's check, by its old name
 
 
 def stream(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> Generation:
@@ -324,5 +275,5 @@ def stream(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) 
     return start_generation(model, prompt, **kwargs)
 
 
-__all__ = ["load", "generate", "stream", "start_generation", "Generation",
+__all__ = ["load", "generate", "stream", "start_generation", "start_request", "GenerationRequest", "Generation",
            "GenerationResult", "SearchResult", "ModelRunner", "runner_for"]

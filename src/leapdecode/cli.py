@@ -13,7 +13,7 @@ import sys
 from . import datastore_cli, doctor, heads_cli
 from .bench import cli as bench_cli
 from .bench import results_page
-from .cli_args import (DIFFUSION_UNSUPPORTED, add_decoding_args, add_model_args, decoding_kwargs,
+from .cli_args import (DIFFUSION_UNSUPPORTED, add_decoding_args, add_model_args, decoding_request,
                        is_diffusion_model, load_from_args, read_stdin_text)
 from .diffusion import cli as diffusion_cli
 from .errors import InvalidParameterError, LeapdecodeError
@@ -48,20 +48,20 @@ def generate_diffusion(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .api import start_generation
+    from .api import start_request
 
     if is_diffusion_model(a.model):
         return generate_diffusion(a)
     if a.block_size is not None:
         raise LeapdecodeError("--block-size is for diffusion models (LLaDA/Dream checkpoints, tiny-llada, tiny-dream)")
-    kwargs = decoding_kwargs(a)
+    request = decoding_request(a)
     prompt = a.prompt if a.prompt != "-" else read_stdin_text()
     if a.grammar_aligned is not None:
-        if "strategy" in kwargs:
+        if request.strategy is not None:
             raise LeapdecodeError("--grammar-aligned does not combine with --strategy")
-        return grammar_aligned(a, kwargs, prompt)
+        return grammar_aligned(a, request.structure, prompt)
     model = load_from_args(a)
-    gen = start_generation(model, prompt, chat=a.chat, **kwargs)
+    gen = start_request(model, request, prompt, chat=a.chat)
     if a.json:
         res = gen.run()
         out = {"text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason, "stats": res.stats}
@@ -78,9 +78,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def grammar_aligned(a: argparse.Namespace, kwargs: dict, prompt: str) -> int:
+def grammar_aligned(a: argparse.Namespace, structure: dict | None, prompt: str) -> int:
     """``generate --grammar-aligned N``: N ASAp samples, one line each (a JSON object with --json)."""
-    structure = {k: kwargs[k] for k in ("json_schema", "regex", "grammar") if k in kwargs}
     if a.grammar_aligned < 1:
         raise LeapdecodeError(f"--grammar-aligned must be >= 1, got {a.grammar_aligned}")
     if not structure:
@@ -123,10 +122,10 @@ def _chat_line() -> str:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from .api import runner_for, start_generation
+    from .api import runner_for, start_request
     from .core.generate import check_text
 
-    kwargs = decoding_kwargs(a)
+    request = decoding_request(a)
     model = load_from_args(a)
     runner = runner_for(model)
     messages: list[dict] = []
@@ -145,7 +144,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
-        gen = start_generation(runner, messages, **kwargs)
+        gen = start_request(runner, request, messages)
         sys.stdout.write("bot> ")
         try:
             for piece in gen:

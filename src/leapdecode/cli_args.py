@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import LeapdecodeError
+from .errors import InvalidParameterError, LeapdecodeError
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
@@ -111,11 +111,13 @@ def resolve_method_name(a: argparse.Namespace) -> str:
 
 STRATEGY_FLAGS = (("num_beams", "--num-beams"), ("num_return_sequences", "--n"),
                   ("length_penalty", "--length-penalty"), ("patience", "--patience"))
+OPTION_FLAGS = (("draft", "--draft"), ("tree_budget", "--tree-budget"), ("datastore", "--datastore"))
 
 
-def strategy_options(a: argparse.Namespace) -> dict:
+def strategy_options(a: argparse.Namespace, where: dict[str, str] | None = None) -> dict:
     """The strategy's options from ``--strategy-option KEY=VALUE`` and the shorthand flags, typed by
-    its config (an error names a flag given without ``--strategy``)."""
+    its config (an error names a flag given without ``--strategy``); ``where`` records which flag
+    set an option (``strategy_options.num_beams`` -> ``--num-beams``)."""
     from .core.config import parse_option_assignments
     from .strategies.registry import strategy_spec
 
@@ -137,60 +139,62 @@ def strategy_options(a: argparse.Namespace) -> dict:
         if key in options and options[key] != value:
             raise LeapdecodeError(f"{flag} and --strategy-option {key}= disagree")
         options[key] = value
+        if where is not None:
+            where[f"strategy_options.{key}"] = flag
     return options
 
 
-def method_options(a: argparse.Namespace) -> dict:
-    """The method's options from ``--option KEY=VALUE`` and the shortcut flags, typed by its config."""
-    from .api import check_not_diffusion_method
+def method_options(a: argparse.Namespace, where: dict[str, str] | None = None) -> dict:
+    """The method's options from ``--option KEY=VALUE`` and the shortcut flags, typed by its config;
+    ``where`` records which flag set an option (``options.tree_budget`` -> ``--tree-budget``)."""
     from .core.config import parse_option_assignments
     from .proposers import method_spec
+    from .request import check_method_name
 
     resolve_method_name(a)
-    check_not_diffusion_method(a.method)
+    check_method_name(a.method)
 
     options = parse_option_assignments(method_spec(a.method).config, a.option)
-    for flag, key in (("draft", "draft"), ("tree_budget", "tree_budget"), ("datastore", "datastore")):
-        value = getattr(a, flag, None)
+    for key, flag in OPTION_FLAGS:
+        value = getattr(a, key, None)
         if value is not None:
             if key in options and options[key] != value:
-                raise LeapdecodeError(f"--{flag.replace('_', '-')} and --option {key}= disagree")
+                raise LeapdecodeError(f"{flag} and --option {key}= disagree")
             options[key] = value
+            if where is not None:
+                where[f"options.{key}"] = flag
     return options
 
 
-def decoding_kwargs(a: argparse.Namespace) -> dict:
-    """Keyword arguments for ``leapdecode.api.start_generation``, validated before any model loads."""
-    from .core.sampling import SamplingParams
-    from .core.generate import check_max_new_tokens
-    from .proposers import method_config
+def flag_name(path: str, where: dict[str, str]) -> str:
+    """The command line's name of a request field (``request.py``'s paths): the flag that set it."""
+    if path in where:
+        return where[path]
+    head, _, key = path.partition(".")
+    if head == "options":
+        return f"--option {key}=" if key else "--option"
+    if head == "strategy_options":
+        return f"--strategy-option {key}=" if key else "--strategy-option"
+    return "--" + path.replace("_", "-")
 
-    options = method_options(a)
-    method_config(a.method, options)  # unknown or invalid options fail here, before loading
-    strategy = getattr(a, "strategy", None)
-    extra: dict = {}
-    if strategy is not None:
-        from .api import check_strategy_combination
-        from .strategies.registry import strategy_config
 
-        scfg = strategy_config(strategy, strategy_options(a))
-        check_strategy_combination(scfg, method_config(a.method, options),
-                                   SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p,
-                                                  a.repetition_penalty, a.seed), a.stop, a.kv_policy,
-                                   structured=any(getattr(a, f, None) for f in ("json_schema", "json_object",
-                                                                                  "regex", "grammar")))
-        extra = {"strategy": scfg}
-    else:
-        strategy_options(a)  # a strategy flag without --strategy is an error
-    SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.typical_p, a.repetition_penalty, a.seed)
-    from .core.kv_policy import parse_kv_policy
+def decoding_request(a: argparse.Namespace):
+    """The ``GenerationRequest`` of the decoding flags, validated before any model loads; a bad
+    combination is the validator's message with the flags' names (``--stop``, ``--tree-budget``)."""
+    from .request import validate_request
 
-    kv_policy = parse_kv_policy(getattr(a, "kv_policy", None))  # a bad spec fails here, before loading
-    check_max_new_tokens(a.max_new_tokens)
-    return dict(method=a.method, options=options, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, typical_p=a.typical_p,
-                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
-                kv_policy=kv_policy, **structure_kwargs(a), **extra)
+    where: dict[str, str] = {}
+    options = method_options(a, where)
+    sopts = strategy_options(a, where)
+    structure = structure_kwargs(a, where)
+    try:
+        return validate_request(
+            method=a.method, options=options or None, strategy=getattr(a, "strategy", None),
+            strategy_options=sopts or None, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+            top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, typical_p=a.typical_p,
+            repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, kv_policy=a.kv_policy, **structure)
+    except InvalidParameterError as e:  # the validator's words, the flags' names
+        raise InvalidParameterError(e.render(lambda path: flag_name(path, where))) from None
 
 
 def read_text_arg(flag: str, path: str) -> str:
@@ -203,23 +207,25 @@ def read_text_arg(flag: str, path: str) -> str:
         raise LeapdecodeError(f"{flag} {path}: cannot read it ({e.__class__.__name__}: {e})") from None
 
 
-def structure_kwargs(a: argparse.Namespace) -> dict:
-    """``json_schema`` / ``regex`` / ``grammar`` from the structured-output flags (at most one)."""
-    given = [f for f, v in (("--json-schema", a.json_schema), ("--json-object", a.json_object or None),
-                            ("--regex", a.regex), ("--grammar", a.grammar)) if v is not None]
-    if len(given) > 1:
-        raise LeapdecodeError(f"give at most one of {', '.join(given)}")
+def structure_kwargs(a: argparse.Namespace, where: dict[str, str] | None = None) -> dict:
+    """``json_schema`` / ``regex`` / ``grammar`` from the structured-output flags (the validator
+    refuses more than one); ``where`` records ``--json-object`` as the flag of ``json_schema``."""
+    out: dict = {}
     if a.json_schema is not None:
         from .strategies.grammar import check_json_schema
 
-        return {"json_schema": check_json_schema(read_text_arg("--json-schema", a.json_schema))}
+        out["json_schema"] = check_json_schema(read_text_arg("--json-schema", a.json_schema))
     if a.json_object:
-        return {"json_schema": {"type": "object"}}
+        if "json_schema" in out:
+            raise LeapdecodeError("give at most one of --json-schema and --json-object")
+        out["json_schema"] = {"type": "object"}
+        if where is not None:
+            where["json_schema"] = "--json-object"
     if a.regex is not None:
-        return {"regex": a.regex}
+        out["regex"] = a.regex
     if a.grammar is not None:
-        return {"grammar": read_text_arg("--grammar", a.grammar)}
-    return {}
+        out["grammar"] = read_text_arg("--grammar", a.grammar)
+    return out
 
 
 def load_from_args(a: argparse.Namespace):

@@ -14,7 +14,15 @@ class ModelFileError(LeapdecodeError):
 
 
 class InvalidParameterError(LeapdecodeError, ValueError):
-    pass
+    """A parameter, or a combination of parameters, that is invalid.  ``field``: the request field
+    at fault (``request.py``'s path: ``stop``, ``options.tree_budget``) where the request validator
+    knows it; ``render(name)`` shows the message with a front end's names for the fields it names
+    (this class's message names none; ``request.RequestError``'s may)."""
+
+    field: str | None = None
+
+    def render(self, name=None) -> str:  # noqa: ARG002 (a message without field references)
+        return str(self)
 
 
 class PromptTooLongError(LeapdecodeError):

@@ -250,9 +250,7 @@ def expand_rows(specs: list[RowSpec], methods: list[str], temperature: float) ->
     """Every spec with every method of ``methods`` (or its own), where they combine: the rows, and
     the skipped combinations with the API's reason.  A row's own method that does not combine is
     an error."""
-    from ..api import check_strategy_combination
-    from ..core.sampling import SamplingParams
-    from ..proposers.registry import method_config
+    from ..request import validate_request
     from .runners import split_method_row
 
     rows, skipped = [], []
@@ -264,8 +262,8 @@ def expand_rows(specs: list[RowSpec], methods: list[str], temperature: float) ->
         for m in ([spec.method] if spec.method else methods):
             if scfg is not None:
                 try:
-                    check_strategy_combination(scfg, method_config(*split_method_row(m)),
-                                               SamplingParams(temperature=temp), None, None, False)
+                    method, options = split_method_row(m)
+                    validate_request(strategy=scfg, method=method, options=options or None, temperature=temp)
                 except InvalidParameterError as e:
                     if spec.method:
                         raise

@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
-from ..api import start_generation
+from ..api import start_request
 from ..core.batch import BatchTiming, SpeculationScheduler, speculation_caps, step_batch
 from ..core.config import MethodConfig
 from ..core.constraint import Constraint
@@ -47,6 +47,7 @@ from ..core.kv_policy import KVPolicy
 from ..core.runner import ModelRunner, slot_len
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
+from ..request import GenerationRequest
 from ..strategies.registry import StrategyConfig
 from ..strategies.search import TreeSearch, search_cache_tokens
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
@@ -101,7 +102,7 @@ Event = Union[Started, Delta, Finished, Failed, Ended, Disconnected]
 # ---------------------------------------------------------------------------- jobs
 @dataclass(frozen=True)
 class GenSpec:
-    """One generation, validated: what ``start_generation`` takes."""
+    """One generation, validated (``request.py``): its prompt and a ``GenerationRequest``'s parts."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -118,13 +119,11 @@ class GenSpec:
         return 1 if self.strategy is None else self.strategy.returns
 
     def start(self, runner: ModelRunner):
-        if self.strategy is not None:
-            return start_generation(runner, prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
-                                    method=self.method, strategy=self.strategy, stop=self.stop,
-                                    **self.sampling.as_dict())
-        return start_generation(runner, prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
-                                method=self.method, stop=self.stop, kv_policy=self.kv_policy, constraint=self.constraint,
-                                **self.sampling.as_dict())
+        """The generation (or search) of this spec, not started."""
+        request = GenerationRequest(method=self.method, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                                    stop=tuple(self.stop or ()), strategy=self.strategy, kv_policy=self.kv_policy,
+                                    constraint=self.constraint)
+        return start_request(runner, request, prompt_ids=self.prompt_ids)
 
 
 class Job:

@@ -19,7 +19,7 @@ Error types raised here (``PydanticCustomError``):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, SerializerFunctionWrapHandler, \
@@ -31,8 +31,9 @@ from ..core.generate import CHAT_ROLES
 from ..core.kv_policy import KVPolicy, parse_kv_policy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
-from ..proposers.registry import DEFAULT_METHOD, METHODS, method_config, method_spec
-from ..strategies.registry import STRATEGIES, StrategyConfig, strategy_config, strategy_spec
+from ..proposers.registry import DEFAULT_METHOD, METHODS
+from ..request import GenerationRequest, RequestDefaults, validate_request
+from ..strategies.registry import STRATEGIES, StrategyConfig
 from .tools import NAME_RE, NO_PARAMETERS, Tool, ToolCalling
 
 
@@ -172,129 +173,111 @@ class LeapdecodeExtension(BaseModel):
             raise verbatim(f"leapdecode.kv_policy: {e}") from None
 
 
-def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> MethodConfig:
-    """The validated method config of a request: the server's defaults, then the request's
-    ``draft`` / ``tree_budget`` shorthands, then its ``options``.  Raises a ``PydanticCustomError``
-    whose ``ctx["param"]`` names the offending field."""
-    ext = ext or LeapdecodeExtension()
-    method = ext.method or d.default_method
-    cfg_cls = method_spec(method).config
-    names = set(cfg_cls.option_names())
-    options: dict[str, Any] = {}
-    where: dict[str, str] = {}  # option -> the request field that set it
-    if d.tree_budget is not None:
-        options["tree_budget"] = d.tree_budget
-    if d.default_draft is not None and "draft" in names:
-        options["draft"] = d.default_draft
-    if method == d.default_method:
-        options.update(d.default_options)
-    if ext.tree_budget is not None:
-        options["tree_budget"], where["tree_budget"] = ext.tree_budget, "leapdecode.tree_budget"
-    if ext.draft is not None:
-        if "draft" not in names:
-            raise verbatim(f"method {method!r} does not use a draft model", param="leapdecode.draft")
-        options["draft"], where["draft"] = ext.draft, "leapdecode.draft"
-    for key, value in (ext.options or {}).items():
-        if key == "draft" and ext.draft is not None and value != ext.draft:
-            raise verbatim(f"leapdecode.draft ({ext.draft!r}) and leapdecode.options.draft ({value!r}) differ",
-                           param="leapdecode.options.draft")
-        options[key], where[key] = value, f"leapdecode.options.{key}"
+# ---------------------------------------------------------------------------- the request validator
+# request fields (``request.py``'s paths) under their names in this protocol; others are ``leapdecode.NAME``
+PROTOCOL_NAMES = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+                  "max_new_tokens": "max_tokens", "json_schema": "response_format"}
 
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise verbatim(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                       f"{', '.join(cfg_cls.option_names())}", param=where.get(unknown[0], "leapdecode.options"))
+
+def field_name(path: str, where: dict[str, str]) -> str:
+    """This protocol's name of a request field: the one that set it, else its place in a request."""
+    return where.get(path) or PROTOCOL_NAMES.get(path) or f"leapdecode.{path}"
+
+
+def validate(where: dict[str, str], d: ServerDefaults, **fields: Any) -> GenerationRequest:
+    """``validate_request`` with this server's defaults; a ``RequestError`` becomes the 400 naming
+    the field as a request wrote it (``where``: the fields a shorthand set, e.g. ``n``)."""
+    defaults = RequestDefaults(method=d.default_method, options=d.default_options, temperature=1.0,
+                               every_method={k: v for k, v in (("tree_budget", d.tree_budget),
+                                                               ("draft", d.default_draft)) if v is not None})
+    try:
+        return validate_request(defaults=defaults, **fields)
+    except InvalidParameterError as e:  # every one the validator raises names its field
+        raise verbatim(e.render(lambda path: field_name(path, where)),
+                       param=field_name(e.field or "options", where)) from None
+
+
+def method_options(ext: LeapdecodeExtension, where: dict[str, str]) -> dict[str, Any]:
+    """The method options a request gives: ``leapdecode.options`` and the ``draft`` /
+    ``tree_budget`` shorthands (recorded in ``where``), which must agree."""
+    options: dict[str, Any] = {}
+    for key in ("tree_budget", "draft"):
+        if getattr(ext, key) is not None:
+            options[key], where[f"options.{key}"] = getattr(ext, key), f"leapdecode.{key}"
+    for key, value in (ext.options or {}).items():
+        if key in options and value != options[key]:
+            raise verbatim(f"leapdecode.{key} ({options[key]!r}) and leapdecode.options.{key} ({value!r}) differ",
+                           param=f"leapdecode.options.{key}")
+        options[key] = value
+    return options
+
+
+def server_method(cfg: MethodConfig, given: dict[str, Any], where: dict[str, str], d: ServerDefaults) -> MethodConfig:
+    """A validated method config on this server: the file options a request named (``datastore``,
+    ``head``) become the paths given at start-up, and its draft must be loaded here."""
     for key in FILE_OPTIONS:
-        if key in where and options[key] is not None:  # the request named it: one of the server's names
+        if given.get(key) is not None:  # the request named it: one of the server's names
             named = d.files.get(key, {})
-            if not isinstance(options[key], str) or options[key] not in named:
+            param = field_name(f"options.{key}", where)
+            if not isinstance(given[key], str) or given[key] not in named:
                 listed = ", ".join(sorted(named)) or "none"
-                raise verbatim(f"{key} {_shown(options[key])} is not one of this server's {key}s (named at start-up "
-                               f"with leapdecode serve --{key} NAME=PATH: {listed})", param=where[key])
-            options[key] = named[options[key]]
-    draft = options.get("draft")
+                raise verbatim(f"{key} {_shown(given[key])} is not one of this server's {key}s (named at start-up "
+                               f"with leapdecode serve --{key} NAME=PATH: {listed})", param=param)
+            cfg = cfg.replace(**{key: named[given[key]]})
+    draft = getattr(cfg, "draft", None)
     if draft is not None and draft not in d.drafts:
         loaded = ", ".join(sorted(d.drafts)) or "none"
         raise verbatim(f"draft model {_shown(draft)} is not loaded on this server (loaded: {loaded}); drafts are "
                        "loaded at start-up (leapdecode serve --draft NAME)",
-                       param=where.get("draft", "leapdecode.draft"), code="model_not_found")
-    try:
-        return method_config(method, options)
-    except InvalidParameterError as e:
-        culprit = None  # the first option that is invalid on its own (None: only the combination is)
-        for key, value in options.items():
-            try:
-                cfg_cls.from_options({key: value})
-            except InvalidParameterError:
-                culprit = key
-                break
-        raise verbatim(str(e), param=where.get(culprit, "leapdecode.options") if culprit else "leapdecode.options") \
-            from None
-
-
-def resolve_strategy(req: "_Request", d: ServerDefaults) -> StrategyConfig | None:
-    """The validated strategy config of a request (None: no strategy): ``leapdecode.strategy`` with
-    ``leapdecode.strategy_options``, ``n`` as its ``num_return_sequences`` (1 when neither is given);
-    what does not combine with a search is refused, naming the field."""
-    ext = req.leapdecode
-    if ext is None or ext.strategy is None:
-        if ext is not None and ext.strategy_options:
-            raise verbatim("leapdecode.strategy_options need leapdecode.strategy", param="leapdecode.strategy_options")
-        return None
-    name = ext.strategy
-    options = dict(ext.strategy_options or {})
-    where = {k: f"leapdecode.strategy_options.{k}" for k in options}
-    if req.n is not None:
-        if options.get("num_return_sequences", req.n) != req.n:
-            raise verbatim(f"n ({req.n}) and leapdecode.strategy_options.num_return_sequences "
-                           f"({_shown(options['num_return_sequences'])}) differ", param="n")
-        options["num_return_sequences"], where["num_return_sequences"] = req.n, "n"
-    else:
-        options.setdefault("num_return_sequences", 1)
-    cls = strategy_spec(name).config
-    unknown = sorted(set(options) - set(cls.option_names()))
-    if unknown:
-        raise verbatim(f"strategy {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                       f"{', '.join(cls.option_names())}", param=where.get(unknown[0], "leapdecode.strategy_options"))
-    try:
-        cfg = strategy_config(name, options)
-    except InvalidParameterError as e:
-        culprit = None
-        for key, value in options.items():
-            try:
-                cls.from_options({key: value})
-            except InvalidParameterError:
-                culprit = key
-                break
-        raise verbatim(str(e), param=where.get(culprit, "leapdecode.strategy_options")) from None
-    if cfg.returns > d.max_n:
-        raise verbatim(f"strategy {name!r} would return {cfg.returns} choices; this server returns at most "
-                       f"{d.max_n}", param=where.get("num_return_sequences", "leapdecode.strategy_options"))
-    if cfg.parallel:  # test-time scaling: N plain sampled generations (a method, the filters, stop strings)
-        refused = [(f"leapdecode.{f}", getattr(ext, f)) for f in ("kv_policy", "regex", "grammar")]
-        refused += [("response_format", req.response_format), ("tools", req.tools or None)]
-        if ext.method is None:
-            refused += [(f"leapdecode.{f}", getattr(ext, f)) for f in ("options", "draft", "tree_budget")]
-    else:
-        refused = [(f"leapdecode.{f}", getattr(ext, f)) for f in ("options", "draft", "tree_budget", "top_k",
-                                                                  "min_p", "typical_p", "repetition_penalty",
-                                                                  "kv_policy", "regex", "grammar")]
-        refused += [("top_p", req.top_p), ("stop", req.stop), ("response_format", req.response_format),
-                    ("tools", req.tools or None)]
-    if ext.method not in (None, "vanilla") and not cfg.parallel:
-        raise verbatim(f"strategy {name!r} does not combine with method {ext.method!r}: a search scores every "
-                       "hypothesis with the target's own forwards (leave leapdecode.method out, or 'vanilla')",
-                       param="leapdecode.method")
-    for field_name, value in refused:
-        if value is not None and not (field_name == "response_format" and value.get("type") == "text"):
-            raise verbatim(f"strategy {name!r} does not combine with {field_name}", param=field_name)
-    t = req.temperature
-    if cfg.stochastic and t is not None and t <= 0:
-        raise verbatim(f"strategy {name!r} samples: give a temperature > 0 (or leave it out: 1)", param="temperature")
-    if not cfg.stochastic and t not in (None, 0):
-        raise verbatim(f"strategy {name!r} is deterministic (it scores with the model's log-probabilities): "
-                       f"leave temperature out or 0, got {t}", param="temperature")
+                       param=where.get("options.draft", "leapdecode.options.draft"), code="model_not_found")
     return cfg
+
+
+def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> MethodConfig:
+    """The validated method config of a request's extension alone (the server's default: ``None``)."""
+    ext = ext or LeapdecodeExtension()
+    where: dict[str, str] = {}
+    given = method_options(ext, where)
+    request = validate(where, d, method=ext.method, options=given or None)
+    return server_method(request.method, given, where, d)
+
+
+def resolve_request(req: "_Request", d: ServerDefaults) -> GenerationRequest:
+    """The validated ``GenerationRequest`` of a request (every rule is ``request.py``'s; the
+    server adds its own: ``n`` as a strategy's ``num_return_sequences``, at most ``max_n``
+    choices, no tools with a strategy, its file names and loaded drafts)."""
+    ext = req.leapdecode or LeapdecodeExtension()
+    where = {"max_new_tokens": req.max_tokens_param}
+    given = method_options(ext, where)
+    strategy_options = dict(ext.strategy_options or {}) if ext.strategy_options is not None else None
+    if ext.strategy is not None:
+        strategy_options = strategy_options or {}
+        if req.n is not None:
+            if strategy_options.get("num_return_sequences", req.n) != req.n:
+                raise verbatim(f"n ({req.n}) and leapdecode.strategy_options.num_return_sequences "
+                               f"({_shown(strategy_options['num_return_sequences'])}) differ", param="n")
+            strategy_options["num_return_sequences"] = req.n
+            where["strategy_options.num_return_sequences"] = "n"
+        else:
+            strategy_options.setdefault("num_return_sequences", 1)
+    pick = {name: getattr(ext, name) for name in ("top_k", "min_p", "typical_p", "repetition_penalty")}
+    pick.update(top_p=req.top_p, seed=req.seed)
+    sampling = {k: v for k, v in pick.items() if v is not None}
+    if req.temperature is not None:
+        sampling["temperature"] = req.temperature
+    request = validate(where, d, method=ext.method, options=given or None, strategy=ext.strategy,
+                       strategy_options=strategy_options, stop=req.stop, kv_policy=ext.kv_policy,
+                       max_new_tokens=req.requested_max_tokens or 1,  # each prompt's own budget: prepare.py
+                       **sampling, **req.structure)
+    if request.strategy is not None:
+        name = request.strategy.strategy
+        if request.strategy.returns > d.max_n:
+            raise verbatim(f"strategy {name!r} would return {request.strategy.returns} choices; this server returns "
+                           f"at most {d.max_n}", param=where.get("strategy_options.num_return_sequences",
+                                                                  "leapdecode.strategy_options"))
+        if req.tools:
+            raise verbatim(f"strategy {name!r} does not combine with tools", param="tools")
+    return request.replace(method=server_method(request.method, given, where, d))
 
 
 # ---------------------------------------------------------------------------- requests
@@ -351,8 +334,7 @@ class _Request(BaseModel):
     audio: Any = None
     modalities: Any = None
 
-    _method_config: MethodConfig = PrivateAttr()
-    _strategy_config: StrategyConfig | None = PrivateAttr(default=None)
+    _request: GenerationRequest = PrivateAttr()
 
     @field_validator(*UNSUPPORTED)
     @classmethod
@@ -438,21 +420,10 @@ class _Request(BaseModel):
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise verbatim(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
                            "disagree; give one of them", param="max_completion_tokens")  # probe HS45
+        self._request = resolve_request(self, _defaults(info))
         if self.best_of is not None and self.best_of != self.choices_per_prompt:
             raise PydanticCustomError("unsupported_parameter", "other than n is not supported by this server",
                                       {"param": "best_of"})
-        self._strategy_config = resolve_strategy(self, _defaults(info))
-        cfg = self._strategy_config
-        if cfg is not None and cfg.parallel and self.leapdecode.method is not None:
-            self._method_config = resolve_method(self.leapdecode, _defaults(info))  # each sample's method
-        elif cfg is not None:
-            self._method_config = method_config("vanilla")
-        else:
-            self._method_config = resolve_method(self.leapdecode, _defaults(info))
-        given = [k for k, v in self.structure.items() if v is not None]
-        if len(given) > 1:
-            raise verbatim(f"give one of response_format (json), leapdecode.regex, leapdecode.grammar; got "
-                           f"{', '.join(given)}", param="response_format")
         return self
 
     @property
@@ -473,14 +444,19 @@ class _Request(BaseModel):
     # ------------------------------------------------------------ resolved values
     @property
     def choices_per_prompt(self) -> int:
-        if self._strategy_config is not None:
-            return self._strategy_config.returns
+        if self._request.strategy is not None:
+            return self._request.strategy.returns
         return self.n or 1
+
+    @property
+    def generation_request(self) -> GenerationRequest:
+        """The validated request (``request.py``), every per-prompt value aside."""
+        return self._request
 
     @property
     def strategy_config(self) -> StrategyConfig | None:
         """The request's decoding strategy (None: one sequence per choice)."""
-        return self._strategy_config
+        return self._request.strategy
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -492,12 +468,12 @@ class _Request(BaseModel):
 
     @property
     def method_config(self) -> MethodConfig:
-        return self._method_config
+        return self._request.method
 
     @property
     def kv_policy(self) -> KVPolicy | None:
         """The request's KV-cache policy (lossy; None: the exact cache)."""
-        return self.leapdecode.kv_policy if self.leapdecode is not None else None
+        return self._request.kv_policy
 
     @property
     def include_usage(self) -> bool:
@@ -505,17 +481,8 @@ class _Request(BaseModel):
 
     def sampling(self, seed_offset: int = 0) -> SamplingParams:
         """The sampling parameters of choice ``seed_offset`` (seeds count up from ``seed``)."""
-        ext = self.leapdecode or LeapdecodeExtension()
-
-        def pick(v: Any, default: Any) -> Any:
-            return default if v is None else v
-
-        default_t = 0.0 if self._strategy_config is not None and not self._strategy_config.stochastic else 1.0
-        return SamplingParams(
-            temperature=pick(self.temperature, default_t), top_p=pick(self.top_p, 1.0), top_k=pick(ext.top_k, 0),
-            min_p=pick(ext.min_p, 0.0), typical_p=pick(ext.typical_p, 1.0),
-            repetition_penalty=pick(ext.repetition_penalty, 1.0),
-            seed=None if self.seed is None else self.seed + seed_offset)
+        params = self._request.sampling
+        return params if params.seed is None else replace(params, seed=params.seed + seed_offset)
 
 
 # ---------------------------------------------------------------------------- tools (chat only)
