@@ -1,4 +1,4 @@
-"""Grammar-aligned sampling (ASAp, strategies/asap.py): successive samples approach the model's
+"""Grammar-aligned sampling (ASAp, constraints/asap.py): successive samples approach the model's
 distribution conditioned on the grammar, which plain grammar-constrained sampling (GCD) does not.
 
 The language is small enough to enumerate, so both distributions are computed exactly from the
@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("llguidance")
 
 from leapdecode.errors import InvalidParameterError  # noqa: E402
-from leapdecode.strategies.asap import ASApSampler, Node  # noqa: E402
+from leapdecode.constraints.asap import ASApSampler, Node  # noqa: E402
 
 PROMPT = "hello"
 # first letters whose continuations differ in how grammatical the model keeps them

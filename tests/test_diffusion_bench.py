@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leapdecode.diffusion.bench import (BenchEntry, DiffusionBenchConfig, ParentScorer, decode_canvas,
+from leapdecode.bench.diffusion import (BenchEntry, DiffusionBenchConfig, ParentScorer, decode_canvas,
                                         default_entries, humaneval_records, infill_tasks, run_diffusion_bench,
                                         summarize)
 from leapdecode.models.store import atomic_write as write_atomic
@@ -134,7 +134,7 @@ def test_a_run_on_tiny_models_writes_the_table_and_the_plot(tmp_path):
 
 def test_parent_greedy_is_vanilla_greedy_decoding():
     from leapdecode import generate
-    from leapdecode.diffusion.bench import parent_greedy
+    from leapdecode.bench.diffusion import parent_greedy
     from leapdecode.models.loader import load as load_causal
 
     parent = load_causal("tiny-random", dtype="fp32", weights="fp32", device="cpu", backend="native")
@@ -145,7 +145,7 @@ def test_parent_greedy_is_vanilla_greedy_decoding():
 
 def test_planted_error_a_wrong_reference_is_seen_as_a_mismatch(tmp_path, monkeypatch):
     """The exact-match column can fail: a decoder that changes one answer token scores 0%."""
-    import leapdecode.diffusion.bench as bench
+    import leapdecode.bench.diffusion as bench
 
     real = bench.decode_canvas
 

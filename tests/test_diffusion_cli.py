@@ -47,7 +47,7 @@ def test_methods_lists_every_method_and_option(capsys):
 def test_docs_option_tables_are_the_configs():
     from pathlib import Path
 
-    from leapdecode.diffusion.cli import methods_markdown
+    from leapdecode.diffusion_cli import methods_markdown
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "diffusion.md").read_text()
     begin, end = "<!-- diffusion-options:begin -->\n", "\n<!-- diffusion-options:end -->"

@@ -56,7 +56,7 @@ def test_a_deeply_nested_schema_is_a_grammar_error():
     """Probes SO016, SO017, PA36: a schema nested 2,000 (and 100,000) levels deep."""
     pytest.importorskip("jsonschema")  # the structured extra; make test installs it
     from leapdecode.errors import GrammarError
-    from leapdecode.strategies.grammar import check_json_schema
+    from leapdecode.constraints.grammar import check_json_schema
 
     for depth in (2000, 100000):
         text = '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
@@ -183,7 +183,7 @@ def test_an_engine_panic_is_one_line_without_its_backtrace(tiny):
     pytest.importorskip("llguidance")
     from leapdecode.core.runner import ModelRunner
     from leapdecode.errors import GrammarError
-    from leapdecode.strategies.grammar import compile_constraint
+    from leapdecode.constraints.grammar import compile_constraint
 
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(12000)}}
     with pytest.raises(GrammarError) as e:

@@ -1,8 +1,11 @@
 """The package's layers, checked on the source with ``ast`` (no imports run).
 
-Layers, lowest first: ``errors.py`` <- ``models`` <- ``core`` <- ``proposers`` <- everything else
-(``api.py``, ``cli.py``, ``bench``, ``server``, any other top-level module, the package's
-``__init__``).  A module may import from its own layer or below, never above.
+Layers, lowest first: ``errors.py`` < ``models`` < ``core`` < ``proposers`` and ``constraints`` <
+``strategies`` < ``request.py`` < ``api.py`` < the front ends (``cli.py``, ``cli_args.py``,
+``server``, ``bench``, every other top-level module, the package's ``__init__``).  A module may
+import from its own layer or below, never above.  ``diffusion`` (masked-diffusion LMs, a second
+product) stands apart: it imports only ``errors``, ``models``, ``core``, ``proposers`` and
+``constraints`` (and itself), and only ``request``, ``api`` and the front ends import it.
 
 Every import statement counts: at module level, inside functions and classes, and under
 ``if TYPE_CHECKING:``; relative and absolute.  ``from PKG import NAME`` is an import of the
@@ -44,18 +47,29 @@ MODULES: dict[str, Path] = {module_name(p): p for p in sorted(SRC.rglob("*.py"))
 PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
 
 
-def layer(module: str) -> tuple[int, str]:
+# (layer, its packages and modules), lowest first; a module may import from its layer or below
+LAYERS = (
+    (0, ("errors",)),
+    (1, ("models",)),
+    (2, ("core",)),
+    (3, ("proposers", "constraints")),
+    (4, ("strategies",)),
+    (5, ("request",)),
+    (6, ("api",)),
+)
+FRONT = 7  # every other top-level module and package: cli, cli_args, server, bench, ... and __init__
+DIFFUSION = 4.5  # diffusion/: its own product, behind its own boundary (test_diffusion_stays_behind_its_boundary)
+
+
+def layer(module: str) -> tuple[float, str]:
     parts = module.split(".")
     sub = parts[1] if len(parts) > 1 else None
-    if sub == "errors":
-        return 0, "errors"
-    if sub == "models":
-        return 1, "models"
-    if sub == "core":
-        return 2, "core"
-    if sub == "proposers":
-        return 3, "proposers"
-    return 4, f"top ({sub or PKG + '/__init__'})"
+    for number, names in LAYERS:
+        if sub in names:
+            return number, sub
+    if sub == "diffusion":
+        return DIFFUSION, "diffusion"
+    return FRONT, f"front ({sub or PKG + '/__init__'})"
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,23 @@ def test_imports_never_run_up_the_layers():
     bad = upward(EDGES)
     report = "\n".join(f"  {layer(e.src)[1]} -> {layer(e.dst)[1]}: {e}" for e in bad)
     print(report)
-    assert not bad, f"{len(bad)} import(s) run up the layers (models <- core <- proposers <- top):\n{report}"
+    assert not bad, f"{len(bad)} import(s) run up the layers (errors < models < core < proposers, constraints < " \
+                    f"strategies < request < api < front ends):\n{report}"
+
+
+def diffusion_crossings(edges: list[Edge]) -> list[Edge]:
+    """Imports across diffusion's boundary: from diffusion to anything above constraints, or into
+    diffusion from below request."""
+    def inside(m: str) -> bool:
+        return layer(m)[0] == DIFFUSION
+
+    return [e for e in edges if inside(e.src) != inside(e.dst)
+            and ((inside(e.src) and layer(e.dst)[0] > 3) or (inside(e.dst) and layer(e.src)[0] < 5))]
+
+
+def test_diffusion_stays_behind_its_boundary():
+    bad = diffusion_crossings(EDGES)
+    assert not bad, "imports across diffusion's boundary:\n" + "\n".join(f"  {e}" for e in bad)
 
 
 def test_errors_is_below_everything():
@@ -259,6 +289,34 @@ def test_a_planted_upward_import_is_caught(monkeypatch, tmp_path):
     f.write_text("def f():\n    from ..api import generate\n")
     monkeypatch.setitem(MODULES, f"{PKG}.core.generate", f)
     assert [e.dst for e in upward(edges_of(f"{PKG}.core.generate"))] == [f"{PKG}.api"]
+
+
+@pytest.mark.parametrize("src, code, dst", [
+    ("strategies.beam", "from ..request import validate_request", "request"),  # a strategy above the request
+    ("constraints.grammar", "from ..strategies.search import TreeSearch", "strategies.search"),
+    ("request", "from .api import start_request", "api"),
+    ("api", "from .cli_args import decoding_request", "cli_args"),
+    ("proposers.pld", "from ..constraints.grammar import compile_constraint", None),  # one layer: allowed
+])
+def test_the_full_order_is_enforced(monkeypatch, tmp_path, src, code, dst):
+    f = tmp_path / "m.py"
+    f.write_text(code + "\n")
+    monkeypatch.setitem(MODULES, f"{PKG}.{src}", f)
+    assert [e.dst for e in upward(edges_of(f"{PKG}.{src}"))] == ([f"{PKG}.{dst}"] if dst else [])
+
+
+@pytest.mark.parametrize("src, code, crosses", [
+    ("diffusion.stepwise", "from ..strategies.search import TreeSearch", True),
+    ("diffusion.stepwise", "from ..bench.workloads import humaneval_path", True),
+    ("diffusion.stepwise", "from ..constraints.grammar import compile_constraint", False),
+    ("strategies.beam", "from ..diffusion.registry import DIFFUSION_METHODS", True),
+    ("request", "from .diffusion.registry import DIFFUSION_METHODS", False),
+])
+def test_a_planted_crossing_of_diffusions_boundary_is_caught(monkeypatch, tmp_path, src, code, crosses):
+    f = tmp_path / "m.py"
+    f.write_text(code + "\n")
+    monkeypatch.setitem(MODULES, f"{PKG}.{src}", f)
+    assert bool(diffusion_crossings(edges_of(f"{PKG}.{src}"))) is crosses
 
 
 # ------------------------------------------------------------- private attributes, dynamic imports

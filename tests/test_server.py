@@ -561,7 +561,7 @@ def test_a_grammar_the_engine_cannot_follow_is_a_400(client, server):
 def test_a_slow_grammar_holds_no_plain_request_and_preparation_is_bounded(server, client, monkeypatch):
     """Probe HR22: while a structured request's grammar compiles (held here), a plain request is
     prepared and answered; requests in preparation count against the limit (a 429 beyond it)."""
-    from leapdecode.strategies import grammar
+    from leapdecode.constraints import grammar
 
     entered, release = threading.Event(), threading.Event()
     real = grammar.compile_constraint

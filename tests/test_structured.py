@@ -74,7 +74,7 @@ from leapdecode.core.verifier import verify
 from leapdecode.errors import GrammarError, InvalidParameterError
 from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
-from leapdecode.strategies.grammar import GrammarConstraint, compile_constraint
+from leapdecode.constraints.grammar import GrammarConstraint, compile_constraint
 
 ALPHA = 0.01
 # a fixed seed and no example database: every run (and CI) sees the same examples

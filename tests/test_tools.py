@@ -338,7 +338,7 @@ def test_wire_format(server):
 # ---------------------------------------------------------------------------- grammar and parser
 def test_grammar_accepts_exactly_hermes_calls():
     from leapdecode import runner_for
-    from leapdecode.strategies.grammar import compile_constraint
+    from leapdecode.constraints.grammar import compile_constraint
 
     model = tiny_loaded(name="tiny-random")
     tok, runner = model.tokenizer, runner_for(model)
@@ -450,7 +450,7 @@ def test_qwen_template_and_special_tags():
     from fastapi.testclient import TestClient
 
     from leapdecode.models.loader import load
-    from leapdecode.strategies.grammar import grammar_tokenizer
+    from leapdecode.constraints.grammar import grammar_tokenizer
 
     model = load("qwen2.5-coder-0.5b")
     app = create_app(model, default_method="vanilla")

@@ -90,11 +90,11 @@ def start_generation(
     sampling filters, ``stop``, ``kv_policy`` and structured output do not combine with a strategy
     (an ``InvalidParameterError`` says so).
 
-    Structured output (``leapdecode.strategies.grammar``, the ``structured`` extra): at most one of
+    Structured output (``leapdecode.constraints.grammar``, the ``structured`` extra): at most one of
     ``json_schema`` (a mapping or its JSON text; ``{"type": "object"}`` for any JSON object),
     ``regex`` or ``grammar`` (Lark, as llguidance reads it, or GBNF).  The output then follows it,
     with every method giving vanilla constrained decoding's tokens (greedy) or distribution.
-    ``constraint`` passes one already compiled instead (``strategies.grammar.compile_constraint``;
+    ``constraint`` passes one already compiled instead (``constraints.grammar.compile_constraint``;
     a server compiles while validating the request), used by this generation only.
 
     ``kv_policy``: lossy KV-cache compression for long generations (``core/kv_policy.py``), a
@@ -144,7 +144,7 @@ def start_request(model: LoadedModel | ModelRunner, request: GenerationRequest, 
                             seed=params.seed, sampling=params, method=request.method, stop=stops)
     constraint = request.constraint
     if request.structure:
-        from .strategies.grammar import compile_constraint
+        from .constraints.grammar import compile_constraint
 
         constraint = compile_constraint(runner, **request.structure)
     proposer = build_proposer(request.method, runner)

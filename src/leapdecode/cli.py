@@ -10,12 +10,11 @@ import argparse
 import json
 import sys
 
-from . import datastore_cli, doctor, heads_cli
+from . import datastore_cli, diffusion_cli, doctor, heads_cli
 from .bench import cli as bench_cli
 from .bench import results_page
 from .cli_args import (DIFFUSION_UNSUPPORTED, add_decoding_args, add_model_args, decoding_request,
                        is_diffusion_model, load_from_args, read_stdin_text)
-from .diffusion import cli as diffusion_cli
 from .errors import InvalidParameterError, LeapdecodeError
 from .server import cli as server_cli
 
@@ -26,7 +25,7 @@ SUBCOMMAND_MODULES = (bench_cli, server_cli, datastore_cli, diffusion_cli, heads
 # ---------------------------------------------------------------- commands
 def generate_diffusion(a: argparse.Namespace) -> int:
     """``generate -m <diffusion model>``: the diffusion decoders (``leapdecode diffusion generate``)."""
-    from .diffusion.cli import cmd_generate as diffusion_generate
+    from .diffusion_cli import cmd_generate as diffusion_generate
 
     given = [flag for key, flag, default in DIFFUSION_UNSUPPORTED if getattr(a, key, default) != default]
     if given:
@@ -90,7 +89,7 @@ def grammar_aligned(a: argparse.Namespace, structure: dict | None, prompt: str) 
     if not plain:
         raise LeapdecodeError("--grammar-aligned supports --temperature only (no top-k/top-p/min-p/typical-p/"
                               "repetition penalty)")
-    from .strategies.asap import ASApSampler
+    from .constraints.asap import ASApSampler
 
     model = load_from_args(a)
     sampler = ASApSampler(model, prompt, temperature=a.temperature, max_new_tokens=a.max_new_tokens,

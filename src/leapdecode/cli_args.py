@@ -212,7 +212,7 @@ def structure_kwargs(a: argparse.Namespace, where: dict[str, str] | None = None)
     refuses more than one); ``where`` records ``--json-object`` as the flag of ``json_schema``."""
     out: dict = {}
     if a.json_schema is not None:
-        from .strategies.grammar import check_json_schema
+        from .constraints.grammar import check_json_schema
 
         out["json_schema"] = check_json_schema(read_text_arg("--json-schema", a.json_schema))
     if a.json_object:

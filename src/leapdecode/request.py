@@ -184,7 +184,7 @@ def _structure(json_schema: Any, regex: Any, grammar: Any, constraint: Any) -> d
             parts += [", " if 0 < i < len(names) - 1 else " and " if i else "", ref]
         raise RequestError(names[1].path, *parts, " (the output follows one structure)")
     if "json_schema" in given:
-        from .strategies.grammar import check_json_schema
+        from .constraints.grammar import check_json_schema
 
         return {"json_schema": _field("json_schema", check_json_schema, json_schema)}
     for key in ("regex", "grammar"):  # checked when compiled (the grammar engine's own words)

@@ -99,7 +99,7 @@ def diffusion_bench(a: argparse.Namespace) -> int:
     """``leapdecode bench -m DIFFUSION_MODEL``: the diffusion benchmark with bench's own flags mapped
     (--limit: prompts, default 3; --max-new-tokens: default 32 here; --methods: diffusion methods,
     default all); flags only a causal model has are refused."""
-    from ..diffusion.bench import DiffusionBenchConfig, markdown, run_diffusion_bench
+    from .diffusion import DiffusionBenchConfig, markdown, run_diffusion_bench
     from ..errors import InvalidParameterError
 
     causal_only = [flag for flag, given in (("--peers", a.peers), ("--draft", a.draft), ("--workload", a.workload),

@@ -11,7 +11,7 @@ Peers:
 * ``hf``, ``hf-assisted``, ``hf-pld``: transformers ``generate`` on the same converted
   weights, dtype and device (greedy; with ``assistant_model`` = the draft; with
   ``prompt_lookup_num_tokens=10``); under a structure, with a logits processor running the same
-  grammar engine (``GrammarLogitsProcessor``: llguidance through ``strategies/grammar.py``);
+  grammar engine (``GrammarLogitsProcessor``: llguidance through ``constraints/grammar.py``);
 * ``llamacpp``, ``llamacpp-pld``: llama-cpp-python on the model's GGUF (quantized weights,
   so its tokens may differ from vanilla's), greedy and with ``LlamaPromptLookupDecoding``;
 * ``llama-server``, ``llama-server-draft``, ``llama-server-ngram`` (and ``-ngram-simple``):
@@ -304,7 +304,7 @@ class _HFShared:
     def constraint(self, structure: dict):
         """A fresh grammar constraint for one generation (llguidance, as leapdecode's own rows)."""
         from ..core.runner import ModelRunner
-        from ..strategies.grammar import compile_constraint
+        from ..constraints.grammar import compile_constraint
 
         if self._grammar_runner is None:
             self._grammar_runner = ModelRunner(self.loaded, prefix_cache_bytes=0)

@@ -323,7 +323,7 @@ def compile_structures(loaded, questions: list[Question], categories: list[str] 
     """The questions whose schema the grammar engine supports, and compile statistics."""
     from ..core.runner import ModelRunner
     from ..errors import GrammarError
-    from ..strategies.grammar import compile_constraint
+    from ..constraints.grammar import compile_constraint
 
     questions = select(questions, None, categories)  # an unknown category is named here (probe B24)
     runner = ModelRunner(loaded, prefix_cache_bytes=0)

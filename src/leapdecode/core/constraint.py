@@ -1,7 +1,7 @@
 """Constrained decoding in the loop: what a grammar state must offer, and how a token tree meets it.
 
 A ``Constraint`` is the state of a grammar over the tokens generated so far (the grammar engine
-itself lives a layer up, ``leapdecode.strategies.grammar``).  It works like a stack: ``push``
+itself lives a layer up, ``leapdecode.constraints.grammar``).  It works like a stack: ``push``
 consumes a token, ``pop`` takes tokens back, ``mask`` is the set of tokens allowed next.  The
 loop uses it three ways, all exact:
 
@@ -66,7 +66,7 @@ class Constraint(ABC):
     def bias(self) -> torch.Tensor | None:
         """Log-weights added to the target's logits at the current state (``[vocab]`` float, before
         the temperature; None: none).  Plain grammars have none; grammar-aligned sampling
-        (``strategies/asap.py``) reweights tokens by the estimated grammaticality of what follows."""
+        (``constraints/asap.py``) reweights tokens by the estimated grammaticality of what follows."""
         return None
 
 

@@ -116,7 +116,7 @@ def verify(
             if not bool(mask.any()):
                 raise ValueError(f"the constraint allows no token at tree row {row}")
             bias = row_bias(row) if row_bias is not None else None
-            if bias is not None:  # grammar-aligned sampling's reweighting (strategies/asap.py)
+            if bias is not None:  # grammar-aligned sampling's reweighting (constraints/asap.py)
                 out = out + bias.to(out.device, out.dtype)
             out = out.masked_fill(~mask, torch.finfo(out.dtype).min)
         return out

@@ -9,7 +9,7 @@ the regular language of the partial output's completions); if not, that token's 
 position is set to -inf and the choice is made again (the next most confident position or token).
 
 **What the engine allows here.**  leapdecode's structured-output engine is llguidance
-(``strategies/grammar.py``): a matcher over a *left-to-right prefix*.  It can say which tokens may
+(``constraints/grammar.py``): a matcher over a *left-to-right prefix*.  It can say which tokens may
 follow a decided prefix, not whether a token placed after a masked gap can be completed around.
 So this module checks exactly what a prefix engine can, and defers the rest:
 
@@ -83,14 +83,14 @@ def structure_given(json_schema: Any = None, regex: str | None = None, grammar: 
 def check_structure(json_schema: Any = None, regex: str | None = None, grammar: str | None = None) -> None:
     """Exactly one of the three, its text valid as far as can be told without a tokenizer (a bad JSON
     schema, an empty regex or grammar: ``GrammarError``), before any model loads."""
-    from ..strategies.grammar import grammar_text
+    from ..constraints.grammar import grammar_text
 
     grammar_text(json_schema=json_schema, regex=regex, grammar=grammar)
 
 
 @dataclass
 class _Target:
-    """The part of a causal ``LoadedModel`` that ``strategies.grammar.compile_constraint`` reads."""
+    """The part of a causal ``LoadedModel`` that ``constraints.grammar.compile_constraint`` reads."""
 
     name: str
     tokenizer: Any
@@ -127,7 +127,7 @@ _HOSTS: "weakref.WeakKeyDictionary[DiffusionModel, _Host]" = weakref.WeakKeyDict
 def compile_for(model: DiffusionModel, *, json_schema: Any = None, regex: str | None = None,
                 grammar: str | None = None) -> Constraint:
     """A fresh llguidance constraint over ``model``'s vocabulary (``GrammarError`` if it does not compile)."""
-    from ..strategies.grammar import compile_constraint
+    from ..constraints.grammar import compile_constraint
 
     host = _HOSTS.get(model)
     if host is None:

@@ -160,7 +160,7 @@ def draft_in_use(cfg: MethodConfig, runner: ModelRunner) -> str | None:
 def _tool_schema_error(runner: ModelRunner, calling: ToolCalling, error: InvalidParameterError) -> ApiError:
     """The 400 for tools whose call grammar llguidance refused: naming the first tool whose
     parameters schema it refuses alone (else the tools as a whole)."""
-    from ..strategies.grammar import compile_constraint
+    from ..constraints.grammar import compile_constraint
 
     for i, tool in enumerate(calling.tools):
         if tool in calling.allowed:
@@ -189,7 +189,7 @@ def _structure(req, runner: ModelRunner) -> dict | None:
     """The grammar a request constrains its output to (``compile_constraint``'s keywords), if any."""
     calling = req.tool_calling if isinstance(req, ChatCompletionRequest) else None
     if calling is not None and calling.constrained:  # tool_choice "required" or a named function
-        from ..strategies.grammar import grammar_tokenizer
+        from ..constraints.grammar import grammar_tokenizer
 
         special = special_tags(runner.model.tokenizer, grammar_tokenizer(runner).is_special_token)
         return {"grammar": tool_call_grammar(calling, special)}
@@ -202,7 +202,7 @@ def constrain(prep: Prepared, runner: ModelRunner) -> Prepared:
     structure = prep.structure
     if not structure:
         return prep
-    from ..strategies.grammar import compile_constraint
+    from ..constraints.grammar import compile_constraint
 
     calling = prep.tools
     param = "response_format" if "json_schema" in structure else f"leapdecode.{next(iter(structure))}"

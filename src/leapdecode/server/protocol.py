@@ -361,7 +361,7 @@ class _Request(BaseModel):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
                 raise verbatim("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                                param="response_format.json_schema.schema")
-            from ..strategies.grammar import check_json_schema
+            from ..constraints.grammar import check_json_schema
 
             try:
                 check_json_schema(spec["schema"])
@@ -496,7 +496,7 @@ def parse_tools(v: Any) -> tuple[Tool, ...] | None:
         return None
     if not isinstance(v, list):
         raise verbatim(f"tools must be an array of {TOOL_SHAPE} objects", param="tools")
-    from ..strategies.grammar import check_json_schema
+    from ..constraints.grammar import check_json_schema
 
     out: list[Tool] = []
     seen: dict[str, int] = {}

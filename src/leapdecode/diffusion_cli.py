@@ -13,11 +13,11 @@ import sys
 
 import torch
 
-from ..core.config import parse_option_assignments
-from ..errors import InvalidParameterError
-from .api import generate, load, method_config
-from .loaded import WEIGHTS
-from .registry import DIFFUSION_METHODS
+from .core.config import parse_option_assignments
+from .errors import InvalidParameterError
+from .diffusion.api import generate, load, method_config
+from .diffusion.loaded import WEIGHTS
+from .diffusion.registry import DIFFUSION_METHODS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -125,8 +125,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_train(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..models.loader import load as load_causal
-    from .train import stdlib_files, token_chunks, train_dllm
+    from .models.loader import load as load_causal
+    from .diffusion.train import stdlib_files, token_chunks, train_dllm
 
     for name, value in (("--seq-len", a.seq_len), ("--batch-size", a.batch_size)):
         if value < 2:
@@ -164,7 +164,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .bench import DiffusionBenchConfig, markdown, run_diffusion_bench
+    from .bench.diffusion import DiffusionBenchConfig, markdown, run_diffusion_bench
 
     def csv(s: str | None) -> list[str] | None:
         return [x.strip() for x in s.split(",") if x.strip()] if s else None
@@ -205,7 +205,7 @@ def read_structure_file(flag: str, path: str) -> str:
 def structure_args(a: argparse.Namespace) -> dict:
     """``json_schema`` / ``regex`` / ``grammar`` from ``--json-schema/--json-object/--regex/--grammar``
     (at most one), checked before the model loads."""
-    from .constrained import check_structure
+    from .diffusion.constrained import check_structure
 
     schema, obj = getattr(a, "json_schema", None), getattr(a, "json_object", False)
     regex, grammar = getattr(a, "regex", None), getattr(a, "grammar", None)
@@ -228,7 +228,7 @@ def structure_args(a: argparse.Namespace) -> dict:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .constrained import check_supported
+    from .diffusion.constrained import check_supported
 
     method_config(a.method)  # a causal-LM or unknown method: a typed error naming the diffusion methods
     options = parse_option_assignments(DIFFUSION_METHODS[a.method].config, a.option)

