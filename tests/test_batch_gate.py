@@ -103,7 +103,7 @@ class FixedCost:
 
 
 def fake_gen(seed=None, temperature=0.0, budget=8):
-    return SimpleNamespace(proposer=object(), finished=False, tree_budget=budget, decoding=True, prefilling=False,
+    return SimpleNamespace(proposer=object(), finished=False, done=False, tree_budget=budget, decoding=True, prefilling=False,
                            cache=object(), prompt_ids=[1, 2, 3],
                            params=SamplingParams(temperature=temperature, seed=seed))
 
@@ -227,7 +227,7 @@ def test_load_guard_looks_back_less_often_while_the_order_holds_and_soon_again_w
 
 def test_a_prefill_iteration_follows_the_guards_leader():
     gens = [fake_gen() for _ in range(4)]
-    newcomer = SimpleNamespace(proposer=object(), finished=False, tree_budget=8, decoding=False, prefilling=True,
+    newcomer = SimpleNamespace(proposer=object(), finished=False, done=False, tree_budget=8, decoding=False, prefilling=True,
                                cache=object(), prompt_ids=list(range(40)), params=SamplingParams(),
                                next_chunk_tokens=lambda: 39)
     sched = scheduler_with(row=1e-5)

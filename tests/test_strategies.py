@@ -308,16 +308,16 @@ def recording_expand(monkeypatch):
     """Record, for every node a search appends, its tokens (from the prompt's end) and its logits."""
     seen: dict[tuple[int, ...], torch.Tensor] = {}
     paths: dict[int, tuple[int, ...]] = {search_mod.ROOT: ()}
-    original = search_mod.TreeKV.expand
+    original = search_mod.TreeKV.expand_co
 
-    def expand(self, parents, tokens):
-        ids, logits = original(self, parents, tokens)
+    def expand_co(self, parents, tokens, hidden=None):
+        ids, logits = yield from original(self, parents, tokens, hidden)
         for nid, p, tok, row in zip(ids, parents, tokens, logits):
             paths[nid] = paths[p] + (tok,)
             seen[paths[nid]] = row.clone()
         return ids, logits
 
-    monkeypatch.setattr(search_mod.TreeKV, "expand", expand)
+    monkeypatch.setattr(search_mod.TreeKV, "expand_co", expand_co)
     return seen
 
 
@@ -381,15 +381,15 @@ def test_the_runner_gets_the_cache_back_after_a_search_and_after_errors(monkeypa
     assert s.step() and s.result.finish_reason == "cancelled" and runner.caches_in_use == 0
     # a failure inside a round
     calls = []
-    original = search_mod.TreeKV.expand
+    original = search_mod.TreeKV.expand_co
 
-    def failing(self, parents, tokens):
+    def failing(self, parents, tokens, hidden=None):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("planted fault")
-        return original(self, parents, tokens)
+        return (yield from original(self, parents, tokens, hidden))
 
-    monkeypatch.setattr(search_mod.TreeKV, "expand", failing)
+    monkeypatch.setattr(search_mod.TreeKV, "expand_co", failing)
     s = leapdecode.stream(runner, prompt_ids=ids, strategy="beam", max_new_tokens=5)
     with pytest.raises(RuntimeError, match="planted"):
         s.run()

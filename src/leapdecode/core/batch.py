@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .generate import Forward, Generation, StepOutput
+from .generate import Generation
+from .task import Forward, StepOutput, Task
 
 if TYPE_CHECKING:
     from .cost_model import VerifyCost
@@ -101,78 +102,83 @@ def speculation_caps(accept: Sequence[float | None], budgets: Sequence[int], fix
         tokens += gain
 
 
-def run_forwards(model, work: list[tuple[Generation, Forward]]) -> list[torch.Tensor]:
-    """The target's logits for each (generation, forward), in one batched pass where the backend
-    has one."""
+def run_forwards(model, forwards: "list[Forward]") -> list[torch.Tensor]:
+    """The target's logits for each forward (on its own ``cache``), in one batched pass where the
+    backend has one."""
     decoder = model.model
     batch = getattr(decoder, "forward_batch", None)
-    if batch is None or len(work) == 1:
-        return [f.run(decoder, g.cache) for g, f in work]
+    if batch is None or len(forwards) == 1:
+        return [f.run(decoder) for f in forwards]
     from ..models.native import BatchItem
 
-    return batch([BatchItem(f.tokens, g.cache, f.parents, f.logits_for, f.hidden) for g, f in work])
+    return batch([BatchItem(f.tokens, f.cache, f.parents, f.logits_for, f.hidden) for f in forwards])
 
 
-def step_batch(gens: Sequence[Generation], caps: Sequence[int | None] | None = None,
+def step_batch(tasks: Sequence[Task], caps: Sequence[int | None] | None = None,
                max_prefill_chunks: int = 1, timing: BatchTiming | None = None) -> list[Outcome]:
-    """One iteration over ``gens`` (all on one runner): each generation's next forward, run
-    together; returns one ``Outcome`` per generation, in order.
+    """One iteration over ``tasks`` (all on one runner; generations, searches, parallel samples:
+    ``core/task.py``): every forward they need now, run together; returns one ``Outcome`` per
+    task, in order.
 
-    ``caps[i]`` bounds generation i's draft tree this iteration (None: its own budget).  At most
-    ``max_prefill_chunks`` prompt chunks run (generations still prefilling beyond that wait, in
-    order).  A generation that fails is reported in its ``Outcome`` and left finished; the others
-    go on.  If the batched forward itself fails, each forward is retried alone, so that only the
-    generation at fault fails.  ``timing``: filled in with the batched forward's contents and
-    seconds (what ``SpeculationScheduler`` learns the forward's cost from)."""
-    out = [Outcome() for _ in gens]
+    ``caps[i]`` bounds task i's draft tree this iteration (None: its own budget).  At most
+    ``max_prefill_chunks`` prompt chunks run (tasks still prefilling beyond that wait, in order).
+    A task that fails is reported in its ``Outcome`` and left finished; the others go on.  If the
+    batched forward itself fails, each task's forwards are retried alone, so that only the task
+    at fault fails.  ``timing``: filled in with the batched forward's contents and seconds (what
+    ``SpeculationScheduler`` learns the forward's cost from)."""
+    out = [Outcome() for _ in tasks]
     work: list[tuple[int, Forward]] = []
     chunks = 0
     clock = time.perf_counter
-    for i, gen in enumerate(gens):
-        if gen.prefilling:
+    for i, task in enumerate(tasks):
+        if task.prefilling:
             if chunks >= max_prefill_chunks:
                 continue
             chunks += 1
         t0 = clock()
         try:
-            nxt = gen.next_forward(None if caps is None else caps[i])
-        except Exception as e:  # noqa: BLE001 - reported per generation
+            nxt = task.next_forwards(None if caps is None else caps[i])
+        except Exception as e:  # noqa: BLE001 - reported per task
             out[i].error = e
-            gen.abort()
+            task.abort()
             continue
         finally:
             out[i].host_s = clock() - t0
         if isinstance(nxt, StepOutput):
             out[i].output = nxt
-        else:
-            work.append((i, nxt))
-            if nxt.tree is not None:
-                out[i].drafted = len(nxt.tree)
+            continue
+        work.extend((i, f) for f in nxt)
+        if any(f.tree is not None for f in nxt):
+            out[i].drafted = sum(len(f.tree) for f in nxt if f.tree is not None)
     if not work:
         return out
-    model = gens[work[0][0]].model
+    model = tasks[work[0][0]].model
     t0 = clock()
     try:
-        logits = run_forwards(model, [(gens[i], f) for i, f in work])
-    except Exception:  # noqa: BLE001 - find the one at fault: roll back, then one at a time
+        logits = run_forwards(model, [f for _, f in work])
+    except Exception:  # noqa: BLE001 - find the one at fault: undo, then each task alone
         logits = None
-        for i, f in work:
-            gens[i].cache.rollback()
+        for _, f in work:
+            f.undo()
             if f.hidden is not None:
                 f.hidden.clear()
     if timing is not None and logits is not None:
         timing.forward_s = clock() - t0
         timing.items = len(work)
-        timing.tree_rows = sum(len(f.tree) for _, f in work if f.tree is not None)
-        timing.prefill_rows = sum(f.tokens.numel() - 1 for _, f in work if f.tree is None)
-    for k, (i, f) in enumerate(work):
+        timing.tree_rows = sum(f.draft_rows for _, f in work)
+        timing.prefill_rows = sum(f.prefill_rows for _, f in work)
+    by_task: dict[int, list[int]] = {}
+    for k, (i, _) in enumerate(work):
+        by_task.setdefault(i, []).append(k)
+    for i, ks in by_task.items():
         t1 = clock()
         try:
-            lg = logits[k] if logits is not None else run_forwards(model, [(gens[i], f)])[0]
-            out[i].output = gens[i].finish_forward(f, lg)
-        except Exception as e:  # noqa: BLE001 - reported per generation
+            forwards = [work[k][1] for k in ks]
+            lgs = [logits[k] for k in ks] if logits is not None else run_forwards(model, forwards)
+            out[i].output = tasks[i].finish_forwards(forwards, lgs)
+        except Exception as e:  # noqa: BLE001 - reported per task
             out[i].error = e
-            gens[i].abort()
+            tasks[i].abort()
         out[i].host_s += clock() - t1
     return out
 
@@ -400,7 +406,7 @@ class SpeculationScheduler:
         self._arm = None
         self._guard_plain = False  # the guard made this iteration plain (its arm, or the leader)
         caps: list[int | None] = [None] * len(gens)
-        spec = [i for i, g in enumerate(gens) if g.proposer is not None and not g.finished and g.tree_budget > 0]
+        spec = [i for i, g in enumerate(gens) if g.proposer is not None and not g.done and g.tree_budget > 0]
         for i in spec:
             self.stats_for(gens[i]).planned = ""
         if not spec:
@@ -420,7 +426,7 @@ class SpeculationScheduler:
         items = decoding + (1 if prefilling else 0)
         prefill_rows = prefilling[0].next_chunk_tokens() - 1 if prefilling else 0
         host0 = (self._plain_host or 0.0) * decoding
-        cache = next((g.cache for g in gens if g.cache is not None and not g.finished), None)
+        cache = next((g.cache for g in gens if g.cache is not None and not g.done), None)
         cost = self.runner.batch_cost(cache) if cache is not None else None
         pooled = self.pooled_rate()
         rates = {i: self.stats_for(gens[i]).accept_rate(pooled) for i in spec}
@@ -466,7 +472,7 @@ class SpeculationScheduler:
         # (a batch where nothing can speculate does not start the cost model: no verify-cost probe)
         if timing is not None and timing.items and timing.forward_s > 0.0 and any(g.proposer is not None
                                                                                  for g in gens):
-            cache = next((g.cache for g in gens if g.cache is not None and not g.finished), None)
+            cache = next((g.cache for g in gens if g.cache is not None and not g.done), None)
             if cache is not None:
                 self.runner.batch_cost(cache).observe(timing.items, timing.tree_rows, timing.prefill_rows,
                                                       timing.forward_s)
@@ -501,7 +507,7 @@ class SpeculationScheduler:
                 if not self._guard_plain:  # the guard's plain iterations do not bring a re-probe nearer
                     st.plain_run += 1
         for g in gens:
-            if g.finished:
+            if g.done:
                 self.forget(g)
         if not any_spec:
             self.counters["plain_iterations"] += 1

@@ -32,6 +32,7 @@ from .kv_policy import KVPolicy, PolicyState
 from .prefix_cache import PrefixCache
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
+from .task import Forward, StepOutput, Task
 from .tree import TokenTree
 from .verifier import Verdict, verify
 
@@ -76,45 +77,6 @@ class GenerationResult:
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
                 "prompt_tokens": self.prompt_tokens, "stats": self.stats}
-
-
-@dataclass
-class StepOutput:
-    """What one ``step()`` decided: the text that can be shown now, the tokens it kept, and
-    whether the generation is over (then ``finish_reason`` says why)."""
-
-    text: str
-    tokens: list[int]
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclass
-class Forward:
-    """One target forward a generation needs (``Generation.next_forward``): a prompt chunk
-    (``tree`` None; ``prefill_key``: its prefix-cache key when it is a whole chunk), or a step's
-    root and draft tree (``parents``: the flattened tree, None for a chain; ``hidden``: a list for
-    the per-layer hidden states when the proposer wants them)."""
-
-    tokens: torch.Tensor  # [T]
-    parents: list[int] | None = None
-    tree: TokenTree | None = None
-    hidden: list | None = None
-    prefill_key: bytes | None = None
-    t0: float = 0.0
-    proposed: bool = False  # the proposer drafted this step's tree (it then observes the verdict)
-    drafted: TokenTree | None = None  # the proposer's tree when the grammar pruned it (``tree``: what is verified)
-    kept: list[int] | None = None  # for each node of ``tree``, its index in ``drafted``
-
-    @property
-    def logits_for(self) -> slice | None:
-        """A prompt chunk needs no logits; a step needs all of them."""
-        return slice(0, 0) if self.tree is None else None
-
-    def run(self, decoder, cache) -> torch.Tensor:
-        """This forward alone on ``decoder`` (``[1, T, vocab]`` logits)."""
-        kwargs = {"hidden_states": self.hidden} if self.hidden is not None else {}
-        return decoder.forward(self.tokens[None], cache, parents=self.parents, logits_for=self.logits_for, **kwargs)
 
 
 def cache_tokens(model, prompt_len: int, max_new_tokens: int, kv_policy: KVPolicy | None = None) -> int:
@@ -209,8 +171,8 @@ def check_stop(stop: Any) -> list[str]:
     return list(stops)
 
 
-class Generation:
-    """One generation on a runner; iterate for text pieces as they are decided, or call
+class Generation(Task):
+    """One generation on a runner (a ``Task``: ``core/task.py``); iterate for text pieces as they are decided, or call
     ``step()``; then read ``.result``.  ``close()`` (called at the end, and by ``cancel`` when
     iteration stops) gives the KV cache back to the runner."""
 
@@ -469,6 +431,19 @@ class Generation:
         except BaseException:
             self._release()
             raise
+
+    # ------------------------------------------------------------ the task protocol (core/task.py)
+    streams = True  # its text is final as it is decided (stop strings held back)
+
+    def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
+        nxt = self.next_forward(cap)
+        if isinstance(nxt, StepOutput):
+            return nxt
+        nxt.cache, nxt.decoder = self.cache, self.model.model
+        return [nxt]
+
+    def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
+        return self.finish_forward(forwards[0], logits[0])
 
     def _plan_step(self, cap: int | None) -> "Forward | StepOutput":
         cache, proposer = self.cache, self.proposer

@@ -22,9 +22,11 @@ gone, request timed out) removes a waiting job from the queue at once, or stops 
 at its next iteration (its cache slot is free for the next request then).
 
 A spec with a decoding strategy (``GenSpec.strategy``) runs a search (``strategies/search.py``)
-instead of a generation: it takes one round per iteration, next to the batched step (a search
-runs its own tree forward), and gives ``strategy.returns`` choices: they all start together and
-finish together, at the end of the search (its hypotheses, best first).
+or N parallel samples instead of a generation: every one of them is a task (``core/task.py``)
+and hands its forwards to the same batched forward, one round per iteration (a beam search's
+new nodes are rows of the batch beside other requests' steps; its prompt prefills inside its
+first round, alone); it gives ``strategy.returns`` choices: they all start together and finish
+together, at the end of the search (its hypotheses, best first).
 """
 
 from __future__ import annotations
@@ -46,14 +48,15 @@ from ..core.generate import cache_tokens
 from ..core.kv_policy import KVPolicy
 from ..core.runner import ModelRunner, slot_len
 from ..core.sampling import SamplingParams
+from ..core.task import Task
 from ..errors import InvalidParameterError
 from ..request import GenerationRequest
 from ..strategies.registry import StrategyConfig
-from ..strategies.search import TreeSearch, search_cache_tokens
+from ..strategies.search import search_cache_tokens
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 
 if TYPE_CHECKING:
-    from ..core.generate import Generation, GenerationResult
+    from ..core.generate import GenerationResult
     from ..models.decoder import LoadedModel
 
 log = logging.getLogger("leapdecode.server")
@@ -173,11 +176,11 @@ def build_runner(model: "LoadedModel", drafts: Mapping[str, "LoadedModel | None"
 # ---------------------------------------------------------------------------- the engine
 @dataclass(eq=False)
 class Running:
-    """One generation of a running job."""
+    """One task of a running job (a generation, a search, parallel samples: ``core/task.py``)."""
 
     job: Job
     index: int  # its (first) choice
-    gen: "Generation | TreeSearch"
+    gen: Task
     reserved: int  # KV-cache bytes its slot holds
     choices: int = 1  # a search answers several
 
@@ -434,10 +437,7 @@ class Engine:
                 self.cancel(r.job, "timeout")
             if r.job.cancelled:
                 r.gen.cancel()  # its next step finishes it as "cancelled"
-        searches = [r for r in everything if isinstance(r.gen, TreeSearch)]
-        if searches:
-            self._step_searches(searches)
-        running = [r for r in everything if not isinstance(r.gen, TreeSearch)]
+        running = everything  # generations, searches and parallel samples alike (core/task.py)
         if not running:
             return
         gens = [r.gen for r in running]
@@ -472,34 +472,8 @@ class Engine:
                 res = r.gen.result
                 if self.metrics is not None and res is not None:
                     self.metrics.observe_generation(res.stats, res.finish_reason)
-                r.job.emit(Finished(r.index, res))
-        self._retire(done)
-
-    def _step_searches(self, searches: list[Running]) -> None:
-        """One round of each running search; a finished one answers all its choices."""
-        from .errors import report_internal
-
-        done: list[Running] = []
-        for r in searches:
-            if r.job.failed:
-                continue
-            try:
-                over = r.gen.step()
-            except Exception as e:  # the search gave its cache back (TreeSearch.step)
-                done.append(r)
-                for x in self._running:
-                    if x.job is r.job and x is not r:
-                        x.gen.close()
-                r.job.failed = True
-                self._fail(r.job, e, report_internal(e))
-                continue
-            if over:
-                done.append(r)
-                res = r.gen.result
-                if self.metrics is not None and res is not None:
-                    self.metrics.observe_generation(res.stats, res.finish_reason)
-                for j, one in enumerate(res.as_results(r.choices)):
-                    if one.text or one.tokens:
+                for j, one in enumerate(r.gen.choice_results(r.choices)):
+                    if not r.gen.streams and (one.text or one.tokens):  # a search's choices, decided at its end
                         r.job.emit(Delta(r.index + j, one.text, tuple(one.tokens)))
                     r.job.emit(Finished(r.index + j, one))
         self._retire(done)

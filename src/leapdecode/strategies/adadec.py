@@ -71,7 +71,7 @@ class AdaDec(TreeSearch):
             self.logprob += float(lp[token])
             if token in self.eos or len(self.tokens) >= self.max_new_tokens:
                 return True
-            ids, logits = tree.expand([self.node], [token])
+            ids, logits = yield from tree.expand_co([self.node], [token])
             self.node, self.logits = ids[0], logits[0]
             return False
         # pause: rerank the top B by a greedy lookahead of up to L tokens each, all in one tree
@@ -88,7 +88,7 @@ class AdaDec(TreeSearch):
         for step in range(cfg.lookahead_length):
             if not live:
                 break
-            ids, logits = tree.expand(parents, tokens)
+            ids, logits = yield from tree.expand_co(parents, tokens)
             if step == 0:
                 first = {i: (ids[j], logits[j]) for j, i in enumerate(live)}
             rows = log_probs(logits)

@@ -195,7 +195,7 @@ class BeamSearch(TreeSearch):
             return True
         tree = self.tree
         tree.retain(b.node for b in chosen)
-        ids, logits = tree.expand([b.node for b in chosen], [b.tokens[-1] for b in chosen])
+        ids, logits = yield from tree.expand_co([b.node for b in chosen], [b.tokens[-1] for b in chosen])
         for i, (b, nid) in enumerate(zip(chosen, ids)):
             b.node, b.row = nid, i
         self.logp = log_probs(logits)

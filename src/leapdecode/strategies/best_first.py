@@ -76,7 +76,7 @@ class BestFirstBeamSearch(TreeSearch):
             tree = self.tree
             if tree.pending + 1 > tree.max_nodes:
                 self._compact()
-            ids, logits = tree.expand([node], [tokens[-1]])
+            ids, logits = yield from tree.expand_co([node], [tokens[-1]])
             self.expansions += 1
             self._push(ids[0], tokens, score, log_probs(logits[0]))
             return False

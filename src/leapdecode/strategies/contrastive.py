@@ -113,8 +113,8 @@ class ContrastiveDecoding(TreeSearch):
         expert.retain(b.nodes[0] for b in nxt)
         amateur.retain(b.nodes[1] for b in nxt)
         tokens = [b.tokens[-1] for b in nxt]
-        e_ids, e_logits = expert.expand([b.nodes[0] for b in nxt], tokens)
-        a_ids, a_logits = amateur.expand([b.nodes[1] for b in nxt], tokens)
+        e_ids, e_logits = yield from expert.expand_co([b.nodes[0] for b in nxt], tokens)
+        a_ids, a_logits = yield from amateur.expand_co([b.nodes[1] for b in nxt], tokens)
         for row, (b, e, a) in enumerate(zip(nxt, e_ids, a_ids)):
             b.nodes, b.row = (e, a), row
         self.logits = (e_logits, a_logits)

@@ -74,7 +74,7 @@ class ContrastiveSearch(TreeSearch):
         top_p, top_ids = torch.topk(probs, k)
         tree.retain([self.node])
         states: list = []
-        ids, logits = tree.expand([self.node] * k, top_ids.tolist(), hidden=states)
+        ids, logits = yield from tree.expand_co([self.node] * k, top_ids.tolist(), hidden=states)
         hidden = final_hidden(self.model.model, states)  # [k, H]
         penalty = degeneration_penalty(hidden, self.context)
         alpha = cfg.penalty_alpha

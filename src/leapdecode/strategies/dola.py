@@ -159,7 +159,7 @@ class DoLa(TreeSearch):
         tree = self.tree
         tree.retain([self.node])
         states: list = []
-        ids, logits = tree.expand([self.node], [token], hidden=states)
+        ids, logits = yield from tree.expand_co([self.node], [token], hidden=states)
         self.node, self.logits = ids[0], logits[0]
         self._early = self.early_logits(states)
         return False

@@ -117,7 +117,7 @@ class LookBack(TreeSearch):
         if alarm and cfg.top_k > 1:  # (with one candidate the alarm's choice is the argmax anyway)
             k = min(cfg.top_k, lp.shape[-1])
             cands = torch.topk(lp, k).indices.tolist()
-            ids, logits = tree.expand([self.node] * k, cands)
+            ids, logits = yield from tree.expand_co([self.node] * k, cands)
             dist = min_kl(log_probs(logits), self.prefix)  # each candidate's next step against the prefix
             q = torch.softmax(-dist / self.temperature, dim=-1)
             j = int(torch.multinomial(q.cpu(), 1, generator=self.generator))  # (the generator is a CPU one)
@@ -131,7 +131,7 @@ class LookBack(TreeSearch):
         if token in self.eos or len(self.tokens) >= self.max_new_tokens:
             return True
         if node is None:
-            ids, logits = tree.expand([self.node], [token])
+            ids, logits = yield from tree.expand_co([self.node], [token])
             node, nxt = ids[0], logits[0]
         self.node, self.logits = node, nxt
         return False

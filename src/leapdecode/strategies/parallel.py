@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.batch import run_forwards
-from ..core.generate import Generation, StepOutput
+from ..core.generate import Generation
+from ..core.task import Forward, StepOutput
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
 from ..proposers.registry import build_proposer
@@ -111,6 +111,7 @@ class ParallelSamples(TreeSearch):
         self._ended: dict[int, int] = {}
         self.prompt_text = runner.model.tokenizer.decode(prompt_ids)
         self.forwards = 0  # batched decoding forwards (the prompt's prefill not counted)
+        self._work: list[tuple[Member, Forward]] = []  # this round's (sample, forward), between the halves
 
     # ------------------------------------------------------------ subclass API
     def after_round(self) -> bool:
@@ -159,27 +160,59 @@ class ParallelSamples(TreeSearch):
         return Hypothesis(list(s.tokens), s.text, float(score), s.logprob, s.finish_reason or "length",
                           {"sample": m.index, **info})
 
-    # ------------------------------------------------------------ life cycle
-    def step(self) -> bool:
+    # ------------------------------------------------------------ life cycle (the task protocol: core/task.py)
+    def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
+        """Every live sample's next forward (each on its own cache: one batch, with other tasks' on a
+        server), or a ``StepOutput``: the first step starts the samples here (the prompt's prefill)."""
         if self.result is not None:
-            return True
+            return self._output()
         try:
             if self._cancelled:
                 self._finish("cancelled")
-                return True
+                return self._output()
             if not self.members:
                 self._t0 = time.perf_counter()
                 self._start()
-                return False
+                return self._output()
             self.rounds += 1
-            self._round()
-            if self.after_round() or not any(m.live for m in self.members):
-                self._finish("done")
-                return True
-            return False
+            self._work = []
+            for m in self.members:
+                if not m.live or self.waiting(m):
+                    continue
+                nxt = m.gen.next_forwards()
+                if isinstance(nxt, StepOutput):
+                    continue  # it ended without a forward (no room left)
+                self._work.append((m, nxt[0]))
+            if not self._work:
+                return self._round_done()
+            return [f for _, f in self._work]
         except BaseException:
             self.abort()
             raise
+
+    def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
+        """Each sample's verification of its forward, then the round's end (``after_round``)."""
+        try:
+            work, self._work = self._work, []
+            self.forwards += 1
+            for (m, f), lg in zip(work, logits):
+                before = len(m.gen.tokens)
+                m.gen.finish_forward(f, lg)
+                new = m.gen.tokens[before:]
+                if new:
+                    rows = _path_rows(f.tree, new)
+                    lp = torch.log_softmax(lg[0, rows].float(), dim=-1)
+                    m.logprobs.extend(lp[torch.arange(len(new)), torch.tensor(new)].tolist())
+                    m.emitted.extend(new)
+            return self._round_done()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _round_done(self) -> StepOutput:
+        if self.after_round() or not any(m.live for m in self.members):
+            self._finish("done")
+        return self._output()
 
     def _start(self) -> None:
         """The N generations; the first prefills the prompt, the others copy its keys and values."""
@@ -198,30 +231,6 @@ class ParallelSamples(TreeSearch):
         for m in self.members[1:]:
             m.gen.adopt_prompt(k, v)
             m.gen.start()
-
-    def _round(self) -> None:
-        """One batched forward of every live sample, then each one's verification."""
-        work = []
-        for m in self.members:
-            if not m.live or self.waiting(m):
-                continue
-            nxt = m.gen.next_forward()
-            if isinstance(nxt, StepOutput):
-                continue  # a StepOutput: it ended without a forward (no room left)
-            work.append((m, nxt))
-        if not work:
-            return
-        logits = run_forwards(self.model, [(m.gen, f) for m, f in work])
-        self.forwards += 1
-        for (m, f), lg in zip(work, logits):
-            before = len(m.gen.tokens)
-            m.gen.finish_forward(f, lg)
-            new = m.gen.tokens[before:]
-            if new:
-                rows = _path_rows(f.tree, new)
-                lp = torch.log_softmax(lg[0, rows].float(), dim=-1)
-                m.logprobs.extend(lp[torch.arange(len(new)), torch.tensor(new)].tolist())
-                m.emitted.extend(new)
 
     def reject(self, m: Member) -> None:
         """Stop sample ``m`` now (its cache goes back to the runner)."""

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 
+from ..core.batch import run_forwards
 from ..core.config import OptionsConfig
 from ..core.generate import GenerationResult, keyed_in_blocks, prefill_chunk
+from ..core.task import Forward, StepOutput, Task, drive
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..models.native import rms_norm
 
@@ -213,11 +216,10 @@ class TreeKV:
         return logits[0, -1]
 
     # ---------------------------------------------------------------- tree
-    def expand(self, parents: list[int], tokens: list[int],
-               hidden: list | None = None) -> tuple[list[int], torch.Tensor]:
-        """Append ``tokens[i]`` as a child of node ``parents[i]`` (an id: the committed end or a
-        pending node), all in one forward; returns the new ids and their logits (``[n, vocab]``).
-        ``hidden`` (a list) receives the forward's hidden states (``Decoder.forward``)."""
+    def expand_co(self, parents: list[int], tokens: list[int], hidden: list | None = None):
+        """``expand`` as a coroutine: ``ids, logits = yield from tree.expand_co(...)`` yields the
+        forward (a ``Forward`` on this tree's cache) to whoever drives the search, which sends its
+        logits (``[1, n, vocab]``) back: so a scheduler can run it in a batch with other tasks'."""
         cache = self.cache
         if len(parents) != len(tokens) or not tokens:
             raise ValueError(f"{len(parents)} parents for {len(tokens)} tokens")
@@ -227,8 +229,9 @@ class TreeKV:
                 f"{cache.room()} slots free): use fewer beams or fewer new tokens")
         slots = [-1 if p == self.end else self._slot[p] for p in parents]
         start = cache.n_pending
-        logits = self.decoder.forward(torch.tensor([tokens], device=self.decoder.device), cache, parents=slots,
-                                      hidden_states=hidden)
+        forward = Forward(torch.tensor(tokens, device=self.decoder.device), slots, hidden=hidden, cache=cache,
+                          all_logits=True, keep_pending=start, decoder=self.decoder)
+        logits = yield forward
         ids = list(range(self._next, self._next + len(tokens)))
         self._next += len(tokens)
         for i, (nid, p) in enumerate(zip(ids, parents)):
@@ -238,9 +241,22 @@ class TreeKV:
         self.nodes += len(tokens)
         return ids, logits[0]
 
+    def expand(self, parents: list[int], tokens: list[int],
+               hidden: list | None = None) -> tuple[list[int], torch.Tensor]:
+        """Append ``tokens[i]`` as a child of node ``parents[i]`` (an id: the committed end or a
+        pending node), all in one forward; returns the new ids and their logits (``[n, vocab]``).
+        ``hidden`` (a list) receives the forward's hidden states (``Decoder.forward``)."""
+        return drive(self.expand_co(parents, tokens, hidden))
+
     @property
     def pending(self) -> int:
         return self.cache.n_pending
+
+    @property
+    def held(self) -> int:
+        """Pending nodes the search knows (``pending`` counts every one in the cache: the same, unless
+        a forward's nodes were left behind)."""
+        return len(self._slot)
 
     def retain(self, live: Iterable[int]) -> None:
         """Keep the nodes ``live`` (ids; the committed end may be among them) and their ancestors,
@@ -302,7 +318,7 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-class TreeSearch:
+class TreeSearch(Task):
     """A search on a runner (see the module docstring).  Subclasses implement ``begin(logits)``
     (the root's logits: set up the first hypotheses), ``advance() -> bool`` (one round, at most one
     ``self.tree.expand``; True when the search is over) and ``finished() -> list[Hypothesis]`` (best
@@ -333,6 +349,7 @@ class TreeSearch:
         self.rounds = 0
         self._cancelled = False
         self._t0 = 0.0
+        self._suspended: Generator | None = None  # a round waiting for its forward's logits
 
     # ------------------------------------------------------------ subclass API
     def tree_nodes(self) -> int:
@@ -370,13 +387,26 @@ class TreeSearch:
         self._cancelled = True
 
     def step(self) -> bool:
-        """One round (the first one prefills the prompt); True once the search is over."""
+        """One round alone (the first one prefills the prompt); True once the search is over."""
+        out = self.next_forwards()
+        if not isinstance(out, StepOutput):
+            out = self.finish_forwards(out, run_forwards(self.model, out))
+        return out.finished
+
+    # ------------------------------------------------------------ the task protocol (core/task.py)
+    @property
+    def cache(self) -> Any:
+        return self.tree.cache if self.tree is not None else None
+
+    def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
+        """A round's first forward on the target (``advance`` suspended at its ``expand_co``), or a
+        ``StepOutput`` when the round needed none: the first round prefills the prompt here, alone."""
         if self.result is not None:
-            return True
+            return self._output()
         try:
             if self._cancelled:
                 self._finish("cancelled")
-                return True
+                return self._output()
             if self.tree is None:
                 self._t0 = time.perf_counter()
                 self.generator = torch.Generator()
@@ -385,15 +415,47 @@ class TreeSearch:
                 self.tree = TreeKV(self.runner, self.prompt_ids, self.max_new_tokens, self.tree_nodes())
                 hook = self.prompt_states if self.prompt_hidden else None
                 self.begin(self.tree.prefill(hook, whole_prompt=self.prompt_hidden == "all"))
-                return False
+                return self._output()
             self.rounds += 1
-            if self.advance():
-                self._finish("done")
-                return True
-            return False
+            rnd = self.advance()
+            if not isinstance(rnd, Generator):  # a round that ran its forwards itself
+                return self._round_over(rnd)
+            self._suspended = rnd
+            return self._resume(None)
         except BaseException:
             self.abort()
             raise
+
+    def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
+        try:
+            out = self._resume(logits[0])
+            while not isinstance(out, StepOutput):  # another forward in this round (another model's): alone
+                out = self._resume(out[0].run())
+            return out
+        except BaseException:
+            self.abort()
+            raise
+
+    def _resume(self, logits: torch.Tensor | None) -> "list[Forward] | StepOutput":
+        try:
+            forward = self._suspended.send(logits)
+        except StopIteration as stop:
+            self._suspended = None
+            return self._round_over(stop.value)
+        return [forward]
+
+    def _round_over(self, over: bool) -> StepOutput:
+        if over:
+            self._finish("done")
+        return self._output()
+
+    def _output(self) -> StepOutput:
+        if self.result is None:
+            return StepOutput("", [], False)
+        return StepOutput("", [], True, self.result.finish_reason)
+
+    def choice_results(self, n: int) -> list[GenerationResult]:
+        return self.result.as_results(n)
 
     def run(self) -> SearchResult:
         while not self.step():
@@ -411,7 +473,13 @@ class TreeSearch:
         if self.result.text:
             yield self.result.text
 
+    def _drop_round(self) -> None:
+        if self._suspended is not None:  # a round abandoned while it waited for its forward
+            self._suspended.close()
+            self._suspended = None
+
     def _finish(self, how: str) -> None:
+        self._drop_round()
         hyps = self.finished() if how == "done" else []
         hyps = hyps[: self.cfg.returns]
         tree = self.tree
@@ -438,6 +506,7 @@ class TreeSearch:
 
     def abort(self) -> None:
         """Give the cache back after a failure (finish reason "error")."""
+        self._drop_round()
         if self.tree is not None:
             self.tree.release()
         self.release_more()

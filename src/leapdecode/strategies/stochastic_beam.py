@@ -118,7 +118,7 @@ class StochasticBeamSearch(TreeSearch):
             beams.append(Particle(parent.node, parent.tokens + [tok], float(phi[flat // vocab, tok]), key,
                                   last or tok in self.eos))
         self.length += 1
-        return self.run_round(beams)
+        return (yield from self.run_round(beams))
 
     def run_round(self, beams: list[Particle]) -> bool:
         """Make ``beams`` the beam; run its unfinished new members (one forward); True when all are finished."""
@@ -128,7 +128,7 @@ class StochasticBeamSearch(TreeSearch):
             return all(b.done for b in beams)
         tree = self.tree
         tree.retain(b.node for b in fresh)
-        ids, logits = tree.expand([b.node for b in fresh], [b.tokens[-1] for b in fresh])
+        ids, logits = yield from tree.expand_co([b.node for b in fresh], [b.tokens[-1] for b in fresh])
         for b in beams:
             b.row = -2  # rows of the previous forward are gone
         for i, (b, nid) in enumerate(zip(fresh, ids)):
@@ -252,7 +252,7 @@ class ConditionalPoissonBeamSearch(StochasticBeamSearch):
                                   last or tok in self.eos, log_inclusion=parent.log_inclusion + li))
         beams.sort(key=lambda b: -b.logprob)
         self.length += 1
-        return self.run_round(beams)
+        return (yield from self.run_round(beams))
 
     def finished(self) -> list[Hypothesis]:
         order = sorted(self.beams, key=lambda b: -b.logprob)
