@@ -16,7 +16,6 @@ builds which proposer is decided a layer up (``leapdecode.api``, ``leapdecode.pr
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -26,13 +25,13 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from ..errors import InvalidParameterError, ModelFileError, PromptTooLongError
 from .constraint import Constraint, RowMasks, extend_forced, prune_tree, unprune
 from .cost_model import synchronize
-from .detokenizer import IncrementalDetokenizer, StopChecker
+from .output import OutputProcessor
 from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy, PolicyState
 from .prefix_cache import PrefixCache
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
-from .task import Forward, StepOutput, Task
+from .task import Forward, Status, StepOutput, Task
 from .tree import TokenTree
 from .verifier import Verdict, verify
 
@@ -311,6 +310,14 @@ class Generation(Task):
         self._prefilled = self._reused = k.shape[3]
 
     @property
+    def status(self) -> Status:
+        if self.result is not None:
+            return Status.FINISHED
+        if not self._started:
+            return Status.WAITING
+        return Status.PREFILLING if self.prefilling else Status.DECODING
+
+    @property
     def decoding(self) -> bool:
         """Started, prompt prefilled, not finished: its next forward is a decoding step."""
         return self._started and self.result is None and not self.prefilling
@@ -371,14 +378,7 @@ class Generation(Task):
             self._prefill_s = time.perf_counter() - self._t_start
             self.tokens = list(self.prompt_ids)  # decided so far; the last one is the root (not yet in the cache)
             self.generated: list[int] = []
-            self._hist: Counter[int] = Counter()
-            self._draft_s = self._verify_s = self._constraint_s = 0.0
-            self._forwards = self._drafted_steps = self._drafted_accepted = 0
-            self._decided = 0  # tokens the verification forwards decided (an end-of-sequence token too)
-            self._tree_rows = 0  # draft nodes put through the target (after grammar pruning)
-            self._detok = IncrementalDetokenizer(model.tokenizer)
-            self._stops = StopChecker(self.stop)
-            self._shown = 0
+            self.out = OutputProcessor(model.tokenizer, self.stop)  # text pieces, stop strings, statistics
             self._history = torch.tensor(self.tokens, device=model.device) if params.repetition_penalty != 1.0 else None
             if self.proposer is not None:
                 if self.proposer.needs_verify_cost(params):
@@ -479,11 +479,11 @@ class Generation(Task):
                     kept = kept if kept is not None else list(range(len(tree)))
                     tree = extended
             t_grammar += time.perf_counter() - t1
-        self._constraint_s += t_grammar
+        self.out.constraint_s += t_grammar
         hidden = [] if proposed and proposer.wants_hidden() else None
         chain = all(p == i - 1 for i, p in enumerate(tree.parents))
         flat = torch.tensor([tokens[-1]] + tree.tokens, device=self.model.device)
-        self._draft_s += time.perf_counter() - t0
+        self.out.draft_s += time.perf_counter() - t0
         return Forward(flat, None if chain else tree.flattened_parents(), tree=tree, hidden=hidden,
                        t0=time.perf_counter(), proposed=proposed, drafted=drafted if kept is not None else None,
                        kept=kept)
@@ -527,18 +527,13 @@ class Generation(Task):
         finally:
             if masks is not None:
                 masks.close()
-                self._constraint_s += masks.seconds
+                self.out.constraint_s += masks.seconds
         path = [0] + [a + 1 for a in verdict.accepted]
         cache.commit(path)
         if self._kv is not None:
             self._kv.committed(path, "decode")
-        self._verify_s += time.perf_counter() - work.t0
-        self._forwards += 1
-        self._hist[len(verdict.accepted)] += 1
-        if len(tree):
-            self._drafted_steps += 1
-            self._drafted_accepted += len(verdict.accepted)
-            self._tree_rows += len(tree)
+        self.out.verify_s += time.perf_counter() - work.t0
+        self.out.count_step(len(tree), len(verdict.accepted))
         finish = None
         kept: list[int] = []
         for t in verdict.tokens:
@@ -548,13 +543,13 @@ class Generation(Task):
             if self.constraint is not None:
                 t1 = time.perf_counter()
                 self.constraint.push(t)
-                self._constraint_s += time.perf_counter() - t1
+                self.out.constraint_s += time.perf_counter() - t1
             kept.append(t)
             if len(generated) + len(kept) >= self.max_new_tokens:
                 finish = "length"
                 break
         generated.extend(kept)
-        self._decided += len(kept) + (finish == "stop")  # the end-of-sequence token was decided too
+        self.out.decided += len(kept) + (finish == "stop")  # the end-of-sequence token was decided too
         tokens.extend(verdict.tokens)
         if self._history is not None:
             self._history = torch.tensor(tokens, device=self.model.device)
@@ -564,34 +559,20 @@ class Generation(Task):
                 accepted, logits, hidden = unprune(work.drafted, work.kept, verdict.accepted, logits, hidden)
                 tree, verdict = work.drafted, Verdict(accepted, verdict.next_token, verdict.tokens)
             proposer.observe(tokens, tree, verdict, logits, hidden)
-            self._draft_s += time.perf_counter() - t2
-        detok = self._detok
-        before = len(detok.text)
-        detok.add(kept)
-        if finish is not None:
-            detok.flush()
-        text = detok.text
-        cut = self._stops.find(text, before)
-        if cut is not None:
-            text = text[:cut]
-            self.generated = generated = detok.tokens_covering(cut)
-            finish = "stop"
-        safe = len(text) if finish else self._stops.safe_length(text)
-        piece = ""
-        if safe > self._shown:
-            piece = text[self._shown : safe]
-            self._shown = safe
-        if finish is not None:
-            self._finish(finish, text)
-            return StepOutput(piece, kept, True, finish)
-        return StepOutput(piece, kept, False)
+            self.out.draft_s += time.perf_counter() - t2
+        shown = self.out.emit(kept, finish)
+        if shown.covering is not None:  # a stop string: the output ends where its text does
+            self.generated = shown.covering
+        if shown.finish is not None:
+            self._finish(shown.finish, shown.text)
+            return StepOutput(shown.piece, kept, True, shown.finish)
+        return StepOutput(shown.piece, kept, False)
 
     @property
     def draft_acceptance(self) -> float:
         """Draft tokens accepted per step that verified a tree, so far, with a weak prior (one
         token per step, worth two steps) so that a generation that has not drafted yet gets tried."""
-        steps, accepted = (self._drafted_steps, self._drafted_accepted) if self._ready_done else (0, 0)
-        return (accepted + 2.0) / (steps + 2.0)
+        return self.out.draft_acceptance() if self._ready_done else 1.0
 
     # --------------------------------------------------------------- finish
     def _finish(self, reason: str, text: str | None = None) -> StepOutput:
@@ -615,29 +596,10 @@ class Generation(Task):
         finally:
             self._release()
         if text is None:
-            text = self._detok.text
-        wall = time.perf_counter() - self._t_start
-        n = len(self.generated)
-        forwards = self._forwards
-        stats: dict[str, Any] = {
-            "method": self.method,
-            "new_tokens": n,
-            "prompt_tokens": len(self.prompt_ids),
-            "target_forwards": forwards,
-            # tokens decided per decoding forward (vanilla: 1.00, its end-of-sequence token counted too)
-            "mean_accepted": round(self._decided / forwards, 4) if forwards else 0.0,
-            "decided_tokens": self._decided,
-            "accept_hist": {str(k): self._hist[k] for k in sorted(self._hist)},
-            "tree_rows": self._tree_rows,
-            "wall_s": round(wall, 4),
-            "prefill_s": round(self._prefill_s, 4),
-            "prefix_reused": self._reused,
-            "draft_s": round(self._draft_s, 4),
-            "verify_s": round(self._verify_s, 4),
-            "tokens_per_s": round(n / wall, 3) if wall > 0 else 0.0,
-        }
-        if self.constraint is not None:
-            stats["constraint_s"] = round(self._constraint_s, 5)  # masks, pruning, forced drafts, pushes
+            text = self.out.text
+        stats = self.out.stats(method=self.method, new_tokens=len(self.generated), prompt_tokens=len(self.prompt_ids),
+                               wall=time.perf_counter() - self._t_start, prefill_s=self._prefill_s,
+                               prefix_reused=self._reused, constrained=self.constraint is not None)
         if self.proposer is not None:
             stats.update(self.proposer.stats())
         if self._kv is not None:

@@ -20,6 +20,7 @@ embeddings, the step-level searches' rollouts) still runs through the protocol, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from collections.abc import Generator
 from typing import Any, ClassVar
 
@@ -105,6 +106,16 @@ def drive(co: Generator) -> Any:
         return stop.value
 
 
+class Status(str, Enum):
+    """Where a task is in its life (vLLM v1's request status): built but not started, running its
+    prompt through the target, decoding, or finished (``result.finish_reason`` says why)."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
 class Task:
     """Base of the tasks a scheduler drives (see the module docstring).  The defaults describe a
     task that drafts nothing: a scheduler's speculation planning leaves it alone."""
@@ -119,6 +130,12 @@ class Task:
     def done(self) -> bool:
         """It has ended (``result`` is set)."""
         return self.result is not None
+
+    @property
+    def status(self) -> Status:
+        if self.done:
+            return Status.FINISHED
+        return Status.PREFILLING if self.prefilling else Status.DECODING
 
     @property
     def prefilling(self) -> bool:

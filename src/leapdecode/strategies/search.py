@@ -36,7 +36,7 @@ import torch
 from ..core.batch import run_forwards
 from ..core.config import OptionsConfig
 from ..core.generate import GenerationResult, keyed_in_blocks, prefill_chunk
-from ..core.task import Forward, StepOutput, Task, drive
+from ..core.task import Forward, Status, StepOutput, Task, drive
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..models.native import rms_norm
 
@@ -397,6 +397,12 @@ class TreeSearch(Task):
     @property
     def cache(self) -> Any:
         return self.tree.cache if self.tree is not None else None
+
+    @property
+    def status(self) -> Status:
+        if self.result is not None:
+            return Status.FINISHED
+        return Status.WAITING if not self._t0 else Status.DECODING  # (its prompt prefills inside its first step)
 
     def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
         """A round's first forward on the target (``advance`` suspended at its ``expand_co``), or a
