@@ -92,6 +92,23 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def q4_tiny():
+    """``tiny-random`` on the int4 block kernel with the invariant attention: batch-invariant, so
+    a sequence's greedy output in a batch is its solo output bit for bit (skipped where the kernel
+    cannot build)."""
+    from leapdecode.models import qkernel
+
+    problem = qkernel.kernel_problem()
+    if problem is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {problem}")
+    from leapdecode.models.loader import load
+
+    model = load("tiny-random", weights="int4")
+    assert model.model.attention == "invariant"
+    return model
+
+
+@pytest.fixture(scope="session")
 def trained_head_dir(tiny, tmp_path_factory):
     """``trained_head_dir(kind)``: the ``--out`` directory of a head of ``kind`` (medusa, hydra, eagle,
     eagle3) trained for a few seconds on ``tiny(seed=0)`` without EOS tokens (not installed; trained once

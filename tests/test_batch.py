@@ -35,7 +35,7 @@ from leapdecode import ModelRunner
 from leapdecode.api import start_generation
 from leapdecode.core.batch import Outcome, step_batch
 from leapdecode.core.cost_model import VerifyCost
-from leapdecode.core.generate import PREFILL_CHUNK, prefill_chunk
+from leapdecode.core.prefill import PREFILL_CHUNK, prefill_chunk
 from leapdecode.core.prefix_cache import PrefixCache
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.models import qkernel

@@ -33,7 +33,6 @@ from leapdecode.core.proposer import Proposer
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.tree import TokenTree
 from leapdecode.errors import InvalidParameterError
-from leapdecode.models import qkernel
 from leapdecode.proposers import method_config
 from leapdecode.server.engine import Engine, Finished, GenSpec
 
@@ -44,17 +43,8 @@ PROFILE = VerifyCost([1, 16, 32], [1e-3, 1.6e-3, 2.4e-3])
 
 
 @pytest.fixture(scope="module")
-def q4():
-    """The int4 tiny model on the block kernel: batch-invariant, so greedy output in a batch is
-    the solo output bit for bit."""
-    problem = qkernel.kernel_problem()
-    if problem is not None:
-        pytest.skip(f"the block-quantized kernel is not available here: {problem}")
-    from leapdecode.models.loader import load
-
-    model = load("tiny-random", weights="int4")
-    assert model.model.attention == "invariant"
-    return model
+def q4(q4_tiny):
+    return q4_tiny
 
 
 def new_runner(model) -> ModelRunner:

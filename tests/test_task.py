@@ -16,7 +16,6 @@ from leapdecode.core.batch import step_batch
 from leapdecode.core.generate import Generation
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.task import Forward, StepOutput, Task
-from leapdecode.models import qkernel
 from leapdecode.models.native import NativeCausalLM
 from leapdecode.proposers import method_config
 from leapdecode.server.engine import Delta, Engine, Finished, GenSpec, build_runner
@@ -30,17 +29,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "leapdecode"
 
 
 @pytest.fixture(scope="module")
-def q4():
-    """The int4 tiny model on the block kernel: batch-invariant, so a task's bits do not depend
-    on what else is in its forward."""
-    problem = qkernel.kernel_problem()
-    if problem is not None:
-        pytest.skip(f"the block-quantized kernel is not available here: {problem}")
-    from leapdecode.models.loader import load
-
-    model = load("tiny-random", weights="int4")
-    assert model.model.attention == "invariant"
-    return model
+def q4(q4_tiny):
+    return q4_tiny
 
 
 @pytest.fixture

@@ -164,7 +164,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .bench.diffusion import DiffusionBenchConfig, markdown, run_diffusion_bench
+    from .bench.diffusion import DiffusionBenchConfig, print_summary, run_diffusion_bench
 
     def csv(s: str | None) -> list[str] | None:
         return [x.strip() for x in s.split(",") if x.strip()] if s else None
@@ -183,12 +183,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                                infill_methods=csv(a.infill_methods), context_tokens=a.context_tokens,
                                plots=not a.no_plots, weights=a.weights)
     summary = run_diffusion_bench(cfg, say=None if a.quiet else lambda s: print(s, file=sys.stderr, flush=True))
-    if a.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print(markdown(summary))
-        for k, v in summary["files"].items():
-            print(f"{k}: {v}")
+    print_summary(summary, a.json)
     return 0
 
 

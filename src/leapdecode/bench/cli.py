@@ -99,7 +99,7 @@ def diffusion_bench(a: argparse.Namespace) -> int:
     """``leapdecode bench -m DIFFUSION_MODEL``: the diffusion benchmark with bench's own flags mapped
     (--limit: prompts, default 3; --max-new-tokens: default 32 here; --methods: diffusion methods,
     default all); flags only a causal model has are refused."""
-    from .diffusion import DiffusionBenchConfig, markdown, run_diffusion_bench
+    from .diffusion import DiffusionBenchConfig, print_summary, run_diffusion_bench
     from ..errors import InvalidParameterError
 
     causal_only = [flag for flag, given in (("--peers", a.peers), ("--draft", a.draft), ("--workload", a.workload),
@@ -124,12 +124,7 @@ def diffusion_bench(a: argparse.Namespace) -> int:
                                weights="fp32" if a.weights == "auto" else a.weights)
     say = None if a.no_progress else (lambda s: print(s, file=sys.stderr, flush=True))
     summary = run_diffusion_bench(cfg, say=say)
-    if a.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print(markdown(summary))
-        for k, v in summary["files"].items():
-            print(f"{k}: {v}")
+    print_summary(summary, a.json, indent=2)
     return 0
 
 

@@ -370,6 +370,16 @@ def _f(v, fmt: str) -> str:
     return "—" if v is None else format(v, fmt)
 
 
+def print_summary(summary: dict, as_json: bool, indent: int = 1) -> None:
+    """A run's summary on standard output: its JSON, or the Markdown table and the files written."""
+    if as_json:
+        print(json.dumps(summary, indent=indent))
+        return
+    print(markdown(summary))
+    for k, v in summary["files"].items():
+        print(f"{k}: {v}")
+
+
 def markdown(summary: dict) -> str:
     c = summary.get("config", {})
     head = (f"Model `{c.get('model')}`, AR parent `{c.get('parent')}`; {c.get('prompts')} HumanEval prompts "

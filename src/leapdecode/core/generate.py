@@ -26,9 +26,8 @@ from ..errors import InvalidParameterError, ModelFileError, PromptTooLongError
 from .constraint import Constraint, RowMasks, extend_forced, prune_tree, unprune
 from .cost_model import synchronize
 from .output import OutputProcessor
-from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy, PolicyState
-from .prefix_cache import PrefixCache
+from .prefill import PrefillPlanner, prefill_chunk
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
 from .task import Forward, Status, StepOutput, Task
@@ -38,31 +37,7 @@ from .verifier import Verdict, verify
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill forward (and per prefix-cache entry), but see prefill_chunk
 TREE_MARGIN = 128  # cache slots reserved beyond the output for the last step's tree
-
-
-def prefill_chunk(decoder: Any, policy: KVPolicy | None = None) -> int:
-    """Prompt tokens per prefill forward: with a KV policy, the policy's chunk; on a model that
-    prefills cut-invariantly (``NativeCausalLM.prefill_cut_invariant``), its ``cut_invariant_tokens``
-    (every token's keys and values then depend on the tokens up to it only); else ``PREFILL_CHUNK``,
-    in chunks aligned to position 0.  Everything that prefills a prompt whose output must equal a
-    ``Generation``'s (search strategies, teacher-forced passes) cuts it so."""
-    if policy is not None:
-        return POLICY_PREFILL_CHUNK
-    if getattr(decoder, "prefill_cut_invariant", False):
-        return decoder.cut_invariant_tokens
-    return PREFILL_CHUNK
-
-
-def keyed_in_blocks(decoder: Any, prefix: PrefixCache, prompt_len: int, chunk: int) -> bool:
-    """Whether a prompt of ``prompt_len`` tokens (all but the last prefilled, in forwards of
-    ``chunk``) is keyed in the prefix cache's ``BLOCK``-token blocks: where every prompt forward is
-    at most ``cut_invariant_tokens`` long (a short prompt, or any prompt on a model that prefills
-    cut-invariantly), a token's keys and values have the same bits however the prompt is cut."""
-    cut = getattr(decoder, "cut_invariant_tokens", 0)
-    end = prompt_len - 1
-    return prefix.enabled and end > 0 and (end <= min(cut, chunk) or chunk <= cut)
 
 
 @dataclass
@@ -275,20 +250,8 @@ class Generation(Task):
                 model, cache_tokens(model, len(ids), self.max_new_tokens, policy), kind=policy.cache_kind)
             self._kv = policy.start(model, cache)
         self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
-        # the prompt but its last token, in chunks aligned to position 0 (``prefill_chunk``): the
-        # same chunks whatever else runs, so a chunk's keys and values are the same bits wherever
-        # it is computed (the runner's prefix cache reuses them; see core/prefix_cache.py)
-        self._chunk = min(prefill_chunk(target, policy), cache.max_pending)
-        self._prefilled = 0
-        self._prefix_key = b""
-        self._reused = 0
-        # a prompt keyed in blocks (``keyed_in_blocks``): the longest run of them the prefix cache
-        # holds is restored (a shared system prompt, a chat's earlier turns) and the rest computed.
-        # On a model that prefills cut-invariantly the generated tokens' blocks are kept too when the
-        # generation ends: a decoding step computes a token's keys and values with a prefill's bits
-        self._fine = policy is None and keyed_in_blocks(target, self.runner.prefix_cache, len(ids), self._chunk)
-        self._keep_output = self._fine and self._chunk <= getattr(target, "cut_invariant_tokens", 0)
-        self._blocked = 0  # prompt tokens covered by blocks restored from or stored in the prefix cache
+        # the prompt but its last token, in chunks aligned to position 0, through the prefix cache
+        self.prefill = PrefillPlanner(self.runner, cache, ids, policy)
         self._ready_done = False
 
     def adopt_prompt(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -307,7 +270,7 @@ class Generation(Task):
         self._begin()
         if k.shape[3]:
             self.cache.append_committed(k, v)
-        self._prefilled = self._reused = k.shape[3]
+        self.prefill.adopt(k.shape[3])
 
     @property
     def status(self) -> Status:
@@ -326,47 +289,20 @@ class Generation(Task):
     def prefilling(self) -> bool:
         """Not finished, with prompt chunks still to run through the target (so before it started
         too, when the prompt has more than its root token)."""
-        done = self._prefilled if self._started else 0
+        done = self.prefill.prefilled if self._started else 0
         return self.result is None and done < len(self.prompt_ids) - 1
 
     def next_chunk_tokens(self) -> int:
         """About how many prompt tokens this generation's next prefill forward computes (a cost
         model's guess: blocks the prefix cache restores are not looked up)."""
-        left = len(self.prompt_ids) - 1 - (self._prefilled if self._started else 0)
-        chunk = self._chunk if self._started else prefill_chunk(self.model.model, self.kv_policy)
-        return max(min(left, chunk), 0)
+        if self._started:
+            return self.prefill.next_tokens()
+        return max(min(len(self.prompt_ids) - 1, prefill_chunk(self.model.model, self.kv_policy)), 0)
 
     def _next_prefill(self) -> "Forward | None":
-        """The next prompt chunk to compute, after taking every chunk the prefix cache has."""
-        ids, cache, prefix = self.prompt_ids, self.cache, self.runner.prefix_cache
-        end = len(ids) - 1
-        if self._fine:
-            if self._prefilled == self._blocked:  # (not after adopt_prompt)
-                self._prefix_key, s = prefix.restore_blocks(cache, ids, self._prefix_key, self._prefilled, end)
-                self._reused += s - self._prefilled
-                self._prefilled = self._blocked = s
-            if self._prefilled >= end:
-                return None
-            s = self._prefilled
-            stop = min(s + self._chunk, end)
-            want = self.proposer.prompt_features() if self.proposer is not None else 0
-            return Forward(torch.tensor(ids[s:stop], device=self.model.device),
-                           hidden=[] if want > 0 and stop > end - want else None)
-        while self._prefilled < end:
-            s = self._prefilled
-            chunk = ids[s : min(s + self._chunk, end)]
-            # a generation with a KV-cache policy neither reads nor writes the prefix cache
-            key = prefix.key(self._prefix_key, chunk) if len(chunk) == self._chunk and self._kv is None else None
-            if key is not None and prefix.restore(key, cache):
-                self._prefix_key = key
-                self._prefilled += len(chunk)
-                self._reused += len(chunk)
-                continue
-            # a proposer that reads the prompt's features gets the hidden states of its last tokens
-            want = self.proposer.prompt_features() if self.proposer is not None else 0
-            hidden = [] if want > 0 and s + len(chunk) > end - want else None
-            return Forward(torch.tensor(chunk, device=self.model.device), prefill_key=key, hidden=hidden)
-        return None
+        """The next prompt chunk to compute (``PrefillPlanner``); a proposer that reads the
+        prompt's features gets the hidden states of its last tokens."""
+        return self.prefill.next_forward(self.proposer.prompt_features() if self.proposer is not None else 0)
 
     def _ready(self) -> None:
         """After the prefill: the decoding state and the proposer (which may prefill its own)."""
@@ -494,26 +430,15 @@ class Generation(Task):
             if work.tree is None:  # a prompt chunk
                 self.cache.commit()
                 if work.hidden:
-                    self.proposer.observe_prompt(self._prefilled, work.hidden)
-                self._prefilled += work.tokens.numel()
+                    self.proposer.observe_prompt(self.prefill.prefilled, work.hidden)
+                self.prefill.computed(work)
                 if self._kv is not None:
                     self._kv.committed(range(work.tokens.numel()), "prefill" if self.prefilling else "prefill_end")
-                if work.prefill_key is not None:
-                    self._prefix_key = work.prefill_key
-                    self.runner.prefix_cache.store(work.prefill_key, self.cache, self._prefilled, work.tokens.numel())
-                elif self._fine:  # every whole block this forward computed
-                    self._keep_blocks(self.prompt_ids, self._prefilled)
                 return StepOutput("", [], False)
             return self._accept(work, logits[0])
         except BaseException:
             self._release()
             raise
-
-    def _keep_blocks(self, ids: list[int], upto: int) -> None:
-        """Store in the prefix cache every whole block of ``ids`` (the prompt, or all the tokens
-        decided so far) whose keys and values are committed below slot ``upto``."""
-        self._prefix_key, self._blocked = self.runner.prefix_cache.store_blocks(
-            self.cache, ids, self._prefix_key, self._blocked, upto)
 
     def _accept(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
         cache, proposer, tree, hidden = self.cache, self.proposer, work.tree, work.hidden
@@ -584,13 +509,13 @@ class Generation(Task):
         if not self._ready_done:  # ended during the prefill (cancelled): the proposer never began
             self._release()
             self.result = GenerationResult("", [], len(self.prompt_ids), reason,
-                                           {"method": self.method, "prefix_reused": self._reused})
+                                           {"method": self.method, "prefix_reused": self.prefill.reused})
             return StepOutput("", [], True, reason)
         try:
-            if self._keep_output:
+            if self.prefill.keep_output:
                 # the cache's committed slots hold the keys and values of the tokens decided so far
                 # (a bonus token at the end has none yet; slots past a stop are never read)
-                self._keep_blocks(self.tokens, min(self.cache.length, len(self.tokens)))
+                self.prefill.keep_blocks(self.tokens, min(self.cache.length, len(self.tokens)))
             if self.proposer is not None:
                 self.proposer.end()
         finally:
@@ -599,7 +524,7 @@ class Generation(Task):
             text = self.out.text
         stats = self.out.stats(method=self.method, new_tokens=len(self.generated), prompt_tokens=len(self.prompt_ids),
                                wall=time.perf_counter() - self._t_start, prefill_s=self._prefill_s,
-                               prefix_reused=self._reused, constrained=self.constraint is not None)
+                               prefix_reused=self.prefill.reused, constrained=self.constraint is not None)
         if self.proposer is not None:
             stats.update(self.proposer.stats())
         if self._kv is not None:

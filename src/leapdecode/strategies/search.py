@@ -35,7 +35,8 @@ import torch
 
 from ..core.batch import run_forwards
 from ..core.config import OptionsConfig
-from ..core.generate import GenerationResult, keyed_in_blocks, prefill_chunk
+from ..core.generate import GenerationResult
+from ..core.prefill import PrefillPlanner
 from ..core.task import Forward, Status, StepOutput, Task, drive
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..models.native import rms_norm
@@ -177,35 +178,20 @@ class TreeKV:
         each forward's ``hidden_states`` list (see ``Decoder.forward``), in order: every prompt
         forward's (``whole_prompt``; the prefix cache is then not read, a restored chunk has no hidden
         states), or the last token's only."""
-        ids, cache, prefix = self.prompt_ids, self.cache, self.prefix_cache
+        ids, cache = self.prompt_ids, self.cache
         every = on_hidden is not None and whole_prompt
-        end, done, key = len(ids) - 1, 0, b""
-        chunk_len = min(prefill_chunk(self.decoder), cache.max_pending)
-        # the prompt cut and keyed as a Generation cuts and keys it (core/generate.py): blocks where
-        # every forward is cut-invariant, else whole chunks
-        fine = prefix is not None and keyed_in_blocks(self.decoder, prefix, len(ids), chunk_len)
-        if fine and not every:
-            key, done = prefix.restore_blocks(cache, ids, key, 0, end)
-            self.reused += done
-        blocked = done
-        while done < end:
-            chunk = ids[done : min(done + chunk_len, end)]
-            k = prefix.key(key, chunk) if not fine and prefix is not None and len(chunk) == chunk_len else None
-            if k is not None and not every and prefix.restore(k, cache):
-                key, done, self.reused = k, done + len(chunk), self.reused + len(chunk)
-                continue
+        # the prompt cut and keyed as a Generation cuts and keys it (core/prefill.py); with ``every``
+        # each chunk is computed (a restored one has no hidden states), and still kept
+        planner = PrefillPlanner(self.runner, cache, ids, decoder=self.decoder, use_prefix=self.prefix_cache is not None,
+                                 restore=not every)
+        while (chunk := planner.next_forward(0)) is not None:
             states: list | None = [] if every else None
-            self.decoder.forward(torch.tensor([chunk], device=self.decoder.device), cache, logits_for=slice(0, 0),
-                                 hidden_states=states)
+            self.decoder.forward(chunk.tokens[None], cache, logits_for=slice(0, 0), hidden_states=states)
             if every:
                 on_hidden(states)
             cache.commit()
-            done += len(chunk)
-            if k is not None:
-                key = k
-                prefix.store(k, cache, done, len(chunk))
-            if fine:
-                key, blocked = prefix.store_blocks(cache, ids, key, blocked, done)
+            planner.computed(chunk)
+        self.reused += planner.reused
         states = [] if on_hidden is not None else None
         logits = self.decoder.forward(torch.tensor([[ids[-1]]], device=self.decoder.device), cache,
                                       hidden_states=states)
