@@ -27,8 +27,8 @@ search keeps its state on itself, never on the model.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Generator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
@@ -306,8 +306,10 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 class TreeSearch(Task):
     """A search on a runner (see the module docstring).  Subclasses implement ``begin(logits)``
-    (the root's logits: set up the first hypotheses), ``advance() -> bool`` (one round, at most one
-    ``self.tree.expand``; True when the search is over) and ``finished() -> list[Hypothesis]`` (best
+    (the root's logits: set up the first hypotheses), ``advance() -> bool`` (one round, True when
+    the search is over; a round that expands the tree with ``yield from self.tree.expand_co(...)``
+    makes ``advance`` a generator, whose forward a scheduler batches with other tasks' (at most one
+    on the target per round); one that calls ``self.tree.expand`` runs its forward itself) and ``finished() -> list[Hypothesis]`` (best
     first).  ``self.eos`` holds the model's end-of-sequence ids, ``self.generator`` a seeded CPU
     random generator."""
 
