@@ -131,17 +131,12 @@ def strategy_options(a: argparse.Namespace, where: dict[str, str] | None = None)
         return {}
     cls = strategy_spec(name).config
     options = parse_option_assignments(cls, a.strategy_option, flag="--strategy-option")
-    for key, flag in given:
-        value = getattr(a, key)
+    def known(key: str, flag: str) -> None:
         if key not in cls.option_names():
             raise LeapdecodeError(f"{flag}: strategy {name!r} has no option {key!r}; its options: "
                                   f"{', '.join(cls.option_names())}")
-        if key in options and options[key] != value:
-            raise LeapdecodeError(f"{flag} and --strategy-option {key}= disagree")
-        options[key] = value
-        if where is not None:
-            where[f"strategy_options.{key}"] = flag
-    return options
+
+    return merge_flags(a, options, given, "strategy_options", "--strategy-option", where, check=known)
 
 
 def method_options(a: argparse.Namespace, where: dict[str, str] | None = None) -> dict:
@@ -155,14 +150,25 @@ def method_options(a: argparse.Namespace, where: dict[str, str] | None = None) -
     check_method_name(a.method)
 
     options = parse_option_assignments(method_spec(a.method).config, a.option)
-    for key, flag in OPTION_FLAGS:
+    return merge_flags(a, options, OPTION_FLAGS, "options", "--option", where)
+
+
+def merge_flags(a: argparse.Namespace, options: dict, flags, path: str, option_flag: str,
+                where: dict[str, str] | None, check=None) -> dict:
+    """``options`` (from ``option_flag KEY=VALUE``) with the shortcut ``flags`` given ((key, flag)
+    pairs) merged in: a shortcut and ``option_flag`` must agree (``check(key, flag)`` first, if
+    given); ``where`` records which flag set an option (``path.key`` -> the flag)."""
+    for key, flag in flags:
         value = getattr(a, key, None)
-        if value is not None:
-            if key in options and options[key] != value:
-                raise LeapdecodeError(f"{flag} and --option {key}= disagree")
-            options[key] = value
-            if where is not None:
-                where[f"options.{key}"] = flag
+        if value is None:
+            continue
+        if check is not None:
+            check(key, flag)
+        if key in options and options[key] != value:
+            raise LeapdecodeError(f"{flag} and {option_flag} {key}= disagree")
+        options[key] = value
+        if where is not None:
+            where[f"{path}.{key}"] = flag
     return options
 
 

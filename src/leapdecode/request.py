@@ -23,7 +23,7 @@ raised it): ``--stop`` on the command line, ``stop`` on the server; ``--tree-bud
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .core.config import MethodConfig
@@ -35,8 +35,6 @@ from .errors import InvalidParameterError
 from .proposers.registry import DEFAULT_METHOD, METHODS, method_config, method_spec
 from .strategies.registry import StrategyConfig, strategy_config, strategy_spec
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "seed")
-STRUCTURE_FIELDS = ("json_schema", "regex", "grammar", "constraint")
 # the sampling filters a tree search leaves at their neutral values (it scores with log-probabilities)
 FILTERS = ("top_k", "top_p", "min_p", "typical_p", "repetition_penalty")
 
@@ -85,9 +83,6 @@ class GenerationRequest:
     kv_policy: KVPolicy | None = None
     structure: Mapping[str, Any] | None = None  # ``compile_constraint``'s keywords (one of them), not compiled
     constraint: Constraint | None = None  # one compiled already (the server's, the API's ``constraint=``)
-
-    def replace(self, **changes: Any) -> "GenerationRequest":
-        return replace(self, **changes)
 
 
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "UNSET"})()  # a field the request left out

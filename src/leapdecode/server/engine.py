@@ -431,13 +431,12 @@ class Engine:
         """One batched step of every running generation."""
         from .errors import report_internal
 
-        everything = list(self._running)
-        for r in everything:
+        running = list(self._running)  # generations, searches and parallel samples alike (core/task.py)
+        for r in running:
             if r.job.past_deadline():
                 self.cancel(r.job, "timeout")
             if r.job.cancelled:
                 r.gen.cancel()  # its next step finishes it as "cancelled"
-        running = everything  # generations, searches and parallel samples alike (core/task.py)
         if not running:
             return
         gens = [r.gen for r in running]

@@ -249,7 +249,7 @@ def resolve_request(req: "_Request", d: ServerDefaults) -> GenerationRequest:
     ext = req.leapdecode or LeapdecodeExtension()
     where = {"max_new_tokens": req.max_tokens_param}
     given = method_options(ext, where)
-    strategy_options = dict(ext.strategy_options or {}) if ext.strategy_options is not None else None
+    strategy_options = None if ext.strategy_options is None else dict(ext.strategy_options)
     if ext.strategy is not None:
         strategy_options = strategy_options or {}
         if req.n is not None:
@@ -277,7 +277,7 @@ def resolve_request(req: "_Request", d: ServerDefaults) -> GenerationRequest:
                                                                   "leapdecode.strategy_options"))
         if req.tools:
             raise verbatim(f"strategy {name!r} does not combine with tools", param="tools")
-    return request.replace(method=server_method(request.method, given, where, d))
+    return replace(request, method=server_method(request.method, given, where, d))
 
 
 # ---------------------------------------------------------------------------- requests
@@ -447,11 +447,6 @@ class _Request(BaseModel):
         if self._request.strategy is not None:
             return self._request.strategy.returns
         return self.n or 1
-
-    @property
-    def generation_request(self) -> GenerationRequest:
-        """The validated request (``request.py``), every per-prompt value aside."""
-        return self._request
 
     @property
     def strategy_config(self) -> StrategyConfig | None:

@@ -161,34 +161,20 @@ class ParallelSamples(TreeSearch):
                           {"sample": m.index, **info})
 
     # ------------------------------------------------------------ life cycle (the task protocol: core/task.py)
-    def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
+    def _round_forwards(self) -> "list[Forward] | StepOutput":
         """Every live sample's next forward (each on its own cache: one batch, with other tasks' on a
-        server), or a ``StepOutput``: the first step starts the samples here (the prompt's prefill)."""
-        if self.result is not None:
-            return self._output()
-        try:
-            if self._cancelled:
-                self._finish("cancelled")
-                return self._output()
-            if not self.members:
-                self._t0 = time.perf_counter()
-                self._start()
-                return self._output()
-            self.rounds += 1
-            self._work = []
-            for m in self.members:
-                if not m.live or self.waiting(m):
-                    continue
-                nxt = m.gen.next_forwards()
-                if isinstance(nxt, StepOutput):
-                    continue  # it ended without a forward (no room left)
-                self._work.append((m, nxt[0]))
-            if not self._work:
-                return self._round_done()
-            return [f for _, f in self._work]
-        except BaseException:
-            self.abort()
-            raise
+        server); the first step (``_start``) started the samples and prefilled the prompt."""
+        self._work = []
+        for m in self.members:
+            if not m.live or self.waiting(m):
+                continue
+            nxt = m.gen.next_forwards()
+            if isinstance(nxt, StepOutput):
+                continue  # it ended without a forward (no room left)
+            self._work.append((m, nxt[0]))
+        if not self._work:
+            return self._round_done()
+        return [f for _, f in self._work]
 
     def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
         """Each sample's verification of its forward, then the round's end (``after_round``)."""

@@ -401,24 +401,31 @@ class TreeSearch(Task):
             if self._cancelled:
                 self._finish("cancelled")
                 return self._output()
-            if self.tree is None:
+            if not self._t0:  # the first step
                 self._t0 = time.perf_counter()
-                self.generator = torch.Generator()
-                self.generator.manual_seed(self.seed if self.seed is not None
-                                           else int(torch.randint(0, 2**62, ()).item()))
-                self.tree = TreeKV(self.runner, self.prompt_ids, self.max_new_tokens, self.tree_nodes())
-                hook = self.prompt_states if self.prompt_hidden else None
-                self.begin(self.tree.prefill(hook, whole_prompt=self.prompt_hidden == "all"))
+                self._start()
                 return self._output()
             self.rounds += 1
-            rnd = self.advance()
-            if not isinstance(rnd, Generator):  # a round that ran its forwards itself
-                return self._round_over(rnd)
-            self._suspended = rnd
-            return self._resume(None)
+            return self._round_forwards()
         except BaseException:
             self.abort()
             raise
+
+    def _start(self) -> None:
+        """The first step: the random generator, the tree, the prompt's prefill and ``begin``."""
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.tree = TreeKV(self.runner, self.prompt_ids, self.max_new_tokens, self.tree_nodes())
+        hook = self.prompt_states if self.prompt_hidden else None
+        self.begin(self.tree.prefill(hook, whole_prompt=self.prompt_hidden == "all"))
+
+    def _round_forwards(self) -> "list[Forward] | StepOutput":
+        """A round's forwards: ``advance`` run up to its first ``expand_co`` (or to its end)."""
+        rnd = self.advance()
+        if not isinstance(rnd, Generator):  # a round that ran its forwards itself
+            return self._round_over(rnd)
+        self._suspended = rnd
+        return self._resume(None)
 
     def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
         try:
