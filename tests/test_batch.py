@@ -36,6 +36,7 @@ from leapdecode.api import start_generation
 from leapdecode.core.batch import Outcome, step_batch
 from leapdecode.core.cost_model import VerifyCost
 from leapdecode.core.prefill import PREFILL_CHUNK, prefill_chunk
+from leapdecode.core.kv_blocks import chain_key
 from leapdecode.core.prefix_cache import PrefixCache
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.models import qkernel
@@ -631,8 +632,8 @@ def test_prefix_cache_evicts_least_recently_used_within_its_bytes():
     block = 2 * 1 * 2 * 8 * 4 * 4 * 2  # layers, batch, kv heads, 8 tokens, head dim, fp32, k and v
     pc = PrefixCache(max_bytes=2 * block + block // 2)
     src = _filled_cache()
-    keys = [PrefixCache.key(b"", [i] * 8) for i in range(4)]
-    assert len(set(keys)) == 4 and PrefixCache.key(keys[0], [1] * 8) != keys[1]
+    keys = [chain_key(b"", [i] * 8) for i in range(4)]
+    assert len(set(keys)) == 4 and chain_key(keys[0], [1] * 8) != keys[1]
     pc.store(keys[0], src, 8, 8)
     pc.store(keys[1], src, 16, 8)
     assert len(pc) == 2 and pc.bytes_used == 2 * block
@@ -650,7 +651,7 @@ def test_prefix_cache_evicts_least_recently_used_within_its_bytes():
     assert torch.equal(dst.v[:, :, :, 8:16], src.v[:, :, :, 16:24])
     assert (pc.hits, pc.misses, pc.reused_tokens) == (2, 1, 16)
     for i in range(4):  # many more: never above max_bytes
-        pc.store(PrefixCache.key(b"x", [i]), src, 8 * (i + 1), 8)
+        pc.store(chain_key(b"x", [i]), src, 8 * (i + 1), 8)
         assert pc.bytes_used <= pc.max_bytes and len(pc) <= 2
     big = PrefixCache(max_bytes=block - 1)  # a block larger than the whole store is not kept
     big.store(keys[0], src, 8, 8)
@@ -675,7 +676,7 @@ def test_prefix_cache_disabled_and_bad_sizes():
     off = PrefixCache(0)
     assert not off.enabled
     src = _filled_cache()
-    key = PrefixCache.key(b"", [1] * 8)
+    key = chain_key(b"", [1] * 8)
     off.store(key, src, 8, 8)
     assert len(off) == 0 and off.bytes_used == 0
     assert not off.restore(key, _filled_cache(0)) and off.misses == 0

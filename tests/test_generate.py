@@ -29,7 +29,7 @@ import torch
 
 import leapdecode
 from leapdecode.cli import main
-from leapdecode.core.generate import encode_prompt
+from leapdecode.core.prompt import encode_prompt
 from leapdecode.errors import (InvalidParameterError, LeapdecodeError, ModelFileError, PromptTooLongError,
                                UnknownModelError)
 

@@ -570,7 +570,7 @@ def test_prompt_features_from_the_prefill(tiny, tmp_path, kind):
 def test_training_data_sources_chat_prompts_and_round_robin(tiny, tmp_path):
     """A JSONL's ``chat`` lines are asked through the chat template; several sources share
     --max-prompts and --text-chunks in turn."""
-    from leapdecode.core.generate import encode_prompt
+    from leapdecode.core.prompt import encode_prompt
     from leapdecode.heads_data import ChatPrompt, encode_item, file_items, interleave, plan
 
     assert interleave([[1, 2, 3], [], ["a"]]) == [1, "a", 2, 3]

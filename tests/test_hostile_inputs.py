@@ -10,7 +10,7 @@ import pytest
 
 import leapdecode
 from leapdecode import cli
-from leapdecode.core.generate import check_stop, encode_prompt
+from leapdecode.core.prompt import check_stop, encode_prompt
 from leapdecode.errors import InvalidParameterError
 from leapdecode.models.tiny import tiny_loaded
 

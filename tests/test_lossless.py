@@ -5,6 +5,9 @@ covered without touching this file.  A method that needs inputs gets them from
 ``method_inputs`` ("draft": a tiny draft model of the same tokenizer, "rest": a
 datastore built here); any other method runs with its defaults.
 
+Vanilla's output in 1. and 2. is checked against the reference loop (``core/reference.py``, vanilla
+decoding in one screen), so every method is compared with that oracle.
+
 1. Greedy (hypothesis, fp32 tiny random models): random prompts -- repetitive
    word salads so that drafters hit, short repeated units, raw token ids (bytes
    that are not UTF-8, special tokens) --, random ``max_new_tokens``, tree
@@ -62,6 +65,7 @@ from hypothesis import strategies as st
 
 import leapdecode
 from leapdecode import ModelRunner, runner_for
+from leapdecode.core.reference import reference_generate
 from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
@@ -253,11 +257,16 @@ _VANILLA: dict = {}
 
 
 def _vanilla(model, **kw):
-    """Vanilla's result for these arguments, computed once (every parametrization sees the same cases)."""
+    """Vanilla's result for these arguments, computed once (every parametrization sees the same cases),
+    checked against the reference loop (``core/reference.py``): every method compared with it below
+    is compared with the oracle."""
     key = (id(model), repr(sorted(kw.items())))
     if key not in _VANILLA:
         res = vanilla(model, None, **kw)
         check_stats(res, kw["max_new_tokens"], None, "vanilla", model)
+        params = SamplingParams(**{k: v for k, v in kw.items() if k not in ("prompt_ids", "max_new_tokens")})
+        oracle = reference_generate(model, kw["prompt_ids"], kw["max_new_tokens"], params)
+        assert (res.tokens, res.finish_reason) == oracle, (kw, _divergence(oracle[0], res.tokens))
         _VANILLA[key] = (model, res)
     return _VANILLA[key][1]
 

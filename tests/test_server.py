@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from leapdecode import generate  # noqa: E402
-from leapdecode.core.generate import encode_prompt  # noqa: E402
+from leapdecode.core.prompt import encode_prompt  # noqa: E402
 from leapdecode.errors import InvalidParameterError  # noqa: E402
 from leapdecode.models.loader import load  # noqa: E402
 from leapdecode.server import engine as engine_mod  # noqa: E402

@@ -64,7 +64,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leapdecode
-import leapdecode.core.generate as generate_module
+import leapdecode.core.committer as committer_module
+import leapdecode.core.step_planner as step_planner_module
 from leapdecode import ModelRunner
 from leapdecode.core.constraint import Constraint, RowMasks, extend_forced, prune_tree, unprune
 from leapdecode.core.generate import Generation
@@ -940,7 +941,7 @@ def _record_steps(monkeypatch, gen: Generation) -> list:
         steps.append((len(gen.generated), tree, v))
         return v
 
-    monkeypatch.setattr(generate_module, "verify", spy)
+    monkeypatch.setattr(committer_module, "verify", spy)
     return steps
 
 
@@ -1005,7 +1006,7 @@ def test_proposers_observe_their_own_trees(tiny, fresh_runner, monkeypatch, temp
         pruned[0] += kept is not None
         return out, kept
 
-    monkeypatch.setattr(generate_module, "prune_tree", prune_spy)
+    monkeypatch.setattr(step_planner_module, "prune_tree", prune_spy)
     for method, options in (("draft", {"draft": "copy"}), ("draft", {"draft": "noisy"}), ("auto", {"draft": "noisy"}),
                             ("lookahead", {}), ("recycling", {})):
         gen = leapdecode.start_generation(runner, "hello", method=method, options=options, json_schema=PERSON,
@@ -1213,7 +1214,7 @@ def _draft_outcomes(monkeypatch) -> Counter:
             stats["accepted"] += any(tree.sources[i] != "grammar" for i in v.accepted)
         return v
 
-    monkeypatch.setattr(generate_module, "verify", spy)
+    monkeypatch.setattr(committer_module, "verify", spy)
     return stats
 
 
@@ -1297,7 +1298,7 @@ def test_distribution_sampled_draft_tree(tiny, fresh_runner, chi2, monkeypatch):
             leaves["nodes"] += 1
         return out, kept
 
-    monkeypatch.setattr(generate_module, "prune_tree", prune_spy)
+    monkeypatch.setattr(step_planner_module, "prune_tree", prune_spy)
     drafts = _draft_outcomes(monkeypatch)
     # draft_vocab=64: the draft samples from the 64 lowest ids and the prompt's tokens, so it never
     # draws an EOS (see test_bug_sampled_eos_draft_is_accepted)

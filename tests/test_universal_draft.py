@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import leapdecode
 from leapdecode import ModelRunner, generate, runner_for
-from leapdecode.core.generate import encode_prompt
+from leapdecode.core.prompt import encode_prompt
 from leapdecode.errors import InvalidParameterError
 from leapdecode.models.loader import LoadedModel
 from leapdecode.models.tiny import byte_tokenizer, tiny_loaded, tiny_native

@@ -38,7 +38,8 @@ from typing import Any
 
 from .core.config import MethodConfig
 from .core.constraint import Constraint
-from .core.generate import Generation, GenerationResult, encode_prompt
+from .core.generate import Generation, GenerationResult
+from .core.prompt import encode_prompt
 from .core.kv_policy import KVPolicy
 from .core.runner import ModelRunner, runner_for
 from .errors import InvalidParameterError

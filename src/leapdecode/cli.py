@@ -122,7 +122,7 @@ def _chat_line() -> str:
 
 def cmd_chat(a: argparse.Namespace) -> int:
     from .api import runner_for, start_request
-    from .core.generate import check_text
+    from .core.prompt import check_text
 
     request = decoding_request(a)
     model = load_from_args(a)

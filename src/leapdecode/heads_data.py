@@ -246,7 +246,7 @@ def _chunk_items(tok, source: str, texts: list[str], seq_len: int, key_source: s
 
 # ------------------------------------------------------------------ the target's side
 def encode_item(target, prompt) -> list[int]:
-    from .core.generate import encode_prompt
+    from .core.prompt import encode_prompt
 
     if isinstance(prompt, ChatPrompt):
         return encode_prompt(target, prompt.text, chat=True)

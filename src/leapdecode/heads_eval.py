@@ -59,7 +59,7 @@ def eval_sequences(target, layers: list[int], sets: dict[str, list], tokens: int
     """Per set, each prompt's sequence (prompt and the target's greedy continuation), labels, final
     features and the ``layers``' states, from the model cache when an earlier run made them."""
     from .api import generate
-    from .core.generate import encode_prompt
+    from .core.prompt import encode_prompt
     from .heads_data import sequence_features
 
     ident = json.dumps([fingerprint(target), list(layers), tokens,

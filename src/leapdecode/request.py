@@ -28,7 +28,7 @@ from typing import Any
 
 from .core.config import MethodConfig
 from .core.constraint import Constraint
-from .core.generate import check_max_new_tokens, check_stop
+from .core.prompt import check_max_new_tokens, check_stop
 from .core.kv_policy import KVPolicy, parse_kv_policy
 from .core.sampling import SamplingParams
 from .errors import InvalidParameterError

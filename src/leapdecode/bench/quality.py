@@ -377,7 +377,7 @@ def pass_at_1(records: list[dict]) -> float | None:
 
 # ---------------------------------------------------------------------- running
 def _encode(loaded, problem: Problem) -> list[int]:
-    from ..core.generate import encode_prompt
+    from ..core.prompt import encode_prompt
 
     if problem.chat and getattr(loaded.tokenizer, "chat_template", None):
         return encode_prompt(loaded, [{"role": "user", "content": problem.prompt}])

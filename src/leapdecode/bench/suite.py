@@ -97,7 +97,7 @@ def _commit() -> str | None:
 def encode_turn(loaded, q: Question, history: list[dict], turn: str) -> list[int]:
     """Token ids of one turn: through the chat template (with the history) for chat
     workloads, the plain text for completion workloads or models without a template."""
-    from ..core.generate import encode_prompt
+    from ..core.prompt import encode_prompt
 
     if q.chat and getattr(loaded.tokenizer, "chat_template", None):
         return encode_prompt(loaded, [*history, {"role": "user", "content": turn}])

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from ..core.constraint import Constraint
-from ..core.generate import Generation, GenerationResult, check_max_new_tokens, encode_prompt
+from ..core.generate import Generation, GenerationResult
+from ..core.prompt import check_max_new_tokens, encode_prompt
 from ..core.prefill import prefill_chunk
 from ..core.runner import ModelRunner, runner_for
 from ..core.sampling import SamplingParams

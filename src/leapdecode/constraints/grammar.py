@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..core.constraint import Constraint
-from ..core.generate import check_text
+from ..core.prompt import check_text
 from ..errors import GrammarError, InvalidParameterError, MissingExtraError
 
 COMPILE_TIMEOUT_S = 10.0  # wall-clock bound on compiling one grammar

@@ -336,6 +336,20 @@ def parse_kv_policy(spec: "str | KVPolicy | None") -> "KVPolicy | None":
     return cls(**values)
 
 
+def check_policy(policy: Any, model: Any) -> "KVPolicy | None":
+    """``policy`` if a generation on ``model`` can run it: a policy config (or None), on the
+    native backend (the policies hook its cache)."""
+    if policy is None:
+        return None
+    if not isinstance(policy, KVPolicy):
+        raise InvalidParameterError(f"kv_policy must be a KV-cache policy config (core/kv_policy.py), got "
+                                    f"{type(policy).__name__}")
+    if getattr(model, "backend", None) != "native":
+        raise InvalidParameterError(f"kv_policy needs the native backend ({model.name} runs on "
+                                    f"{getattr(model, 'backend', '?')!r})")
+    return policy
+
+
 # ---------------------------------------------------------------------------- scoring
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int) -> torch.Tensor:
     """The attention of ``n`` queries over committed keys, as the model computed it: ``q``

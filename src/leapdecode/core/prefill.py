@@ -4,11 +4,10 @@ The prompt but its last token (the first step's root) runs in chunks aligned to 
 (``prefill_chunk``): the same chunks whatever else runs, so a chunk's keys and values are the same
 bits wherever it is computed, and the runner's prefix cache (``core/prefix_cache.py``) can reuse
 them exactly.  ``PrefillPlanner`` decides the next chunk to compute after taking every chunk the
-prefix cache holds, and keeps what the generation computed: whole chunks keyed by their prefix, or,
-on a model that prefills cut-invariantly (``keyed_in_blocks``), 16-token blocks of the prompt and,
-at the end, of the generated tokens too (a decoding step computes a token's keys and values with a
-prefill's bits there).  It commits nothing and runs nothing: the generation runs the forward,
-commits it and tells the planner (``computed``).
+prefix cache holds, and keeps what the generation computed, under the keys of the sequence's
+``BlockTable`` (the runner's block manager, ``core/kv_blocks.py``: whole chunks, or 16-token blocks
+of the prompt and, at the end, of the generated tokens too).  It commits nothing and runs nothing:
+the generation runs the forward, commits it and tells the planner (``computed``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from .kv_policy import PREFILL_CHUNK as POLICY_PREFILL_CHUNK
 from .kv_policy import KVPolicy
-from .prefix_cache import PrefixCache
+from .kv_blocks import BlockTable
 from .task import Forward
 
 if TYPE_CHECKING:
@@ -41,16 +40,6 @@ def prefill_chunk(decoder: Any, policy: KVPolicy | None = None) -> int:
     return PREFILL_CHUNK
 
 
-def keyed_in_blocks(decoder: Any, prefix: PrefixCache, prompt_len: int, chunk: int) -> bool:
-    """Whether a prompt of ``prompt_len`` tokens (all but the last prefilled, in forwards of
-    ``chunk``) is keyed in the prefix cache's ``BLOCK``-token blocks: where every prompt forward is
-    at most ``cut_invariant_tokens`` long (a short prompt, or any prompt on a model that prefills
-    cut-invariantly), a token's keys and values have the same bits however the prompt is cut."""
-    cut = getattr(decoder, "cut_invariant_tokens", 0)
-    end = prompt_len - 1
-    return prefix.enabled and end > 0 and (end <= min(cut, chunk) or chunk <= cut)
-
-
 class PrefillPlanner:
     """The prefill of ``prompt_ids`` into ``cache`` through ``runner``'s prefix cache (see the
     module docstring).  ``policy``: a KV-cache policy (its generation neither reads nor writes
@@ -63,18 +52,13 @@ class PrefillPlanner:
         # prompt forward's hidden states), still keeping them in the prefix cache
         target = runner.model.model if decoder is None else decoder
         self.runner, self.cache, self.ids, self.device = runner, cache, prompt_ids, target.device
-        self.prefix = runner.prefix_cache if use_prefix else None
         self.restore = restore
         self.chunk = min(prefill_chunk(target, policy), cache.max_pending)
         self.prefilled = 0  # prompt tokens in the cache (computed or restored)
         self.reused = 0  # of which restored from the prefix cache
-        self.key = b""  # the prefix cache's key of the prompt up to ``prefilled`` (or the last block kept)
-        self.blocked = 0  # tokens covered by blocks restored from or stored in the prefix cache
-        self.policy = policy
-        self.fine = policy is None and self.prefix is not None and keyed_in_blocks(target, self.prefix, len(prompt_ids),
-                                                                                  self.chunk)
-        # the generated tokens' blocks are kept too at the end (see the module docstring)
-        self.keep_output = self.fine and self.chunk <= getattr(target, "cut_invariant_tokens", 0)
+        # the sequence's keys in the runner's prefix cache (None: nothing restored or kept)
+        self.blocks: BlockTable | None = runner.blocks.table(target, len(prompt_ids), self.chunk, policy) \
+            if use_prefix else None
 
     @property
     def end(self) -> int:
@@ -93,16 +77,21 @@ class PrefillPlanner:
         """About how many prompt tokens the next forward computes (blocks to restore not looked up)."""
         return max(min(self.end - self.prefilled, self.chunk), 0)
 
+    @property
+    def keeps_output(self) -> bool:
+        """The generation keeps its output's blocks in the prefix cache at its end (``keep_decided``)."""
+        return self.blocks is not None and self.blocks.keep_output
+
     def next_forward(self, features: int) -> Forward | None:
         """The next prompt chunk to compute, after taking every chunk the prefix cache has (None:
         the prefill is done).  ``features``: the proposer reads the hidden states of the prompt's
         last ``features`` tokens (the forwards that hold them ask for them)."""
-        ids, cache, prefix, end = self.ids, self.cache, self.prefix, self.end
-        if self.fine:
-            if self.restore and self.prefilled == self.blocked:  # (not after adopt)
-                self.key, s = prefix.restore_blocks(cache, ids, self.key, self.prefilled, end)
+        ids, cache, blocks, end = self.ids, self.cache, self.blocks, self.end
+        if blocks is not None and blocks.in_blocks:
+            if self.restore and self.prefilled == blocks.covered:  # (not after adopt)
+                s = blocks.restore_blocks(cache, ids, end)
                 self.reused += s - self.prefilled
-                self.prefilled = self.blocked = s
+                self.prefilled = s
             if self.prefilled >= end:
                 return None
             s = self.prefilled
@@ -112,10 +101,8 @@ class PrefillPlanner:
         while self.prefilled < end:
             s = self.prefilled
             chunk = ids[s : min(s + self.chunk, end)]
-            whole = prefix is not None and len(chunk) == self.chunk and self.policy is None
-            key = prefix.key(self.key, chunk) if whole else None
-            if key is not None and self.restore and prefix.restore(key, cache):
-                self.key = key
+            key = blocks.chunk_key(chunk) if blocks is not None and len(chunk) == self.chunk else None
+            if key is not None and self.restore and blocks.restore_chunk(key, cache, len(chunk)):
                 self.prefilled += len(chunk)
                 self.reused += len(chunk)
                 continue
@@ -127,12 +114,12 @@ class PrefillPlanner:
         """``work``'s chunk is committed to the cache: count it, and keep it in the prefix cache."""
         self.prefilled += work.tokens.numel()
         if work.prefill_key is not None:
-            self.key = work.prefill_key
-            self.prefix.store(work.prefill_key, self.cache, self.prefilled, work.tokens.numel())
-        elif self.fine:  # every whole block this forward computed
-            self.keep_blocks(self.ids, self.prefilled)
+            self.blocks.keep_chunk(work.prefill_key, self.cache, self.prefilled, work.tokens.numel())
+        elif self.blocks is not None and self.blocks.in_blocks:  # every whole block this forward computed
+            self.blocks.keep_blocks(self.cache, self.ids, self.prefilled)
 
-    def keep_blocks(self, ids: list[int], upto: int) -> None:
-        """Store in the prefix cache every whole block of ``ids`` (the prompt, or all the tokens
-        decided so far) whose keys and values are committed below slot ``upto``."""
-        self.key, self.blocked = self.prefix.store_blocks(self.cache, ids, self.key, self.blocked, upto)
+    def keep_decided(self, ids: list[int], upto: int) -> None:
+        """At the generation's end: keep every whole block of ``ids`` (all the tokens decided) whose
+        keys and values are committed below slot ``upto`` (a model keyed in blocks that prefills
+        cut-invariantly computes a decoded token's keys and values with a prefill's bits)."""
+        self.blocks.keep_blocks(self.cache, ids, upto)

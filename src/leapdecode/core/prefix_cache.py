@@ -16,28 +16,16 @@ function of the tokens up to its end only, and that is exactly what the key hash
 that finds its first j chunks here copies them into its cache and computes the rest as it
 would have anyway.  Greedy output with a hit is bitwise the output without (tested).
 
-Short prompts get finer blocks where that stays exact.  On a *cut-invariant* model (quantized
-weights on the batch-invariant kernels with the invariant attention: a forward of up to
-``NativeCausalLM.cut_invariant_tokens`` (64) tokens computes each token's keys and values with
-the same bits however the prompt is cut) a prompt of at most that many tokens before its root is
-keyed in blocks of ``BLOCK`` (16) tokens, on a key chain of its own: a request restores
-the longest run of blocks stored here (a chat template's system prompt, shared by every chat
-request) and computes the rest.  A model that also prefills cut-invariantly
-(``NativeCausalLM.prefill_cut_invariant``: every prompt in forwards of at most that many tokens,
-where no layer measured faster on its bf16 prefill copy) keys every prompt so, whatever its
-length; and since a decoding step then computes a token's keys and values with the bits a
-prefill would, a generation stores its output's whole blocks too when it ends (the multi-turn
-reuse of SGLang's RadixAttention, exactly): a chat's next turn, whose prompt holds the earlier
-turns and answers, restores them and computes only what is new.  Other models use whole chunks
-only (a prefix shorter than a chunk is not reused).  Least recently used out past
+Short prompts get finer blocks where that stays exact: 16-token blocks on a cut-invariant model,
+and a generation's output blocks too where the model prefills cut-invariantly (SGLang's multi-turn
+reuse, exactly).  Which keys a sequence uses is the runner's block manager's business
+(``core/kv_blocks.py``); this module is the store the keys point into.  Least recently used out past
 ``max_bytes``.  One store per runner (one target model).
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -47,12 +35,11 @@ if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
 
 DEFAULT_BYTES = 512 * 2**20
-BLOCK = 16  # tokens per entry of a prompt (and an output) on a cut-invariant model
-BLOCKS_KEY = b"blocks of 16"  # what the key chain of such blocks starts from (whole chunks' starts from b"")
 
 
 class PrefixCache:
-    """KV blocks of whole prompt chunks, keyed by a hash of the tokens up to the chunk's end."""
+    """Blocks of keys and values under the block manager's keys (``core/kv_blocks.py``: a hash of
+    every token up to the block's end), least recently used out past ``max_bytes``."""
 
     def __init__(self, max_bytes: int = DEFAULT_BYTES) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
@@ -75,11 +62,6 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    @staticmethod
-    def key(previous: bytes, chunk: list[int]) -> bytes:
-        """The key of a chunk that follows the chunks keyed ``previous`` (``b""`` for the first)."""
-        return hashlib.blake2b(previous + array("q", chunk).tobytes(), digest_size=16).digest()
 
     def restore(self, key: bytes, cache: "KVCache") -> bool:
         """Append the block ``key`` to ``cache``'s committed tokens if it is here."""
@@ -112,27 +94,6 @@ class PrefixCache:
             while self._bytes > self.max_bytes:
                 _, (k0, v0) = self._blocks.popitem(last=False)
                 self._bytes -= k0.numel() * k0.element_size() * 2
-
-    def restore_blocks(self, cache: "KVCache", ids: list[int], key: bytes, start: int, end: int) -> tuple[bytes, int]:
-        """Append to ``cache`` the longest run of ``BLOCK``-token blocks of ``ids`` stored here, from
-        ``start`` (a block boundary whose chain key is ``key``: ``b""`` at 0) to at most ``end``;
-        returns the chain key and position after the last block restored."""
-        while start + BLOCK <= end:
-            k = self.key(key or BLOCKS_KEY, ids[start : start + BLOCK])
-            if not self.restore(k, cache):
-                break
-            key, start = k, start + BLOCK
-        return key, start
-
-    def store_blocks(self, cache: "KVCache", ids: list[int], key: bytes, start: int, upto: int) -> tuple[bytes, int]:
-        """Keep every whole ``BLOCK`` of ``ids`` from ``start`` (a block boundary with chain key
-        ``key``) whose keys and values are committed in ``cache`` below slot ``upto``; returns the
-        chain key and position after the last block."""
-        while start + BLOCK <= upto:
-            key = self.key(key or BLOCKS_KEY, ids[start : start + BLOCK])
-            self.store(key, cache, start + BLOCK, BLOCK)
-            start += BLOCK
-        return key, start
 
     def clear(self) -> None:
         with self._lock:

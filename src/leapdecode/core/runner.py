@@ -9,8 +9,8 @@ In the spirit of gpt-fast's ``setup_caches`` and vLLM's model runner, the runner
 * the draft models a method may use: loaded by the caller that builds the proposer (the API
   or the server at start-up), never by a proposer; a runner can refuse to load more
   (``allow_draft_loading=False``: the server loads its drafts at start-up only);
-* the prefix cache: the KV of whole prompt chunks, reused by later prompts that start alike
-  (``core/prefix_cache.py``; exact);
+* the prefix cache and its block manager: the KV of prompt chunks and blocks, reused by later
+  prompts that start alike (``core/prefix_cache.py``, ``core/kv_blocks.py``; exact);
 * a bounded proposer memory: what methods learn across generations on this target (bandit
   statistics, acceptance calibration, n-gram pools, datastores), least recently used first out.
 
@@ -27,6 +27,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..errors import InvalidParameterError
+from .kv_blocks import KVBlockManager
 from .prefix_cache import DEFAULT_BYTES as DEFAULT_PREFIX_BYTES
 from .prefix_cache import PrefixCache
 
@@ -105,7 +106,7 @@ class ModelRunner:
         # the value of ``_RUNNERS``' weak key, kept every model ever used resident)
         self._model = None if weak_model else model
         self._model_ref = weakref.ref(model) if weak_model else None
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.blocks = KVBlockManager(PrefixCache(prefix_cache_bytes))  # block keys over the prefix cache
         self.memory = ProposerMemory(memory_entries)
         self.allow_draft_loading = allow_draft_loading
         self._drafts: dict[str, "LoadedModel"] = {}
@@ -124,6 +125,15 @@ class ModelRunner:
         if model is None:
             raise ReferenceError("this runner's model was garbage-collected")
         return model
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The store of the block manager's KV blocks."""
+        return self.blocks.store
+
+    @prefix_cache.setter
+    def prefix_cache(self, store: PrefixCache) -> None:
+        self.blocks.store = store
 
     def __repr__(self) -> str:
         return f"ModelRunner({self.model.name!r}, drafts={sorted(self._drafts)}, busy_caches={len(self._busy)})"

@@ -19,7 +19,7 @@ from typing import Callable, Literal
 from fastapi import Request
 
 from ..core.config import MethodConfig
-from ..core.generate import encode_prompt
+from ..core.prompt import encode_prompt
 from ..core.runner import ModelRunner
 from ..errors import InvalidParameterError
 from .config import ServerConfig

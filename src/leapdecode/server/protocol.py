@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, 
 from pydantic_core import PydanticCustomError
 
 from ..core.config import MethodConfig
-from ..core.generate import CHAT_ROLES
+from ..core.prompt import CHAT_ROLES
 from ..core.kv_policy import KVPolicy, parse_kv_policy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
