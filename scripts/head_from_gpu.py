@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import leapdecode  # noqa: E402
 from leapdecode.bench.workloads import held_apart  # noqa: E402
-from leapdecode.heads_data import humaneval_prompts  # noqa: E402
-from leapdecode.heads_train import Recipe, validate  # noqa: E402
+from leapdecode.training.data import humaneval_prompts  # noqa: E402
+from leapdecode.training.train import Recipe, validate  # noqa: E402
 from leapdecode.proposers.heads import KINDS, install, save_head  # noqa: E402
 from leapdecode.proposers.heads.common import fingerprint  # noqa: E402
 

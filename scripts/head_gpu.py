@@ -15,7 +15,7 @@ the GPU) and, all under one deadline:
 3. runs every sequence once more with hidden states: the feature after the final norm, the
    target's greedy token at every position (the labels) and, for EAGLE-3, the chosen layers'
    hidden states (indices as in `Eagle3Head`: 0 the embedding output, `i` layer `i`'s output);
-4. trains the head with leapdecode's own losses (`heads_train.eagle_loss`: EAGLE-3's
+4. trains the head with leapdecode's own losses (`leapdecode.training.train.eagle_loss`: EAGLE-3's
    training-time test, or EAGLE's feature regression) on windows drawn in proportion to length,
    AdamW with warm-up and a cosine decay over the time left, a few sequences held apart for
    the top-1 accuracy of each unrolled step.
@@ -50,9 +50,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from leapdecode.heads_data import user_turn_prefix  # noqa: E402
-from leapdecode.heads_eval import chain_hits  # noqa: E402
-from leapdecode.heads_train import eagle_loss, optimizer_step  # noqa: E402
+from leapdecode.training.data import user_turn_prefix  # noqa: E402
+from leapdecode.training.accuracy import chain_hits  # noqa: E402
+from leapdecode.training.train import eagle_loss, optimizer_step  # noqa: E402
 from leapdecode.models.registry import DEFAULT_MODEL, get_entry  # noqa: E402
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, default_layers  # noqa: E402
 from leapdecode.proposers.heads.store import read_head  # noqa: E402

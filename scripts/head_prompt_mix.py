@@ -157,7 +157,7 @@ def stdlib_functions(limit_files: int = 400) -> list[tuple[str, str]]:
 
 def humaneval_items() -> list[dict]:
     from leapdecode.bench.workloads import held_apart
-    from leapdecode.heads_data import humaneval_prompts
+    from leapdecode.training.data import humaneval_prompts
 
     out = []
     for i, p in enumerate(humaneval_prompts()):

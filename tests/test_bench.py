@@ -197,7 +197,7 @@ def test_humaneval_workload():
     assert qs[0].question_id == "HumanEval/0" and qs[0].category == "humaneval"
     assert not qs[0].chat and qs[0].turns[0].lstrip().startswith(("def ", "from ", "import "))
     # --workload humaneval-heldout: the problems train-head never trains on (heads_data uses held_apart)
-    from leapdecode import heads_data
+    from leapdecode.training import data as heads_data
     from leapdecode.bench.workloads import held_apart, load_workload
 
     held, _ = load_workload("humaneval-heldout")

@@ -23,8 +23,8 @@ from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import HeadMismatchError, InvalidParameterError
-from leapdecode.heads_eval import chain_hits
-from leapdecode.heads_train import eagle_loss
+from leapdecode.training.accuracy import chain_hits
+from leapdecode.training.train import eagle_loss
 from leapdecode.proposers.heads.eagle import ttt_outputs
 from leapdecode.models.qkernel import kernel_problem
 from leapdecode.proposers import METHODS
@@ -126,7 +126,7 @@ def test_training_time_test_planted_mask_error_is_caught(tiny, monkeypatch):
         m = real_ones(*shape, **kw)
         return m.triu() if kw.get("dtype") is torch.bool and len(shape) == 2 and shape[0] == shape[1] == t else m
 
-    import leapdecode.heads_train as ht
+    import leapdecode.training.train as ht
 
     monkeypatch.setattr(ht.torch, "ones", leaky_ones)
     with torch.no_grad():

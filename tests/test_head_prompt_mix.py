@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from leapdecode.bench.workloads import held_apart
-from leapdecode.heads_data import humaneval_prompts
+from leapdecode.training.data import humaneval_prompts
 
 from conftest import load_script
 

@@ -15,9 +15,10 @@ from leapdecode.bench.results_page import head_table, heads_section, read_head_r
 from leapdecode.bench.workloads import WorkloadError, find_default_workload
 from leapdecode.cli import main as cli_main
 from leapdecode.errors import HeadMismatchError, InvalidParameterError
-from leapdecode import heads_data, heads_eval
-from leapdecode.heads_data import Shards, extract, plan
-from leapdecode.heads_train import CHECKPOINT, Recipe, default_workdir, new_head, train_head
+from leapdecode.training import accuracy as heads_eval
+from leapdecode.training import data as heads_data
+from leapdecode.training.data import Shards, extract, plan
+from leapdecode.training.train import CHECKPOINT, Recipe, default_workdir, new_head, train_head
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.eagle import Eagle3Head
 

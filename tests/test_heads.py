@@ -29,7 +29,7 @@ from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.errors import HeadFileError, HeadMismatchError, HeadNotFoundError, InvalidParameterError
-from leapdecode.heads_train import CHECKPOINT, Recipe, train_head
+from leapdecode.training.train import CHECKPOINT, Recipe, train_head
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads import EagleHead, EagleProposer, MedusaHeads, MedusaProposer
 from leapdecode.proposers.heads.common import fingerprint
@@ -571,7 +571,7 @@ def test_training_data_sources_chat_prompts_and_round_robin(tiny, tmp_path):
     """A JSONL's ``chat`` lines are asked through the chat template; several sources share
     --max-prompts and --text-chunks in turn."""
     from leapdecode.core.prompt import encode_prompt
-    from leapdecode.heads_data import ChatPrompt, encode_item, file_items, interleave, plan
+    from leapdecode.training.data import ChatPrompt, encode_item, file_items, interleave, plan
 
     assert interleave([[1, 2, 3], [], ["a"]]) == [1, "a", 2, 3]
     data = tmp_path / "d.jsonl"

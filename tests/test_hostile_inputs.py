@@ -115,7 +115,7 @@ def test_an_output_path_that_cannot_be_written_is_named_before_any_work(argv, tm
 def test_train_head_refuses_bad_layers_and_malformed_data_before_any_work(tmp_path, lm):
     """Issue 45 (probes T07, T11): `--eagle-layers 999` was refused only after the whole
     self-distillation; a malformed JSONL `--data` file was a JSONDecodeError traceback."""
-    from leapdecode.heads_train import Recipe, train_head
+    from leapdecode.training.train import Recipe, train_head
 
     with pytest.raises(InvalidParameterError, match="--eagle-layers"):
         train_head(lm, Recipe(kind="eagle3", eagle_layers=(999,)), tmp_path / "a", progress=False,

@@ -388,3 +388,23 @@ def test_a_planted_dynamic_import_is_caught(monkeypatch, tmp_path):
     f.write_text("import importlib\n\ndef f():\n    return importlib.import_module('leapdecode.cli')\n")
     monkeypatch.setitem(MODULES, f"{PKG}.api", f)
     assert dynamic_imports(f"{PKG}.api") == [4]
+
+
+ALIASES = {  # a deprecated path -> where its module moved (issue 48)
+    "strategies.grammar": "constraints.grammar", "strategies.asap": "constraints.asap",
+    "heads_data": "training.data", "heads_train": "training.train", "heads_eval": "training.accuracy",
+    "heads_cli": "training.cli",
+}
+
+
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_a_moved_module_keeps_its_old_path_with_a_deprecation_warning(old, monkeypatch):
+    import importlib
+    import sys
+
+    new = importlib.import_module(f"{PKG}.{ALIASES[old]}")
+    monkeypatch.delitem(sys.modules, f"{PKG}.{old}", raising=False)  # imported afresh: it warns again
+    with pytest.warns(DeprecationWarning, match=f"{PKG}.{old} moved to {PKG}.{ALIASES[old]}"):
+        alias = importlib.import_module(f"{PKG}.{old}")
+    public = [n for n in vars(new) if not n.startswith("_") and getattr(vars(new)[n], "__module__", None) == new.__name__]
+    assert public and all(getattr(alias, n) is getattr(new, n) for n in public)

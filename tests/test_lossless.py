@@ -69,7 +69,7 @@ from leapdecode.core.reference import reference_generate
 from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.proposers import METHODS, build_proposer, method_config
 from leapdecode.proposers.datastore import build_datastore
-from leapdecode.heads_train import Recipe, train_head
+from leapdecode.training.train import Recipe, train_head
 from leapdecode.proposers.heads import HydraHeads, MedusaHeads, save_head
 from leapdecode.proposers.heads.common import fingerprint
 

@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from . import datastore_cli, diffusion_cli, doctor, heads_cli
+from . import datastore_cli, diffusion_cli, doctor
+from .training import cli as heads_cli
 from .bench import cli as bench_cli
 from .bench import results_page
 from .cli_args import (DIFFUSION_UNSUPPORTED, add_decoding_args, add_model_args, decoding_request,

@@ -180,7 +180,7 @@ def plot_name(s: dict) -> str:
 
 
 HEADS_DIR = "heads"  # docs/results/heads/: `leapdecode heads accuracy --save` reports
-DEV_SET, HUMANEVAL_SET = "spec-bench dev", "humaneval held-apart"  # (heads_eval's set names)
+DEV_SET, HUMANEVAL_SET = "spec-bench dev", "humaneval held-apart"  # (training.accuracy's set names)
 
 
 def read_head_reports(directory: Path) -> list[dict]:

@@ -95,7 +95,9 @@ class Generation(Task):
         self.planner = StepPlanner(proposer, constraint, self.tree_budget, model.device, self.out)
         self.result: GenerationResult | None = None
         self._kv: PolicyState | None = None
-        self._cancelled = self._started = self._ready_done = self._closed = False
+        # where its life is: WAITING, PREFILLING (a cache taken), DECODING (the proposer began), FINISHED
+        self._stage = Status.WAITING
+        self._cancelled = self._closed = False  # a cancel asked for; the cache given back
         self.cache = None
 
     # -------------------------------------------------------------- control
@@ -125,28 +127,26 @@ class Generation(Task):
 
     @property
     def status(self) -> Status:
-        if self.result is not None:
-            return Status.FINISHED
-        if not self._started:
-            return Status.WAITING
+        if self.result is not None or self._stage is Status.WAITING:
+            return Status.FINISHED if self.result is not None else Status.WAITING
         return Status.PREFILLING if self.prefilling else Status.DECODING
 
     @property
     def decoding(self) -> bool:
         """Started, prompt prefilled, not finished: its next forward is a decoding step."""
-        return self._started and self.result is None and not self.prefilling
+        return self._stage is not Status.WAITING and self.result is None and not self.prefilling
 
     @property
     def prefilling(self) -> bool:
         """Not finished, with prompt chunks still to run through the target (so before it started
         too, when the prompt has more than its root token)."""
-        done = self.prefill.prefilled if self._started else 0
+        done = self.prefill.prefilled if self._stage is not Status.WAITING else 0
         return self.result is None and done < len(self.prompt_ids) - 1
 
     def next_chunk_tokens(self) -> int:
         """About how many prompt tokens this generation's next prefill forward computes (a cost
         model's guess: blocks the prefix cache restores are not looked up)."""
-        if self._started:
+        if self._stage is not Status.WAITING:
             return self.prefill.next_tokens()
         return max(min(len(self.prompt_ids) - 1, prefill_chunk(self.model.model, self.kv_policy)), 0)
 
@@ -168,9 +168,9 @@ class Generation(Task):
 
     def _begin(self) -> None:
         """The cache slot, the random generator and the prefill plan (no forward yet)."""
-        if self._started:
+        if self._stage is not Status.WAITING:
             return
-        self._started = True
+        self._stage = Status.PREFILLING
         model, params, ids, policy = self.model, self.params, self.prompt_ids, self.kv_policy
         self._t_start = time.perf_counter()
         self.generator = gen = torch.Generator(device=model.model.device)
@@ -191,7 +191,7 @@ class Generation(Task):
         cache after its prefill), copied into this generation's cache instead of computing them.
         Exact: a prefill is the same position-0-aligned chunks wherever it runs, so the copy holds
         the bits this generation would have computed.  Before the first step, without a KV policy."""
-        if self._started:
+        if self._stage is not Status.WAITING:
             raise RuntimeError("adopt_prompt must come before the generation starts")
         if self.kv_policy is not None:
             raise InvalidParameterError("a generation with a kv_policy prefills its own prompt")
@@ -210,9 +210,9 @@ class Generation(Task):
 
     def _ready(self) -> None:
         """After the prefill: the decoding state and the proposer (which may prefill its own)."""
-        if self._ready_done:
+        if self._stage is not Status.PREFILLING:
             return
-        self._ready_done = True
+        self._stage = Status.DECODING
         try:
             self._prefill_s = time.perf_counter() - self._t_start
             self.tokens = list(self.prompt_ids)  # decided so far; the last one is the root (not yet in the cache)
@@ -311,9 +311,12 @@ class Generation(Task):
     def _finish(self, reason: str, text: str | None = None) -> StepOutput:
         if self.result is not None:
             return StepOutput("", [], True, self.result.finish_reason)
-        if not self._ready_done:  # ended before or during the prefill: the proposer never began
+        stage, self._stage = self._stage, Status.FINISHED
+        if stage is not Status.DECODING:  # ended before or during the prefill: the proposer never began
             self._release()
-            stats = {"method": self.method} | ({"prefix_reused": self.prefill.reused} if self._started else {})
+            stats = {"method": self.method}
+            if stage is Status.PREFILLING:
+                stats["prefix_reused"] = self.prefill.reused
             self.result = GenerationResult("", [], len(self.prompt_ids), reason, stats)
             return StepOutput("", [], True, reason)
         try:
@@ -354,7 +357,7 @@ class Generation(Task):
 
     def __del__(self) -> None:  # an abandoned generation still returns its cache slot
         try:
-            if self._started and not self._closed:
+            if self._stage is not Status.WAITING and not self._closed:
                 self._release()
         except Exception:
             pass

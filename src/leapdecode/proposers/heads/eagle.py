@@ -44,7 +44,7 @@ is not the last layer's alone but a fusion of a low, a middle and a high layer o
 large model hold outlier dimensions) and concatenated, then projected back to the hidden width
 (``fuse``).  The head's output is no longer asked to be the target's next feature: it is read
 out through its own RMSNorm (``out_norm``) and the target's output projection, and at a drafted
-node it is fed back as the next input feature as before.  Training (``heads_train.py``) uses
+node it is fed back as the next input feature as before.  Training (``training/train.py``) uses
 EAGLE-3's training-time test: the head is unrolled for a few steps on its own outputs with the
 attention pattern of a drafted chain, and trained by the token loss alone.  The decoding above is
 the same for both kinds; old ``eagle`` heads stay loadable and unchanged.
