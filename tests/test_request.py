@@ -182,3 +182,50 @@ def test_the_cli_and_the_server_validate_with_request_py(monkeypatch, tiny, no_l
         r = client.post("/v1/completions", json={"model": app.state.config.model_name, "prompt": "hi",
                                                  "max_tokens": 2, "stop": ["x"], "leapdecode": {"strategy": "beam"}})
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------- a diffusion model's fields, once
+TAKES = "its decoders are greedy and take "
+
+
+@pytest.mark.parametrize("api, argv, names", [
+    (dict(temperature=0.5), ["--temperature", "0.5"], ("temperature", "--temperature")),
+    (dict(top_k=3, strategy="beam"), ["--top-k", "3", "--strategy", "beam"], ("top_k, strategy", "--top-k, --strategy")),
+    (dict(num_return_sequences=2), ["--n", "2"], ("num_return_sequences", "--n")),
+    (dict(strategy_options={"num_beams": 2}), ["--strategy-option", "num_beams=2"],
+     ("strategy_options", "--strategy-option")),
+])
+def test_a_diffusion_model_refuses_the_same_fields_on_the_api_and_the_cli(api, argv, names, capsys):
+    from leapdecode import cli
+
+    with pytest.raises(RequestError) as e:
+        leapdecode.generate("tiny-llada", "hi", max_new_tokens=4, **api)
+    assert str(e.value).startswith(f"{names[0]}: not for a diffusion model ('tiny-llada'); {TAKES}method, options, ")
+    assert cli.main(["generate", "-m", "tiny-llada", *argv, "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"leapdecode: error: {names[1]}: not for a diffusion model ('tiny-llada'); {TAKES}"
+                          "--method, --option, --max-new-tokens"), err
+
+
+def test_the_cli_maps_every_method_option_flag_a_diffusion_model_refuses(capsys):
+    from leapdecode import cli
+
+    for flag in ("--draft", "--tree-budget", "--datastore"):
+        assert cli.main(["generate", "-m", "tiny-llada", flag, "3", "hi"]) == 2
+        assert capsys.readouterr().err.strip().startswith(f"leapdecode: error: {flag}: not for a diffusion model")
+
+
+def test_both_front_ends_take_the_rule_from_request_py(monkeypatch):
+    """Not a copy: with ``temperature`` taken out of the rule, neither the API nor the CLI refuses it."""
+    from leapdecode import cli_args, request
+
+    monkeypatch.setattr(request, "DIFFUSION_UNSUPPORTED",
+                        {k: v for k, v in request.DIFFUSION_UNSUPPORTED.items() if k != "temperature"})
+    request.check_diffusion_fields({"temperature": 0.7}, "m")  # no error
+    assert leapdecode.generate("tiny-llada", "hi", max_new_tokens=2, temperature=0.7).tokens is not None
+    from leapdecode import cli
+
+    a = cli.build_parser().parse_args(["generate", "-m", "tiny-llada", "--temperature", "0.7", "hi"])
+    cli_args.check_diffusion_flags(a)  # no error
+    with pytest.raises(RequestError, match="^top_k: not for a diffusion model"):
+        request.check_diffusion_fields({"temperature": 0.7, "top_k": 2}, "m")

@@ -46,7 +46,8 @@ from .errors import InvalidParameterError
 from .models.loader import LoadedModel
 from .models.loader import load as load_causal
 from .proposers.registry import build_proposer
-from .request import GenerationRequest, check_method_name, validate_request
+from .request import (DIFFUSION_FIELDS, DIFFUSION_UNSUPPORTED, GenerationRequest, check_diffusion_fields,
+                      check_method_name, validate_request)
 from .strategies.registry import SHORTHANDS, StrategyConfig, build_search
 from .strategies.search import SearchResult, TreeSearch
 
@@ -241,29 +242,23 @@ def load_diffusion(name_or_path: Any, dtype: Any = "auto", device: Any = "auto",
                           weights=None if weights in (None, "auto") else weights)
 
 
-# keyword arguments of ``generate`` that a diffusion decoder does not take, with their defaults
-DIFFUSION_UNSUPPORTED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
-                         "repetition_penalty": 1.0, "seed": None, "stop": None, "strategy": None,
-                         "strategy_options": None, "num_beams": None, "num_return_sequences": None,
-                         "length_penalty": None, "patience": None, "prompt_ids": None, "kv_policy": None,
-                         "constraint": None}
-DIFFUSION_KEYWORDS = ("method", "options", "max_new_tokens", "block_size", "chat", "json_schema", "regex", "grammar")
-
-
 def generate_diffusion(model: Any, prompt: Any = None, **kwargs: Any) -> Any:
     """``leapdecode.generate`` of a diffusion model: ``leapdecode.diffusion.generate`` (a
     ``DiffusionResult``).  ``method`` None: ``stepwise``; a causal-LM method, or a sampling option
-    (``temperature`` > 0, ``top_k``, ``stop``, a strategy...): ``InvalidParameterError``."""
+    (``temperature`` > 0, ``top_k``, ``stop``, a strategy...): ``InvalidParameterError``
+    (``request.check_diffusion_fields``, the rule every front end applies)."""
     from .diffusion.api import generate as diffusion_generate
 
-    bad = [k for k, v in kwargs.items() if k in DIFFUSION_UNSUPPORTED and v != DIFFUSION_UNSUPPORTED[k]]
-    unknown = [k for k in kwargs if k not in DIFFUSION_UNSUPPORTED and k not in DIFFUSION_KEYWORDS]
+    causal_only = ("prompt_ids", "constraint")  # this API's own arguments a diffusion decoder lacks
+    unknown = [k for k in kwargs if k not in DIFFUSION_UNSUPPORTED and k not in DIFFUSION_FIELDS
+               and k not in causal_only]
     if unknown:
         raise InvalidParameterError(f"unknown keyword argument(s) {', '.join(unknown)}")
-    if bad:
-        raise InvalidParameterError(f"{', '.join(bad)}: not for a diffusion model ({diffusion_label(model)}); its "
-                                    f"decoders are greedy and take {', '.join(DIFFUSION_KEYWORDS)}")
-    args = {k: v for k, v in kwargs.items() if k in DIFFUSION_KEYWORDS and v is not None}
+    given = [k for k in causal_only if kwargs.get(k) is not None]
+    if given:
+        raise InvalidParameterError(f"{', '.join(given)}: not for a diffusion model ({diffusion_label(model)})")
+    check_diffusion_fields(kwargs, diffusion_label(model))
+    args = {k: v for k, v in kwargs.items() if k in DIFFUSION_FIELDS and v is not None}
     args.setdefault("method", "stepwise")
     return diffusion_generate(model, prompt, **args)
 

@@ -14,7 +14,7 @@ from . import datastore_cli, diffusion_cli, doctor
 from .training import cli as heads_cli
 from .bench import cli as bench_cli
 from .bench import results_page
-from .cli_args import (DIFFUSION_UNSUPPORTED, add_decoding_args, add_model_args, decoding_request,
+from .cli_args import (add_decoding_args, add_model_args, check_diffusion_flags, decoding_request,
                        is_diffusion_model, load_from_args, read_stdin_text)
 from .errors import InvalidParameterError, LeapdecodeError
 from .server import cli as server_cli
@@ -28,12 +28,7 @@ def generate_diffusion(a: argparse.Namespace) -> int:
     """``generate -m <diffusion model>``: the diffusion decoders (``leapdecode diffusion generate``)."""
     from .diffusion_cli import cmd_generate as diffusion_generate
 
-    given = [flag for key, flag, default in DIFFUSION_UNSUPPORTED if getattr(a, key, default) != default]
-    if given:
-        raise InvalidParameterError(f"{', '.join(given)}: not for a diffusion model ({a.model!r}); its decoders are "
-                                    "greedy and take --method, --option, --max-new-tokens, --block-size, --dtype, "
-                                    "--weights, --chat, --json, --stats, --json-schema, --json-object, --regex, "
-                                    "--grammar")
+    check_diffusion_flags(a)
     if a.device not in ("auto", "cpu"):
         raise InvalidParameterError(f"--device {a.device}: `leapdecode generate` runs diffusion models on the CPU")
     dtype = None if a.dtype == "auto" else a.dtype

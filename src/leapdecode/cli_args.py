@@ -256,14 +256,27 @@ def is_diffusion_model(name: str) -> bool:
     return name.startswith(("tiny-llada", "tiny-dream")) or is_diffusion_checkpoint(name)
 
 
-# flags of `generate` that a diffusion model's decoders do not take, with their defaults
-DIFFUSION_UNSUPPORTED = (("temperature", "--temperature", 0.0), ("top_k", "--top-k", 0), ("top_p", "--top-p", 1.0),
-                         ("min_p", "--min-p", 0.0), ("typical_p", "--typical-p", 1.0),
-                         ("repetition_penalty", "--repetition-penalty", 1.0), ("seed", "--seed", None),
-                         ("stop", "--stop", None), ("kv_policy", "--kv-policy", None), ("strategy", "--strategy", None),
-                         ("strategy_option", "--strategy-option", None), ("num_beams", "--num-beams", None),
-                         ("num_return_sequences", "--n", None), ("length_penalty", "--length-penalty", None),
-                         ("patience", "--patience", None), ("draft", "--draft", None),
-                         ("tree_budget", "--tree-budget", None), ("datastore", "--datastore", None),
-                         ("grammar_aligned", "--grammar-aligned", None), ("backend", "--backend", "auto"),
-                         ("attention", "--attention", "auto"))
+# the flags of `generate` whose request fields are not their own names (``request.py``'s paths)
+DIFFUSION_FLAG_PATHS = {"strategy_option": ("strategy_options", "--strategy-option"),
+                        "num_return_sequences": ("num_return_sequences", "--n"),
+                        "draft": ("options.draft", "--draft"), "tree_budget": ("options.tree_budget", "--tree-budget"),
+                        "datastore": ("options.datastore", "--datastore")}
+
+
+def check_diffusion_flags(a: argparse.Namespace) -> None:
+    """``request.check_diffusion_fields`` on the flags of ``generate -m <diffusion model>``, named as
+    flags; and the causal loader's own flags, which a diffusion model does not take either."""
+    from .request import DIFFUSION_UNSUPPORTED, check_diffusion_fields
+
+    paths = {path: attr for attr, (path, _) in DIFFUSION_FLAG_PATHS.items()}
+    where = {path: flag for path, flag in DIFFUSION_FLAG_PATHS.values()}
+    given = {path: getattr(a, paths.get(path, path), default) for path, default in DIFFUSION_UNSUPPORTED.items()}
+    try:
+        check_diffusion_fields(given, repr(a.model))
+    except InvalidParameterError as e:
+        raise InvalidParameterError(e.render(lambda path: flag_name(path, where)) + " (and --dtype, --weights, "
+                                    "--json, --stats, --json-object)") from None
+    loader = [flag for flag, value in (("--backend", a.backend), ("--attention", a.attention)) if value != "auto"]
+    if loader:
+        raise InvalidParameterError(f"{', '.join(loader)}: not for a diffusion model ({a.model!r}); it loads with "
+                                    "--dtype and --weights")

@@ -22,7 +22,7 @@ raised it): ``--stop`` on the command line, ``stop`` on the server; ``--tree-bud
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,4 +258,34 @@ def check_method_name(method: Any) -> None:
                                      "a causal method (`leapdecode methods`)")
 
 
-__all__ = ["GenerationRequest", "RequestDefaults", "RequestError", "Ref", "UNSET", "validate_request"]
+# What a diffusion model's decoders (greedy, over a canvas) do not take: each request field, with the
+# value that leaves it unset; and the fields they do take.  Every front end checks its diffusion
+# requests with ``check_diffusion_fields`` (the API's keyword arguments, the CLI's flags).
+DIFFUSION_UNSUPPORTED: Mapping[str, Any] = {
+    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.0,
+    "seed": None, "stop": None, "kv_policy": None, "strategy": None, "strategy_options": None, "num_beams": None,
+    "num_return_sequences": None, "length_penalty": None, "patience": None, "grammar_aligned": None,
+    "options.draft": None, "options.tree_budget": None, "options.datastore": None,
+}
+DIFFUSION_FIELDS = ("method", "options", "max_new_tokens", "block_size", "chat", "json_schema", "regex", "grammar")
+
+
+def check_diffusion_fields(given: Mapping[str, Any], model: str) -> None:
+    """A ``RequestError`` naming every field of ``given`` (request paths -> values) that a diffusion
+    model's decoders do not take and that is set; ``model``: the model, as the message names it."""
+    bad = [k for k, v in given.items() if k in DIFFUSION_UNSUPPORTED and v != DIFFUSION_UNSUPPORTED[k]]
+    if bad:
+        raise RequestError(bad[0], *_listed(bad), f": not for a diffusion model ({model}); its decoders are greedy "
+                           "and take ", *_listed(DIFFUSION_FIELDS))
+
+
+def _listed(paths: Sequence[str]) -> list[str | Ref]:
+    """``paths`` as references separated by commas."""
+    out: list[str | Ref] = []
+    for path in paths:
+        out += [", ", Ref(path)] if out else [Ref(path)]
+    return out
+
+
+__all__ = ["DIFFUSION_FIELDS", "DIFFUSION_UNSUPPORTED", "GenerationRequest", "RequestDefaults", "RequestError", "Ref",
+           "UNSET", "check_diffusion_fields", "validate_request"]

@@ -337,7 +337,7 @@ class AStarDecoding(TreeSearch):
                 self.exhausted = True
                 return
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         out = list(self.goals)
         rest = sorted(self.queue)
         want = self.cfg.returns

@@ -113,7 +113,7 @@ class AdaDec(TreeSearch):
         self.node, self.logits = first[k]
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         return [self.hypothesis(self.tokens, self.logprob, self.logprob)]
 
     def stats(self) -> dict[str, Any]:

@@ -201,7 +201,7 @@ class BeamSearch(TreeSearch):
         self.logp = log_probs(logits)
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         entries = [(s, b, g) for g, pool in enumerate(self.pools) for s, b in pool.finished]
         entries.sort(key=lambda x: -x[0])  # stable: among equal scores, earlier groups first
         if self.groups == 1:

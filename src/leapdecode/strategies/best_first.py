@@ -92,7 +92,7 @@ class BestFirstBeamSearch(TreeSearch):
         self.pruned += before - len(self.queue)
         self.tree.retain(e[3] for e in self.queue)
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         return [self.hypothesis(t, s, s) for s, t in self.complete]
 
     def stats(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ class BestOfN(ParallelSamples):
         self.scorer = scorer
         self.scored: dict[int, float] = {}
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         members = [m for m in self.members if m.done and not m.rejected]
         for m in members:
             self.scored[m.index] = self.scorer(self.sample(m))

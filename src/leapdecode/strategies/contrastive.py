@@ -120,7 +120,7 @@ class ContrastiveDecoding(TreeSearch):
         self.logits = (e_logits, a_logits)
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         done = sorted(self.finished_beams, key=lambda b: -b.score)  # stable: the earlier finished first
         return [self.hypothesis(b.tokens, b.score, b.logprob) for b in done]
 

@@ -89,7 +89,7 @@ class ContrastiveSearch(TreeSearch):
         self.node, self.logits = ids[j], logits[j]
         return token in self.eos or len(self.tokens) >= self.max_new_tokens
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         return [self.hypothesis(self.tokens, self.score, self.logprob)]
 
     def stats(self) -> dict[str, Any]:

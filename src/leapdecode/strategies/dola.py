@@ -164,7 +164,7 @@ class DoLa(TreeSearch):
         self._early = self.early_logits(states)
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         return [self.hypothesis(self.tokens, self.score, self.logprob)]
 
     def stats(self) -> dict[str, Any]:

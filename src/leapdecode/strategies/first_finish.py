@@ -40,7 +40,7 @@ class FirstFinish(ParallelSamples):
             return True
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         if self.winner is None:
             ended = [m for m in self.members if m.done and not m.rejected and m.gen.result.finish_reason == "stop"]
             pool = ended or [m for m in self.members if m.done and not m.rejected]

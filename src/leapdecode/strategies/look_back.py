@@ -136,7 +136,7 @@ class LookBack(TreeSearch):
         self.node, self.logits = node, nxt
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         return [self.hypothesis(self.tokens, self.logprob, self.logprob)]
 
     def stats(self) -> dict[str, Any]:

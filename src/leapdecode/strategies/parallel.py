@@ -20,7 +20,7 @@ to return; those decisions read each sample's tokens and the model's log-probabi
 speculation (a checkpoint reads the same prefix length of every sample).
 
 A strategy subclasses ``ParallelSamples`` and implements ``after_round()`` (decide after each
-round: stop early, reject samples) and ``finished()`` (the hypotheses, best first).
+round: stop early, reject samples) and ``hypotheses()`` (the hypotheses, best first).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class ParallelSamples(TreeSearch):
         m.gen.close()
 
     def _finish(self, how: str) -> None:
-        hyps = self.finished() if how == "done" else []
+        hyps = self.hypotheses() if how == "done" else []
         hyps = hyps[: self.cfg.returns]
         for m in self.members:
             if not m.gen.finished:

@@ -447,7 +447,7 @@ class PhiDecoding(TreeSearch):
             pick = draw_without_replacement(softmax([c.advantage for c in finals], tau), 1, self.generator)[0]
         self.choice = finals[pick]
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         c = self.choice
         if c is None:
             return []

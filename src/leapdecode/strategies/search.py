@@ -309,7 +309,7 @@ class TreeSearch(Task):
     (the root's logits: set up the first hypotheses), ``advance() -> bool`` (one round, True when
     the search is over; a round that expands the tree with ``yield from self.tree.expand_co(...)``
     makes ``advance`` a generator, whose forward a scheduler batches with other tasks' (at most one
-    on the target per round); one that calls ``self.tree.expand`` runs its forward itself) and ``finished() -> list[Hypothesis]`` (best
+    on the target per round); one that calls ``self.tree.expand`` runs its forward itself) and ``hypotheses() -> list[Hypothesis]`` (best
     first).  ``self.eos`` holds the model's end-of-sequence ids, ``self.generator`` a seeded CPU
     random generator."""
 
@@ -353,7 +353,7 @@ class TreeSearch(Task):
     def advance(self) -> bool:
         raise NotImplementedError
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         raise NotImplementedError
 
     def stats(self) -> dict[str, Any]:
@@ -481,7 +481,7 @@ class TreeSearch(Task):
 
     def _finish(self, how: str) -> None:
         self._drop_round()
-        hyps = self.finished() if how == "done" else []
+        hyps = self.hypotheses() if how == "done" else []
         hyps = hyps[: self.cfg.returns]
         tree = self.tree
         wall = time.perf_counter() - self._t0 if self._t0 else 0.0

@@ -30,7 +30,7 @@ class SelfConsistency(ParallelSamples):
         self.extractor = extractor
         self.answers: list[Any] = []
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         members = [m for m in self.members if m.done and not m.rejected]
         votes: dict[Any, list] = {}
         self.answers = []

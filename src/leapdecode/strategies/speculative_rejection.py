@@ -66,7 +66,7 @@ class SpeculativeRejection(ParallelSamples):
             self.next_checkpoint += self.interval
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         members = [m for m in self.members if m.done and not m.rejected]
         for m in members:
             self.scored[m.index] = self.scorer(self.sample(m))

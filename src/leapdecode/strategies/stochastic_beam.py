@@ -136,7 +136,7 @@ class StochasticBeamSearch(TreeSearch):
         self.logp = log_probs(logits, self.temperature).double().cpu()
         return False
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         order = sorted(self.beams, key=lambda b: -b.key)
         return [self.hypothesis(b.tokens, b.key, b.logprob) for b in order]
 
@@ -254,6 +254,6 @@ class ConditionalPoissonBeamSearch(StochasticBeamSearch):
         self.length += 1
         return (yield from self.run_round(beams))
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         order = sorted(self.beams, key=lambda b: -b.logprob)
         return [self.hypothesis(b.tokens, b.logprob, b.logprob, log_inclusion=b.log_inclusion) for b in order]

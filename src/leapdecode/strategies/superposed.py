@@ -197,7 +197,7 @@ class Superposed(TreeSearch):
         self.tree.nodes += 1
         return logits[0, -1]
 
-    def finished(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[Hypothesis]:
         pool = sorted(self.ended + self.alive, key=lambda h: -h[1])
         return [self.hypothesis(tokens, score, lp) for tokens, score, lp in pool]
 
