@@ -1,5 +1,5 @@
 """``auto`` with a trained head (issue 17): when the model cache holds a head for the loaded target,
-auto's bandit gets a ``head`` arm (the head's tree plus the suffix automaton's continuation);
+auto's bandit gets a ``head`` arm (the head's tree; with ``head_graft`` the suffix automaton's continuation too);
 without one, auto's arms are what they were.
 
 Tests on a tiny random target with a head trained for a few seconds into a temporary store: the
@@ -103,6 +103,32 @@ def test_auto_uses_the_stored_head_greedy_exact(tiny, eagle_run):
     # another target (other weights) finds no head
     other = tiny(seed=1)
     assert start(other, other.tokenizer.encode("hello"), max_new_tokens=8).proposer.head is None
+
+
+@pytest.mark.parametrize("graft", [True, False])
+def test_the_automatons_graft_on_the_heads_tree_is_an_option(tiny, eagle_run, monkeypatch, graft):
+    """By default the head arm verifies the head's tree alone (no node from the automaton);
+    ``head_graft=True`` adds the automaton's continuation on repetitive text.  Greedy exact both ways."""
+    model = tiny(seed=0)
+    install(eagle_run, model)
+    sources: list[set] = []
+    original = AutoProposer.propose
+
+    def spy(self, tokens, budget):
+        tree = original(self, tokens, budget)
+        if self._arm == "head":
+            sources.append(set(tree.sources))
+        return tree
+
+    monkeypatch.setattr(AutoProposer, "propose", spy)
+    ids = model.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat sat on the mat.")
+    options = {"head_graft": True} if graft else {}
+    g = start(model, ids, max_new_tokens=40, options=options)
+    assert g.proposer.head_graft is graft
+    res = g.run()
+    assert res.tokens == vanilla(model, ids, max_new_tokens=40).tokens
+    assert sources, "the head arm never drafted"
+    assert any("sam" in s for s in sources) is graft
 
 
 def test_head_arm_next_to_a_draft_model_arm(tiny, eagle_run):

@@ -70,6 +70,9 @@ class AutoConfig(MethodConfig):
                                   "(eagle3, eagle, hydra, medusa: the first found)")
     use_memory: bool = option(False, "a memory arm: earlier requests' outputs on this runner (suffix's "
                                      "cross-request memory, its defaults), where they match the text")
+    head_graft: bool = option(False, "graft the suffix automaton's continuation onto the head arm's tree, as "
+                                     "the hybrid arm does onto the draft model's (measured: more rows, no fewer "
+                                     "forwards; lab notes section 45)")
 
     @classmethod
     def tree_budget_default_text(cls) -> str:

@@ -85,7 +85,7 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
     memory = _build_suffix(SuffixConfig(tree_budget=cfg.tree_budget), runner, local=False) if cfg.use_memory else None
     return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
                         sam_only_match=cfg.sam_only_match, explore=cfg.explore, discount=cfg.discount,
-                        head_proposer=head, memory_proposer=memory)
+                        head_proposer=head, memory_proposer=memory, head_graft=cfg.head_graft)
 
 
 AUTO_HEAD_KINDS = ("eagle3", "eagle", "hydra", "medusa")  # auto's preference among the stored heads
