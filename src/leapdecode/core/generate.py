@@ -90,9 +90,9 @@ class Generation(Task):
         self.prompt_ids = check_prompt_ids(prompt_ids, model)
         self.kv_policy = check_policy(kv_policy, model)  # lossy KV-cache compression; None: exact
         self.proposer, self.constraint = proposer, constraint  # constraint: a grammar (core/constraint.py)
-        self.tree_budget = (tree_budget or proposer.default_budget) if proposer is not None else 0
+        budget = (tree_budget or proposer.default_budget) if proposer is not None else 0
         self.out = OutputProcessor(model.tokenizer, self.stop)  # text pieces, stop strings, statistics
-        self.planner = StepPlanner(proposer, constraint, self.tree_budget, model.device, self.out)
+        self.planner = StepPlanner(proposer, constraint, budget, model.device, self.out)
         self.result: GenerationResult | None = None
         self._kv: PolicyState | None = None
         # where its life is: WAITING, PREFILLING (a cache taken), DECODING (the proposer began), FINISHED
@@ -149,6 +149,11 @@ class Generation(Task):
         if self._stage is not Status.WAITING:
             return self.prefill.next_tokens()
         return max(min(len(self.prompt_ids) - 1, prefill_chunk(self.model.model, self.kv_policy)), 0)
+
+    @property
+    def tree_budget(self) -> int:
+        """Most drafted nodes a step verifies (the step planner's; 0 without a proposer)."""
+        return self.planner.tree_budget
 
     @property
     def draft_acceptance(self) -> float:

@@ -51,7 +51,7 @@ class PrefillPlanner:
         # ``use_prefix=False``; ``restore=False``: compute every chunk (a caller that wants every
         # prompt forward's hidden states), still keeping them in the prefix cache
         target = runner.model.model if decoder is None else decoder
-        self.runner, self.cache, self.ids, self.device = runner, cache, prompt_ids, target.device
+        self.cache, self.ids, self.device = cache, prompt_ids, target.device
         self.restore = restore
         self.chunk = min(prefill_chunk(target, policy), cache.max_pending)
         self.prefilled = 0  # prompt tokens in the cache (computed or restored)

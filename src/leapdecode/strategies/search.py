@@ -156,7 +156,7 @@ class TreeKV:
         # its cache comes from the same runner, and it never touches the target's prefix cache
         model = runner.model if model is None else model
         self.runner, self.decoder = runner, model.model
-        self.prefix_cache = runner.prefix_cache if model is runner.model else None
+        self.use_prefix = model is runner.model  # the runner's prefix cache holds the target's blocks only
         self.prompt_ids = list(prompt_ids)
         self.max_nodes = max(1, min(max_nodes, MAX_TREE_NODES))
         want = len(prompt_ids) + max_new_tokens + self.max_nodes
@@ -182,7 +182,7 @@ class TreeKV:
         every = on_hidden is not None and whole_prompt
         # the prompt cut and keyed as a Generation cuts and keys it (core/prefill.py); with ``every``
         # each chunk is computed (a restored one has no hidden states), and still kept
-        planner = PrefillPlanner(self.runner, cache, ids, decoder=self.decoder, use_prefix=self.prefix_cache is not None,
+        planner = PrefillPlanner(self.runner, cache, ids, decoder=self.decoder, use_prefix=self.use_prefix,
                                  restore=not every)
         while (chunk := planner.next_forward(0)) is not None:
             states: list | None = [] if every else None
@@ -309,8 +309,8 @@ class TreeSearch(Task):
     (the root's logits: set up the first hypotheses), ``advance() -> bool`` (one round, True when
     the search is over; a round that expands the tree with ``yield from self.tree.expand_co(...)``
     makes ``advance`` a generator, whose forward a scheduler batches with other tasks' (at most one
-    on the target per round); one that calls ``self.tree.expand`` runs its forward itself) and ``hypotheses() -> list[Hypothesis]`` (best
-    first).  ``self.eos`` holds the model's end-of-sequence ids, ``self.generator`` a seeded CPU
+    on the target per round); one that calls ``self.tree.expand`` runs its forward itself) and
+    ``hypotheses() -> list[Hypothesis]`` (best first).  ``self.eos`` holds the model's end-of-sequence ids, ``self.generator`` a seeded CPU
     random generator."""
 
     # "all": ``prompt_states(states)`` is called with every prefill forward's ``hidden_states`` list, in
