@@ -252,3 +252,65 @@ def test_an_arm_is_timed_from_its_propose_to_its_observe(tiny, monkeypatch):
     assert means
     # charged with the pause, no step could reach 1 + tree budget tokens per pause
     assert min(means) > (1 + auto.default_budget) / pause, auto.bandit.snapshot()
+
+
+def test_the_heads_catching_up_is_charged_to_no_arm(tiny, eagle_run, monkeypatch):
+    """The head feeds the prompt, and the positions of steps other arms drafted, at its next draft:
+    a cost paid once whichever arm runs, so ``catchup_seconds`` is left out of the head arm's reward.
+    Planted: every head draft reports a catch-up of 1000 s (and the fake clock moves by as much); the
+    head's rewards stay those of its own time.  auto's clock is a fake one (1 ms per reading)."""
+    import types
+
+    from leapdecode.proposers import auto as auto_module
+
+    model = tiny(seed=0)
+    install(eagle_run, model)
+    clock = {"t": 0.0}
+
+    def perf_counter():
+        clock["t"] += 1e-3
+        return clock["t"]
+
+    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    pause = 1000.0
+    original = EagleProposer.propose
+
+    def slow_catchup(self, tokens, budget):
+        clock["t"] += pause  # the catch-up, measured by the head
+        return original(self, tokens, budget)
+
+    monkeypatch.setattr(EagleProposer, "propose", slow_catchup)
+    monkeypatch.setattr(EagleProposer, "catchup_seconds", lambda self: pause)
+    g = start(model, model.tokenizer.encode("the cat sat on the mat the cat"), max_new_tokens=24)
+    res = g.run()
+    assert res.stats["auto_arms"].get("head", 0) > 0
+    head_means = [m for k, (m, _) in g.proposer.bandit.snapshot().items() if k.startswith("head@")]
+    assert head_means and min(head_means) > 1 / 0.1, g.proposer.bandit.snapshot()  # ms-scale steps, not 1000 s
+
+
+def test_catchup_is_the_prompt_and_other_arms_steps(tiny, eagle_run, monkeypatch):
+    """EAGLE's ``catchup_seconds``: positive on its first draft (the prompt's positions) and on a draft
+    after steps another arm made; zero when it drafted the step before (it feeds only that step's
+    tokens)."""
+    model = tiny(seed=0)
+    install(eagle_run, model)
+    seen: list[tuple[bool, float]] = []  # (the head drafted the step before, its catch-up)
+    last = {"head": False}
+    original = AutoProposer.propose
+
+    def spy(self, tokens, budget):
+        tree = original(self, tokens, budget)
+        if self._arm == "head" and self.head.n_fed == len(tokens):  # the head fed up to this root
+            seen.append((last["head"], self.head.catchup_seconds()))
+        last["head"] = self._arm == "head"
+        return tree
+
+    monkeypatch.setattr(AutoProposer, "propose", spy)
+    ids = model.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the dog")
+    g = start(model, ids, max_new_tokens=60, options={"explore": 2.0})  # both arms, often
+    g.run()
+    after_head = [c for prev, c in seen if prev]
+    after_other = [c for prev, c in seen[1:] if not prev]
+    assert seen and seen[0][1] > 0  # the prompt
+    assert after_head and all(c == 0 for c in after_head)
+    assert after_other and all(c > 0 for c in after_other)

@@ -108,6 +108,12 @@ class Proposer:
         """Draft continuations of ``tokens`` (whose last token is the root), at most ``budget`` nodes."""
         raise NotImplementedError
 
+    def catchup_seconds(self) -> float:
+        """Of the last ``propose``, the seconds spent catching up on text it did not draft: the prompt,
+        and steps another drafter made (``auto``'s arms).  ``auto`` charges them to no arm: they are
+        paid once whichever arm runs next, not per step of this one."""
+        return 0.0
+
     def prompt_features(self) -> int:
         """How many of the prompt's last tokens (before the root) the proposer wants the per-layer
         hidden states of, from the prefill's own forwards (``observe_prompt``); 0: none.  Chunks the

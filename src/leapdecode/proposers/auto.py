@@ -41,7 +41,10 @@ Which arm runs is a contextual bandit, after "BanditSpec: Adaptive Speculative D
 via Bandit Algorithms" (Hou et al., 2025): the reward of a step is the number of tokens it
 emitted divided by its wall time (draft + verify: from its ``propose`` to the end of its
 ``observe``, so steps that ran without a proposal in between -- a batched engine's plain
-steps, tokens a grammar forced -- are not charged to the arm), the context is how long the
+steps, tokens a grammar forced -- are not charged to the arm; nor is the head's catching up on
+the prompt and on the steps other arms drafted, ``catchup_seconds``: charged to the head's first
+step, the prompt's feed alone halved the reward of that step on short answers, and the bandit
+then kept away from the head on text where it paid), the context is how long the
 suffix automaton's current match is (a long match predicts that copying pays off, whatever
 the draft model says), and the policy is UCB1 on exponentially discounted means, so that it
 follows a text that changes character (prose to code to a repeated list).  The statistics live in the runner's memory, so later
@@ -234,6 +237,8 @@ class AutoProposer(Proposer):
         reserve = min(len(chain), budget // 3)  # room for the automaton's continuation
         drafter = self.head if arm == "head" else self.draft
         tree = drafter.propose(tokens, max(budget - reserve, 1))
+        if arm == "head":  # the head's catching up on the prompt and other arms' steps: no arm's cost
+            self._t_step += self.head.catchup_seconds()
         self._draft_live = arm == "hybrid"
         if chain:
             graft(tree, chain, budget, "sam")

@@ -449,6 +449,8 @@ class EagleProposer(Proposer):
         # positions below n_fed are fed to the draft's cache (or skipped): from the first prompt
         # position whose previous feature is known
         self.n_fed = min(self.feats) + 1 if self.feats else len(tokens)
+        self._fresh_from = len(tokens) - 1  # the root: what a step of the head's own feeds; before it, the prompt
+        self._catchup = 0.0
         dev = torch.device(self.model.device)
         self.kv = KernelDraftKV.of(self.net, self.dtype, dev) or DraftKV(self.net, self.dtype, dev)
 
@@ -463,23 +465,33 @@ class EagleProposer(Proposer):
         t0 = time.perf_counter()
         n = len(tokens)
         tree = TokenTree()
+        self._catchup = 0.0
         self._fuse_observed()
         if (n - 2) not in self.feats or budget < 1:
             self.n_fed = max(self.n_fed, n)
             return tree  # no exact input for the root yet (the first step, or a step not observed)
         with torch.inference_mode():
             t_root = time.perf_counter()
-            root_feat = self._feed_decided(tokens)
+            root_feat, old_share = self._feed_decided(tokens)
+            # fusing and feeding positions decided before the last step (the prompt, other arms'
+            # steps) is catching up, in proportion to how many of the fed positions they are
+            self._catchup = (time.perf_counter() - t0) * old_share
             tree = self._grow(tokens, root_feat, budget, t0, t_root)
         self._drafted += len(tree)
         self._time += time.perf_counter() - t0
         return tree
 
-    def _feed_decided(self, tokens: list[int]) -> torch.Tensor:
+    def catchup_seconds(self) -> float:
+        return self._catchup
+
+    def _feed_decided(self, tokens: list[int]) -> tuple[torch.Tensor, float]:
         """Feed the decided positions ``n_fed .. len(tokens) - 1`` whose previous feature is known
-        (committing their keys and values); returns the head's output at the root."""
+        (committing their keys and values); returns the head's output at the root, and the share of
+        the fed positions decided before the last observed step (the prompt's, or steps another
+        drafter made: 0 when the head drafted the step before)."""
         n = len(tokens)
         pos = [t for t in range(self.n_fed, n) if (t - 1) in self.feats]
+        old_share = sum(t < self._fresh_from for t in pos) / len(pos)
         self.n_fed = n
         feats = torch.stack([self.feats[t - 1] for t in pos]).to(self.dtype)
         out = self.kv.feed(feats, self._embed([tokens[t] for t in pos]), torch.tensor(pos, device=self.model.device))
@@ -487,7 +499,7 @@ class EagleProposer(Proposer):
         for t in pos:
             if t - 1 < n - 2:
                 self.feats.pop(t - 1, None)
-        return out[-1]
+        return out[-1], old_share
 
     def _grow(self, tokens: list[int], root_feat: torch.Tensor, budget: int, t0: float, t_root: float) -> TokenTree:
         params, gen = self.ctx.params, self.ctx.generator
@@ -573,6 +585,7 @@ class EagleProposer(Proposer):
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._steps += 1
         self._accepted += len(verdict.accepted)
+        self._fresh_from = len(tokens) - len(verdict.tokens)  # the first position this step decided
         if self._verify_cost is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
         # this step's nodes, used once: on a step another of auto's arms drafted, the head observes
