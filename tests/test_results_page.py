@@ -86,6 +86,48 @@ def test_headline_leads_with_the_spec_bench_run_and_lists_each_workload(tmp_path
     assert "### similar: 3 prompts" in page and "- workload: similar (requests of one kind in a row)" in page
 
 
+def _targets(page: str) -> dict[str, tuple[str, str]]:
+    """The (first) targets table of a page: target -> (now, met)."""
+    section = page.split("### Against the speedup targets", 1)[1].split("\n\n")[2]  # the table's lines
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()[2:]]
+    return {target: (now, met) for target, _goal, now, met in rows}
+
+
+def test_targets_table_checks_the_latest_runs(tmp_path):
+    """Each machine's targets from its latest runs: auto over vanilla on Spec-Bench dev and HumanEval,
+    its slowest group, over llama.cpp's fastest speculative row, `suffix` over `sam` on `similar`, the
+    bundled head's dev top-1, identity; a missing run is "not measured", never a made-up figure."""
+    d = tmp_path / "results"
+    (d / "heads").mkdir(parents=True)
+    (d / "dev.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS)))
+    he = [("vanilla", "leapdecode", 20.0, 1.0, 1.0, 100.0), ("auto", "leapdecode", 42.0, 2.1, 3.0, 100.0)]
+    (d / "he.json").write_text(json.dumps(_summary("2026-02-01 11:00:00", "CPU A", he, workload="humaneval-heldout")))
+    sim = [("vanilla", "leapdecode", 20.0, 1.0, 1.0, 100.0), ("sam", "leapdecode", 30.0, 1.5, 2.0, 100.0),
+           ("suffix", "leapdecode", 40.0, 2.0, 2.5, 90.0)]
+    (d / "sim.json").write_text(json.dumps(_summary("2026-02-01 12:00:00", "CPU A", sim, workload="similar (x)")))
+    (d / "heads" / "h.json").write_text(json.dumps({
+        "report": "head-accuracy", "model": "m", "date": "2026-02-01", "command": "leapdecode heads accuracy",
+        "machine": "CPU A, 2 cores", "tokens_per_prompt": 96,
+        "sets": {"bundled": {results_page.DEV_SET: {"top1": [0.55, 0.5, 0.4], "tokens": 10, "prompts": 2}}}}))
+    (d / "b.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU B", ROWS[1:4])))
+    out = tmp_path / "results.md"
+    assert main(["results", "--dir", str(d), "--out", str(out), "--readme", "", "--no-plots"]) == 0
+    page = out.read_text()
+    a = _targets(page.split("## CPU B")[0])
+    assert a["`auto` over vanilla, questions_dev"] == ("1.20x", "no (75% of it)")
+    assert a["`auto` over vanilla, humaneval-heldout"] == ("2.10x", "yes")
+    assert a["`auto` on its slowest questions_dev group"] == ("qa 1.08x", "yes")
+    peer = "`auto` over llama.cpp's best speculative configuration (tokens/s, same prompts)"
+    assert a[peer] == ("1.37x (`llama-server-ngram`)", "no (69% of it)")  # 24.0 / 17.5, the plain server not counted
+    assert a["cross-request memory (`suffix`) over `sam`, similar"] == ("1.33x", "yes")
+    assert a["the bundled head's top-1, first drafted token, Spec-Bench dev"] == ("0.550", "no (92% of it)")
+    assert a["greedy identity with vanilla, every leapdecode row above"] == ("90%", "no")  # suffix's 90%
+    b = _targets(page.split("## CPU B")[1])  # a machine with the dev run only: no llama.cpp row there either
+    assert b["`auto` over vanilla, humaneval-heldout"] == ("not measured", "")
+    assert b[peer] == ("not measured", "") and b["the bundled head's top-1, first drafted token, Spec-Bench dev"][0] == "not measured"
+    assert b["greedy identity with vanilla, every leapdecode row above"] == ("100%", "yes")
+
+
 def test_add_copies_a_summary_without_its_paths(tmp_path):
     src = tmp_path / "summary.json"
     src.write_text(json.dumps(_summary("2026-03-04 05:06:07", "Intel(R) Xeon(R) Processor", ROWS,

@@ -34,6 +34,7 @@ HEADLINE_START, HEADLINE_END = "<!-- results:headline -->", "<!-- /results:headl
 PEER_ORDER = ("hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-pld", "llama-server", "llama-server-draft",
               "llama-server-ngram", "llama-server-ngram-simple")
 DROPPED_KEYS = ("files", "plots")  # paths of the run's own output directory: not part of a result
+DEFAULT_WORKLOAD_NAME = DEFAULT_WORKLOAD_REL.stem  # the Spec-Bench dev set: the headline's first line, the targets' runs
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -219,11 +220,7 @@ def head_table(results: dict[str, dict]) -> list[str]:
 
 def heads_section(reports: list[dict]) -> list[str]:
     """Per machine and model, the latest head-accuracy report: its command and table."""
-    latest: dict[tuple[str, str], dict] = {}
-    for r in reports:
-        key = (cpu_of(r), str(r.get("model")))
-        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
-            latest[key] = r
+    latest = latest_head_reports(reports)
     if not latest:
         return []
     parts = ["## Draft heads: teacher-forced accuracy", "",
@@ -234,6 +231,79 @@ def heads_section(reports: list[dict]) -> list[str]:
         parts += [f"### {model} on {cpu} ({str(r.get('date'))[:10]}, {r.get('tokens_per_prompt')} tokens a prompt)",
                   "", f"    {r.get('command') or ''}", ""] + head_table(r["sets"]) + [""]
     return parts
+
+
+# The speedup targets the project measures itself against (on a 2-core CPU, greedy, batch 1, 128 new
+# tokens), checked on each machine against its latest runs: what holds, and by how much the rest is missed.
+GOAL_DEV, GOAL_HUMANEVAL, GOAL_GROUP, GOAL_PEER, GOAL_MEMORY, GOAL_HEAD_TOP1 = 1.6, 2.0, 0.97, 2.0, 1.3, 0.6
+HUMANEVAL_WORKLOAD, MEMORY_WORKLOAD = "humaneval-heldout", "similar"
+LLAMA_SPECULATIVE = ("llama-server-draft", "llama-server-ngram", "llama-server-ngram-simple", "llamacpp-pld")
+
+
+def _row(s: dict | None, name: str) -> dict | None:
+    return next((r for r in (s or {}).get("rows", []) if r["name"] == name), None)
+
+
+def _verdict(value: float | None, goal: float, text: str) -> tuple[str, str]:
+    if value is None:
+        return "not measured", ""
+    return text, "yes" if value >= goal else f"no ({value / goal:.0%} of it)"
+
+
+def target_rows(runs: list[dict], head_report: dict | None) -> list[tuple[str, str, str, str]]:
+    """(target, goal, now, met) for one machine's latest runs and head-accuracy report."""
+    by = {workload_name(s): s for s in runs}
+    dev, he, mem = by.get(DEFAULT_WORKLOAD_NAME), by.get(HUMANEVAL_WORKLOAD), by.get(MEMORY_WORKLOAD)
+    out = []
+    for label, s, goal in ((f"`auto` over vanilla, {DEFAULT_WORKLOAD_NAME}", dev, GOAL_DEV),
+                           (f"`auto` over vanilla, {HUMANEVAL_WORKLOAD}", he, GOAL_HUMANEVAL)):
+        auto = _row(s, "auto")
+        v = auto.get("speedup") if auto else None
+        out.append((label, f">= {goal:.2f}x", *_verdict(v, goal, f"{v:.2f}x" if v else "")))
+    groups = (_row(dev, "auto") or {}).get("speedup_by_group") or {}
+    worst = min(groups, key=groups.get) if groups else None
+    out.append((f"`auto` on its slowest {DEFAULT_WORKLOAD_NAME} group", f">= {GOAL_GROUP:.2f}x",
+                *_verdict(groups.get(worst), GOAL_GROUP, f"{worst} {groups[worst]:.2f}x" if worst else "")))
+    auto, peers = _row(dev, "auto"), [r for r in (dev or {}).get("rows", []) if r["name"] in LLAMA_SPECULATIVE]
+    best = max(peers, key=lambda r: r.get("tokens_per_s") or 0) if peers else None
+    ratio = auto["tokens_per_s"] / best["tokens_per_s"] if auto and best and best.get("tokens_per_s") else None
+    out.append(("`auto` over llama.cpp's best speculative configuration (tokens/s, same prompts)",
+                f">= {GOAL_PEER:.2f}x", *_verdict(ratio, GOAL_PEER, f"{ratio:.2f}x (`{best['name']}`)" if ratio else "")))
+    # the memory as a method (``suffix``: earlier requests' outputs and the request's own text) against
+    # the request's own automaton alone (``sam``)
+    sam, suffix = _row(mem, "sam"), _row(mem, "suffix")
+    gain = suffix["speedup"] / sam["speedup"] if suffix and sam and sam.get("speedup") else None
+    out.append((f"cross-request memory (`suffix`) over `sam`, {MEMORY_WORKLOAD}", f">= {GOAL_MEMORY:.2f}x",
+                *_verdict(gain, GOAL_MEMORY, f"{gain:.2f}x" if gain else "")))
+    dev_set = ((head_report or {}).get("sets") or {}).get("bundled", {}).get(DEV_SET)
+    top1 = dev_set["top1"][0] if dev_set else None
+    out.append(("the bundled head's top-1, first drafted token, Spec-Bench dev", f">= {GOAL_HEAD_TOP1:.2f}",
+                *_verdict(top1, GOAL_HEAD_TOP1, f"{top1:.3f}" if top1 is not None else "")))
+    ours = [r for s in runs for r in s["rows"] if r.get("system") == "leapdecode" and r.get("identical_pct") is not None]
+    ident = min((r["identical_pct"] for r in ours), default=None)
+    out.append(("greedy identity with vanilla, every leapdecode row above", "100%",
+                *(("not measured", "") if ident is None else
+                  (f"{ident:.0f}%", "yes" if ident >= 100 else "no"))))
+    return out
+
+
+def targets_section(runs: list[dict], head_report: dict | None) -> list[str]:
+    lines = ["### Against the speedup targets", "",
+             "The targets leapdecode measures itself against on a 2-core CPU (greedy, batch 1, 128 new tokens), "
+             "from the runs above" + (" and the head table below" if head_report else "") + ".", "",
+             "| target | goal | now | met |", "|---|---:|---:|---|"]
+    lines += [f"| {t} | {g} | {n} | {m} |" for t, g, n, m in target_rows(runs, head_report)]
+    return lines
+
+
+def latest_head_reports(reports: list[dict]) -> dict[tuple[str, str], dict]:
+    """(processor, model) -> its latest head-accuracy report."""
+    latest: dict[tuple[str, str], dict] = {}
+    for r in reports:
+        key = (cpu_of(r), str(r.get("model")))
+        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
+            latest[key] = r
+    return latest
 
 
 def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
@@ -253,13 +323,14 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
             parts += [f"Instruction sets: {' '.join(flags) or 'none of the SIMD ones the kernels use'}.", ""]
         for s in runs:
             parts += [run_section(s, f"img/{plot_name(s)}" if plots else None), ""]
+        model = next((s.get("model") for s in runs if workload_name(s) == DEFAULT_WORKLOAD_NAME), None)
+        if model is not None:  # the targets are about the Spec-Bench dev run's model
+            head = latest_head_reports(head_reports or []).get((cpu, str(model)))
+            parts += targets_section([s for s in runs if s.get("model") == model], head) + [""]
     parts += heads_section(head_reports or [])
     for name, text in notes:
         parts += [text.strip(), ""]
     return "\n".join(parts).rstrip() + "\n"
-
-
-DEFAULT_WORKLOAD_NAME = DEFAULT_WORKLOAD_REL.stem  # the Spec-Bench dev set's runs lead the headline
 
 
 def headline(summaries: list[dict]) -> str:
