@@ -218,6 +218,16 @@ def head_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def latest_head_reports(reports: list[dict]) -> dict[tuple[str, str], dict]:
+    """(processor, model) -> its latest head-accuracy report."""
+    latest: dict[tuple[str, str], dict] = {}
+    for r in reports:
+        key = (cpu_of(r), str(r.get("model")))
+        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
+            latest[key] = r
+    return latest
+
+
 def heads_section(reports: list[dict]) -> list[str]:
     """Per machine and model, the latest head-accuracy report: its command and table."""
     latest = latest_head_reports(reports)
@@ -294,16 +304,6 @@ def targets_section(runs: list[dict], head_report: dict | None) -> list[str]:
              "| target | goal | now | met |", "|---|---:|---:|---|"]
     lines += [f"| {t} | {g} | {n} | {m} |" for t, g, n, m in target_rows(runs, head_report)]
     return lines
-
-
-def latest_head_reports(reports: list[dict]) -> dict[tuple[str, str], dict]:
-    """(processor, model) -> its latest head-accuracy report."""
-    latest: dict[tuple[str, str], dict] = {}
-    for r in reports:
-        key = (cpu_of(r), str(r.get("model")))
-        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
-            latest[key] = r
-    return latest
 
 
 def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
