@@ -265,18 +265,18 @@ def target_rows(runs: list[dict], head_report: dict | None) -> list[tuple[str, s
     by = {workload_name(s): s for s in runs}
     dev, he, mem = by.get(DEFAULT_WORKLOAD_NAME), by.get(HUMANEVAL_WORKLOAD), by.get(MEMORY_WORKLOAD)
     out = []
-    for label, s, goal in ((f"`auto` over vanilla, {DEFAULT_WORKLOAD_NAME}", dev, GOAL_DEV),
-                           (f"`auto` over vanilla, {HUMANEVAL_WORKLOAD}", he, GOAL_HUMANEVAL)):
-        auto = _row(s, "auto")
+    dev_auto = _row(dev, "auto")
+    for label, auto, goal in ((f"`auto` over vanilla, {DEFAULT_WORKLOAD_NAME}", dev_auto, GOAL_DEV),
+                              (f"`auto` over vanilla, {HUMANEVAL_WORKLOAD}", _row(he, "auto"), GOAL_HUMANEVAL)):
         v = auto.get("speedup") if auto else None
         out.append((label, f">= {goal:.2f}x", *_verdict(v, goal, f"{v:.2f}x" if v else "")))
-    groups = (_row(dev, "auto") or {}).get("speedup_by_group") or {}
+    groups = (dev_auto or {}).get("speedup_by_group") or {}
     worst = min(groups, key=groups.get) if groups else None
     out.append((f"`auto` on its slowest {DEFAULT_WORKLOAD_NAME} group", f">= {GOAL_GROUP:.2f}x",
                 *_verdict(groups.get(worst), GOAL_GROUP, f"{worst} {groups[worst]:.2f}x" if worst else "")))
-    auto, peers = _row(dev, "auto"), [r for r in (dev or {}).get("rows", []) if r["name"] in LLAMA_SPECULATIVE]
+    peers = [r for r in (dev or {}).get("rows", []) if r["name"] in LLAMA_SPECULATIVE]
     best = max(peers, key=lambda r: r.get("tokens_per_s") or 0) if peers else None
-    ratio = auto["tokens_per_s"] / best["tokens_per_s"] if auto and best and best.get("tokens_per_s") else None
+    ratio = dev_auto["tokens_per_s"] / best["tokens_per_s"] if dev_auto and best and best.get("tokens_per_s") else None
     out.append(("`auto` over llama.cpp's best speculative configuration (tokens/s, same prompts)",
                 f">= {GOAL_PEER:.2f}x", *_verdict(ratio, GOAL_PEER, f"{ratio:.2f}x (`{best['name']}`)" if ratio else "")))
     # the memory as a method (``suffix``: earlier requests' outputs and the request's own text) against
@@ -316,6 +316,7 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
              "in the same run; llama.cpp runs the same GGUF on the same prompt tokens. History lives in "
              "docs/lab-notes/.",
              ""]
+    latest_heads = latest_head_reports(head_reports or [])
     for cpu, runs in latest_runs(summaries).items():
         flags = runs[0].get("cpu_flags")
         parts += [f"## {cpu}", ""]
@@ -325,7 +326,7 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
             parts += [run_section(s, f"img/{plot_name(s)}" if plots else None), ""]
         model = next((s.get("model") for s in runs if workload_name(s) == DEFAULT_WORKLOAD_NAME), None)
         if model is not None:  # the targets are about the Spec-Bench dev run's model
-            head = latest_head_reports(head_reports or []).get((cpu, str(model)))
+            head = latest_heads.get((cpu, str(model)))
             parts += targets_section([s for s in runs if s.get("model") == model], head) + [""]
     parts += heads_section(head_reports or [])
     for name, text in notes:

@@ -237,8 +237,9 @@ class AutoProposer(Proposer):
         reserve = min(len(chain), budget // 3)  # room for the automaton's continuation
         drafter = self.head if arm == "head" else self.draft
         tree = drafter.propose(tokens, max(budget - reserve, 1))
-        if arm == "head":  # the head's catching up on the prompt and other arms' steps: no arm's cost
-            self._t_step += self.head.catchup_seconds()
+        # a drafter's catching up on the prompt and other arms' steps is no arm's cost (the head's;
+        # the draft model reports none: its deferred prefill is charged to the hybrid arm)
+        self._t_step += drafter.catchup_seconds()
         self._draft_live = arm == "hybrid"
         if chain:
             graft(tree, chain, budget, "sam")
