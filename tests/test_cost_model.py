@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import leapdecode
 from leapdecode import ModelRunner
-from leapdecode.core.cost_model import (AcceptanceCalibration, ChainAcceptance, VerifyCost, best_tree_size,
+from leapdecode.core.cost_model import (AcceptanceCalibration, ChainAcceptance, VerifyCost, best_tree_gain, best_tree_size,
                                         measure_verify_cost)
 from leapdecode.core.proposer import DecodeContext
 from leapdecode.core.sampling import SamplingParams
@@ -216,6 +216,24 @@ def test_best_tree_size_against_brute_force(probs, fixed, steps):
     rates = [(1 + sum(probs[:k])) / (fixed + cost(k + 1)) for k in range(len(probs) + 1)]
     assert rate == pytest.approx(max(rates))
     assert rates[n] == pytest.approx(max(rates))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), max_size=12), st.floats(0.1, 50.0),
+       st.lists(st.floats(0.01, 1.0), min_size=4, max_size=4))
+def test_best_tree_gain_against_brute_force(probs, rate, steps):
+    probs = sorted(probs, reverse=True)
+    cost = VerifyCost([1, 4, 8, 16], [sum(steps[: i + 1]) for i in range(4)])
+    n, value = best_tree_gain(probs, rate, cost)
+    values = [1 + sum(probs[:k]) - rate * cost(k + 1) for k in range(len(probs) + 1)]
+    assert value == pytest.approx(max(values))
+    assert values[n] == pytest.approx(max(values))
+
+
+def test_best_tree_gain_takes_a_row_worth_its_seconds():
+    verify = VerifyCost([1, 2], [0.1, 0.12])  # a row: 0.02 s
+    assert best_tree_gain([0.5], 10.0, verify)[0] == 1  # 0.5 tokens against 0.2 earned at 10 tokens/s
+    assert best_tree_gain([0.5], 30.0, verify)[0] == 0  # against 0.6
 
 
 def test_best_tree_size_follows_the_hardware():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -617,6 +618,73 @@ def test_tree_sizer_follows_costs_and_calibration():
     assert sizer.log_accept(0.95) < before - 2.0
 
 
+def test_tree_sizer_judges_by_the_long_run_rate_once_known():
+    """The step ratio counts the drafting time already spent: a slow draft made a larger tree look
+    worth verifying (and a deeper level worth drafting).  Once the drafter's steps have a measured
+    rate, rows and levels are judged against it (Dinkelbach's criterion) and sunk time no longer
+    matters."""
+    from leapdecode.core.cost_model import VerifyCost
+    from leapdecode.proposers.tree_cost import TreeSizer
+
+    verify = VerifyCost([1, 2, 32], [1.0, 1.2, 7.2])  # a row costs a fifth of a forward
+    scores = [math.log(0.15)]  # one candidate, accepted 15% of the time: not worth its row
+    sizer = TreeSizer()
+    assert sizer.rate is None
+    assert sizer.keep(scores, 8, 0.0, verify) == 0
+    assert sizer.keep(scores, 8, 5.0, verify) == 1  # the step ratio: 5 s spent drafting make it look worth it
+    for _ in range(TreeSizer.RATE_STEPS):
+        sizer.note_step(1, 1.0)  # one token a second
+    assert sizer.rate == pytest.approx(1.0)
+    assert sizer.keep(scores, 8, 0.0, verify) == 0 and sizer.keep(scores, 8, 5.0, verify) == 0
+    # a level: its candidate (0.9 x the best child's 0.5) earns 0.45 tokens for 0.2 s of rows and the
+    # level's forward; worth it for a quick forward, not for a slow one, whatever was spent before
+    sizer.note_forward(0.1, [])
+    assert sizer.worth_expanding([math.log(0.9)], [math.log(0.9)], 8, 0.0, verify)
+    assert sizer.worth_expanding([math.log(0.9)], [math.log(0.9)], 8, 50.0, verify)
+    for _ in range(40):
+        sizer.note_forward(1.0, [])
+    assert not sizer.worth_expanding([math.log(0.9)], [math.log(0.9)], 8, 0.0, verify)
+    # the rate follows the steps: running means of their tokens and of their seconds
+    for _ in range(200):
+        sizer.note_step(3, 0.5)
+    assert sizer.rate == pytest.approx(6.0, rel=0.01)
+    sizer.note_step(2, float("nan"))  # an unusable time is ignored
+    assert sizer.rate == pytest.approx(6.0, rel=0.01)
+
+
+def test_eagle_steps_teach_the_sizer_its_rate(tiny, tmp_path):
+    """Every step the head sized (greedy, cost-aware) gives the sizer its tokens and seconds."""
+    model = tiny(seed=0)
+    head_dir = write_head("eagle", model, tmp_path / "eagle", seed=0)
+    ids = model.tokenizer.encode(PROMPTS[1])
+    runner = ModelRunner(model)
+    out = leapdecode.generate(runner, prompt_ids=ids, method="eagle", max_new_tokens=40,
+                              options={"head": str(head_dir), "tree_budget": 4})
+    assert out.tokens == vanilla(model, ids, max_new_tokens=40).tokens
+    sizers = [v for k, v in runner.memory._entries.items() if k[:2] == ("eagle", "tree_sizer")]
+    assert len(sizers) == 1 and sizers[0].steps > 0 and sizers[0]._seconds > 0, vars(sizers[0])
+
+
+def test_medusa_calibrates_only_on_its_own_trees():
+    """As the EAGLE head's: in ``auto`` a medusa head observes every step; the nodes of the step it
+    drafted calibrate (and time) that step once, never a later step another arm drafted."""
+    from leapdecode.core.tree import TokenTree
+    from leapdecode.core.verifier import Verdict
+    from leapdecode.proposers.tree_cost import TreeSizer
+
+    prop = MedusaProposer.__new__(MedusaProposer)
+    prop._steps = prop._accepted = 0
+    prop._verify_cost, prop.sizer, prop._t_step = object(), TreeSizer(), 0.0
+    tree = TokenTree()
+    tree.add(7, -1)
+    prop._node_p = [(7, 0.9)]
+    prop.observe([1, 7, 8], tree, Verdict(accepted=[0], next_token=8, tokens=[7, 8]), None)
+    seen, steps = list(prop.sizer.calibration.seen), prop.sizer.steps
+    assert steps == 1
+    prop.observe([1, 7, 8, 7, 5], tree, Verdict(accepted=[], next_token=5, tokens=[5]), None)  # another arm's step
+    assert prop.sizer.calibration.seen == seen and prop.sizer.steps == steps and prop._node_p == []
+
+
 def test_a_pessimistic_eagle_sizer_learns_again(tiny, tmp_path, pessimistic_sizers):
     """Issue 46: the sizer's means of the draft forward's time and of the best child's acceptance
     were updated only when a deeper level was drafted, so a pessimistic state (a warm-up on a hard
@@ -682,11 +750,11 @@ def test_eagle_calibrates_only_on_its_own_trees():
 
     prop = EagleProposer.__new__(EagleProposer)
     prop._steps = prop._accepted = 0
-    prop._verify_cost, prop.sizer = object(), TreeSizer()
+    prop._verify_cost, prop.sizer, prop._t_step, prop._catchup = object(), TreeSizer(), 0.0, 0.0
     tree = TokenTree()
     tree.add(7, -1)
     prop._node_p = [(7, 0.9)]  # what the head drafted for this step
     prop.observe([1, 7, 8], tree, Verdict(accepted=[0], next_token=8, tokens=[7, 8]), None)
     seen = list(prop.sizer.calibration.seen)
     prop.observe([1, 7, 8, 7, 5], tree, Verdict(accepted=[], next_token=5, tokens=[5]), None)  # another arm's step
-    assert prop.sizer.calibration.seen == seen and prop._node_p == []
+    assert prop.sizer.calibration.seen == seen and prop._node_p == [] and prop.sizer.steps == 1

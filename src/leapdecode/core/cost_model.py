@@ -322,6 +322,25 @@ def best_tree_size(probs: list[float], fixed_s: float, verify: VerifyCost) -> tu
     return best_n, best_rate
 
 
+def best_tree_gain(probs: list[float], rate: float, verify: VerifyCost) -> tuple[int, float]:
+    """How many of the candidate nodes to verify, best first, at a known long-run ``rate`` (tokens
+    per second of the drafter's steps): the ``n`` that maximises (1 + sum of the ``n`` largest
+    acceptance probabilities) - ``rate`` x verify(n + 1), the expected tokens of the step less what
+    its verification's seconds earn at that rate.  This is Dinkelbach's step for a ratio ("On
+    Nonlinear Fractional Programming", Dinkelbach, 1967): at the rate the current choices achieve,
+    choices that maximise it do not achieve less.  Time already spent drafting the step is sunk and does
+    not enter, unlike ``best_tree_size``'s step ratio, where it does: a slow draft made a larger
+    tree look worth verifying.  ``probs`` must be sorted, largest first.  Returns (n, value)."""
+    best_n, best = 0, 1.0 - rate * verify(1)
+    expected = 1.0
+    for i, p in enumerate(probs):
+        expected += p
+        value = expected - rate * verify(i + 2)
+        if value > best:
+            best_n, best = i + 1, value
+    return best_n, best
+
+
 class ChainAcceptance:
     """For a model-free drafter's chain: P(the token at depth ``d`` is accepted | the tokens
     before it were), per context bucket (e.g. how long the suffix match was), learned from the

@@ -209,6 +209,7 @@ class DraftModelProposer(Proposer):
             self.cache.rollback()
         if self._prompt is not None:  # deferred from begin()
             self._prefill()
+        self._t_step = time.perf_counter()  # the step's own time starts after a deferred prefill
         new = tokens[self.n_cached :]
         if self.cache.room() < len(new):  # the draft's context is full: no draft, the target goes on alone
             self._tree_to_cand, self._last_depth = {}, 0
@@ -364,6 +365,8 @@ class DraftModelProposer(Proposer):
                 parent = tree.parents[node]
                 if parent < 0 or parent in accepted:
                     self.sizer.update([(self._cand_p[cand], node in accepted)])
+            if self._tree_to_cand:
+                self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         elif self.adaptive and self._last_depth > 0:
             accepted = len(verdict.accepted)
             if accepted >= self._last_depth:

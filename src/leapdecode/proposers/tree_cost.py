@@ -12,6 +12,14 @@ per second of the step (the drafter's measured forward time against the target's
 verification cost, ``VerifyCost``), and the verified tree is the prefix of the best candidates
 that maximises that rate (``best_tree_size``).
 
+Once the drafter's steps have a measured long-run rate (tokens per second of its sized steps,
+``note_step``), levels and rows are judged against that rate instead (``best_tree_gain``,
+Dinkelbach's criterion): a level or a row is worth it when the tokens it is expected to add exceed
+what its seconds would earn at the rate.  The step ratio counts the drafting time already spent,
+which is sunk: the slower a step's draft so far (a deep tree, a catch-up on the prompt), the more
+levels and rows it found worth their time (measured on qwen2.5-coder-1.5b: 22-42% fewer verified
+rows per forward with the rate, at the same tokens per second; docs/lab-notes/benchmarks.md 47).
+
 Only greedy trees are sized this way: any greedy tree gives vanilla's tokens, so timings may steer
 it; a seeded sampling run's trees must not depend on a clock.
 """
@@ -20,18 +28,45 @@ from __future__ import annotations
 
 import math
 
-from ..core.cost_model import AcceptanceCalibration, VerifyCost, best_tree_size
+from ..core.cost_model import AcceptanceCalibration, VerifyCost, best_tree_gain, best_tree_size
 
 
 class TreeSizer:
     """Per drafter and target, kept in the runner's memory (``ctx.remember``) across generations:
-    the calibration and running means of the drafter's forward time and of the best child's
-    acceptance probability."""
+    the calibration, running means of the drafter's forward time and of the best child's
+    acceptance probability, and of the tokens and seconds of its sized steps."""
+
+    RATE_STEPS = 4  # sized steps seen before their rate is used (the step ratio until then)
+    RATE_WEIGHT = 0.05  # weight of one step in the running means of its tokens and seconds
 
     def __init__(self) -> None:
         self.calibration = AcceptanceCalibration()
         self.forward_s: float | None = None
         self.top_accept: float | None = None  # (0.5 is assumed until a forward is seen)
+        self.steps = 0
+        self._tokens = self._seconds = 0.0  # running means per sized step
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second of the drafter's sized steps (drafting, verifying and committing), once
+        ``RATE_STEPS`` were seen; ``None`` before."""
+        return self._tokens / self._seconds if self.steps >= self.RATE_STEPS and self._seconds > 0 else None
+
+    def note_step(self, tokens: int, seconds: float) -> None:
+        """A sized step decided ``tokens`` tokens in ``seconds`` (from its draft's start to the end of
+        its verification; a catch-up on earlier positions left out)."""
+        if not (seconds > 0.0 and math.isfinite(seconds)):
+            return
+        w = 1.0 / (self.steps + 1) if self.steps < 1.0 / self.RATE_WEIGHT else self.RATE_WEIGHT
+        self._tokens += w * (tokens - self._tokens)
+        self._seconds += w * (seconds - self._seconds)
+        self.steps += 1
+
+    def _best(self, probs: list[float], spent: float, verify: VerifyCost) -> tuple[int, float]:
+        """The best number of ``probs`` (sorted) to verify and its value: the expected tokens less
+        their verification's worth at the long-run rate, or (no rate yet) the step's ratio."""
+        rate = self.rate
+        return best_tree_size(probs, spent, verify) if rate is None else best_tree_gain(probs, rate, verify)
 
     def log_accept(self, p: float) -> float:
         """A node's contribution to its path's score: log P(accepted | parent accepted)."""
@@ -55,16 +90,17 @@ class TreeSizer:
         if self.forward_s is None:
             return True  # not measured yet: draft, and learn
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
-        _, now = best_tree_size(probs, spent, verify)
+        _, now = self._best(probs, spent, verify)
         rho = 0.5 if self.top_accept is None else self.top_accept
         more = sorted(probs + [math.exp(v) * rho for v in expand_scores], reverse=True)[:budget]
-        _, then = best_tree_size(more, spent + self.forward_s, verify)
-        return then > now
+        _, then = self._best(more, spent + self.forward_s, verify)
+        rate = self.rate
+        return then > now if rate is None else then - rate * self.forward_s > now
 
     def keep(self, scores: list[float], budget: int, spent: float, verify: VerifyCost) -> int:
         """How many of the best candidates to verify."""
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
-        return best_tree_size(probs, spent, verify)[0]
+        return self._best(probs, spent, verify)[0]
 
     def observe_tree(self, nodes: list[tuple[int, float]], tree, accepted: list[int]) -> None:
         """Calibrate from a verified greedy tree: ``nodes`` are its drafted (token, drafter

@@ -462,7 +462,7 @@ class EagleProposer(Proposer):
 
     # -------------------------------------------------------------- propose
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
-        t0 = time.perf_counter()
+        t0 = self._t_step = time.perf_counter()
         n = len(tokens)
         tree = TokenTree()
         self._catchup = 0.0
@@ -588,6 +588,7 @@ class EagleProposer(Proposer):
         self._fresh_from = len(tokens) - len(verdict.tokens)  # the first position this step decided
         if self._verify_cost is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+            self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step - self._catchup)
         # this step's nodes, used once: on a step another of auto's arms drafted, the head observes
         # the verdict of a tree that is not its own (stale nodes calibrated against it were wrong)
         self._node_p = []

@@ -163,7 +163,7 @@ class HydraProposer(Proposer):
         return self.model.embed(torch.tensor(toks, device=self.model.device)).to(self.dtype)
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
-        t0 = time.perf_counter()
+        t0 = self._t_step = time.perf_counter()
         if self.feature is None or self.feature_pos != len(tokens) - 2 or budget < 1:
             return TokenTree()  # no feature for the last decided token (the first step, or a step not observed)
         with torch.inference_mode():
@@ -245,6 +245,7 @@ class HydraProposer(Proposer):
         self._accepted += len(verdict.accepted)
         if self._verify_cost is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+            self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         self._node_p = []
         self.feature = None
         if hidden:

@@ -143,7 +143,7 @@ class MedusaProposer(Proposer):
         return True
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
-        t0 = time.perf_counter()
+        t0 = self._t_step = time.perf_counter()
         tree = TokenTree()
         if self.feature is None or self.feature_pos != len(tokens) - 2 or budget < 1:
             return tree  # no feature for the last decided token (the first step, or a step not observed)
@@ -212,6 +212,8 @@ class MedusaProposer(Proposer):
         self._accepted += len(verdict.accepted)
         if self._verify_cost is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+            self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
+        self._node_p = []  # used once: in ``auto`` another arm may draft the next step
         self.feature = None
         if hidden:
             row = verdict.accepted[-1] + 1 if verdict.accepted else 0
