@@ -312,14 +312,7 @@ def best_tree_size(probs: list[float], fixed_s: float, verify: VerifyCost) -> tu
     (1 + sum of the ``n`` largest acceptance probabilities) / (``fixed_s`` + verify(n + 1)),
     i.e. expected tokens emitted per second of this step.  ``probs`` must be sorted,
     largest first.  Returns (n, rate)."""
-    best_n, best_rate = 0, 1.0 / (fixed_s + verify(1))
-    expected = 1.0
-    for i, p in enumerate(probs):
-        expected += p
-        rate = expected / (fixed_s + verify(i + 2))
-        if rate > best_rate:
-            best_n, best_rate = i + 1, rate
-    return best_n, best_rate
+    return _best_prefix(probs, lambda expected, rows: expected / (fixed_s + verify(rows)))
 
 
 def best_tree_gain(probs: list[float], rate: float, verify: VerifyCost) -> tuple[int, float]:
@@ -331,13 +324,19 @@ def best_tree_gain(probs: list[float], rate: float, verify: VerifyCost) -> tuple
     choices that maximise it do not achieve less.  Time already spent drafting the step is sunk and does
     not enter, unlike ``best_tree_size``'s step ratio, where it does: a slow draft made a larger
     tree look worth verifying.  ``probs`` must be sorted, largest first.  Returns (n, value)."""
-    best_n, best = 0, 1.0 - rate * verify(1)
+    return _best_prefix(probs, lambda expected, rows: expected - rate * verify(rows))
+
+
+def _best_prefix(probs: list[float], value) -> tuple[int, float]:
+    """The ``n`` whose ``value(1 + sum of the n largest probs, n + 1 verified rows)`` is largest (the
+    first on a tie), and that value."""
+    best_n, best = 0, value(1.0, 1)
     expected = 1.0
     for i, p in enumerate(probs):
         expected += p
-        value = expected - rate * verify(i + 2)
-        if value > best:
-            best_n, best = i + 1, value
+        v = value(expected, i + 2)
+        if v > best:
+            best_n, best = i + 1, v
     return best_n, best
 
 

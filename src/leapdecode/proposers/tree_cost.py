@@ -62,10 +62,10 @@ class TreeSizer:
         self._seconds += w * (seconds - self._seconds)
         self.steps += 1
 
-    def _best(self, probs: list[float], spent: float, verify: VerifyCost) -> tuple[int, float]:
+    @staticmethod
+    def _best(probs: list[float], spent: float, verify: VerifyCost, rate: float | None) -> tuple[int, float]:
         """The best number of ``probs`` (sorted) to verify and its value: the expected tokens less
-        their verification's worth at the long-run rate, or (no rate yet) the step's ratio."""
-        rate = self.rate
+        their verification's worth at the long-run ``rate``, or (no rate yet) the step's ratio."""
         return best_tree_size(probs, spent, verify) if rate is None else best_tree_gain(probs, rate, verify)
 
     def log_accept(self, p: float) -> float:
@@ -90,17 +90,17 @@ class TreeSizer:
         if self.forward_s is None:
             return True  # not measured yet: draft, and learn
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
-        _, now = self._best(probs, spent, verify)
+        rate = self.rate
+        _, now = self._best(probs, spent, verify, rate)
         rho = 0.5 if self.top_accept is None else self.top_accept
         more = sorted(probs + [math.exp(v) * rho for v in expand_scores], reverse=True)[:budget]
-        _, then = self._best(more, spent + self.forward_s, verify)
-        rate = self.rate
+        _, then = self._best(more, spent + self.forward_s, verify, rate)
         return then > now if rate is None else then - rate * self.forward_s > now
 
     def keep(self, scores: list[float], budget: int, spent: float, verify: VerifyCost) -> int:
         """How many of the best candidates to verify."""
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
-        return self._best(probs, spent, verify)[0]
+        return self._best(probs, spent, verify, self.rate)[0]
 
     def observe_tree(self, nodes: list[tuple[int, float]], tree, accepted: list[int]) -> None:
         """Calibrate from a verified greedy tree: ``nodes`` are its drafted (token, drafter
