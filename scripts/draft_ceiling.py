@@ -10,24 +10,31 @@ out: these are upper bounds):
   output so far) that occurred before, most recent occurrence (what ``pld`` and ``sam`` copy), cut
   to exactly the tokens the target then accepts: the best any copy drafter with perfect lengths
   could do;
+* **copy oracle with memory** (``--memory``): the same, but the text it copies from also holds the
+  outputs of the requests before (in the workload's order, as a server's cross-request memory
+  would: ``suffix``, ``auto:use_memory=true``), the request's own text winning ties: what earlier
+  requests can add to copying at best;
 * **perfect drafter**: knows the output and drafts, at every step, the number of its next tokens
   that minimises the total cost (dynamic programming): the ceiling of any drafter on this machine's
   verification costs.
 
+Each ceiling is printed overall and per task group.
+
     python scripts/draft_ceiling.py --categories extraction --json-object
     python scripts/draft_ceiling.py --workload humaneval-heldout --max-new-tokens 128
+    python scripts/draft_ceiling.py --workload similar --limit 24 --max-new-tokens 128 --memory
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from leapdecode.proposers.pld import NGramIndex
 
 MAX_DRAFT = 32  # the most tokens a step may draft (the default tree budgets are 24-32)
 MAX_MATCH = 16  # the longest suffix the copy oracle looks for
+SEPARATOR = -1  # between remembered outputs: never a token, so no match crosses it
 
 
 def _match_continuation(index: NGramIndex) -> list[int]:
@@ -49,10 +56,15 @@ def copy_continuation_at(text: Sequence[int], max_match: int = MAX_MATCH) -> lis
     return _match_continuation(index)
 
 
-def copy_oracle_cost(prompt: Sequence[int], output: Sequence[int], cost: Callable[[int], float]) -> float:
+def copy_oracle_cost(prompt: Sequence[int], output: Sequence[int], cost: Callable[[int], float],
+                     memory: Sequence[Sequence[int]] = ()) -> float:
     """Total verification cost of ``output`` when each step drafts the copy continuation's tokens that
-    match the output (none where it is wrong at once)."""
+    match the output (none where it is wrong at once); ``memory``: earlier outputs it may copy from
+    too (before the prompt, so that on a tie the request's own, more recent text wins)."""
     index, i, total = NGramIndex(MAX_MATCH), 0, 0.0
+    for doc in memory:
+        index.extend(doc)
+        index.append(SEPARATOR)
     index.extend(prompt)
     while i < len(output):
         cont = _match_continuation(index)
@@ -74,19 +86,35 @@ def perfect_cost(n_tokens: int, cost: Callable[[int], float]) -> float:
     return best[0]
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--workload", default=None, help="as the bench's --workload (default: Spec-Bench dev)")
+    ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    ap.add_argument("--limit", type=int, default=None, help="questions, sampled as the bench does")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-object", action="store_true", help="constrain every output to a JSON object")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--memory", action="store_true",
+                    help="also the copy oracle that may copy from the earlier requests' outputs")
+    return ap.parse_args(argv)
+
+
 def main() -> None:
     import leapdecode
     from leapdecode.bench.suite import encode_turn
+    from leapdecode.bench.workloads import load_workload, select
     from leapdecode.core.runner import ModelRunner
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from decode_phase import workload_parser, workload_questions
-
-    a = workload_parser(__doc__).parse_args()
+    a = parse_args()
+    questions, _ = load_workload(a.workload)  # (an unknown workload or category fails before the model loads)
+    questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)
+    if a.json_object:  # as the bench: a workload's own schemas stay
+        for q in questions:
+            q.meta.setdefault("json_schema", {"type": "object"})
     model = leapdecode.load(a.model)
-    questions = workload_questions(a)
     runner = ModelRunner(model, prefix_cache_bytes=0)
-    outputs = []
+    outputs = []  # (group, prompt ids, output ids) in the workload's order
     for q in questions:
         history: list[dict] = []
         schema = {"json_schema": q.meta["json_schema"]} if "json_schema" in q.meta else {}
@@ -94,7 +122,7 @@ def main() -> None:
             ids = encode_turn(model, q, history, turn)
             res = leapdecode.generate(runner, prompt_ids=ids, max_new_tokens=a.max_new_tokens, method="vanilla",
                                       **schema)
-            outputs.append((ids, res.tokens))
+            outputs.append((q.category, ids, res.tokens))
             print(f"question {q.question_id}: {len(res.tokens)} tokens", flush=True)
             history += [{"role": "user", "content": turn}, {"role": "assistant", "content": res.text}]
     verify = runner.verify_cost(model.model.new_cache(max_len=1024))
@@ -104,16 +132,28 @@ def main() -> None:
     def cost(n: int) -> float:
         return verify(n) / unit
 
-    n_tokens = sum(len(out) for _, out in outputs)
-    copy = sum(copy_oracle_cost(ids, out, cost) for ids, out in outputs)
-    perfect = sum(perfect_cost(len(out), cost) for _, out in outputs)
+    rows = [("copy oracle", lambda i, ids, out: copy_oracle_cost(ids, out, cost))]
+    if a.memory:
+        rows.append(("copy oracle with memory",
+                     lambda i, ids, out: copy_oracle_cost(ids, out, cost, [o for _, _, o in outputs[:i]])))
+    rows.append(("perfect drafter", lambda i, ids, out: perfect_cost(len(out), cost)))
+    groups = sorted({g for g, _, _ in outputs})
+    spent = {name: {g: 0.0 for g in groups} for name, _ in rows}
+    tokens = {g: 0 for g in groups}
+    for i, (g, ids, out) in enumerate(outputs):
+        tokens[g] += len(out)
+        for name, f in rows:
+            spent[name][g] += f(i, ids, out)
+    n_tokens = sum(tokens.values())
     print(f"\n{a.model}, {len(outputs)} outputs, {n_tokens} tokens; verification cost relative to one token: "
           + ", ".join(f"{n}: {v:.2f}" for n, v in sorted(rel.items())))
-    print("| decoding phase | cost (1-token forwards) | speedup ceiling |")
-    print("|---|---:|---:|")
-    print(f"| vanilla | {n_tokens:.1f} | 1.00x |")
-    print(f"| copy oracle | {copy:.1f} | {n_tokens / copy:.2f}x |")
-    print(f"| perfect drafter | {perfect:.1f} | {n_tokens / perfect:.2f}x |")
+    print("| decoding phase | cost (1-token forwards) | speedup ceiling | " + " | ".join(groups) + " |")
+    print("|---|---:|---:|" + "---:|" * len(groups))
+    print(f"| vanilla | {n_tokens:.1f} | 1.00x |" + " 1.00x |" * len(groups))
+    for name, _ in rows:
+        total = sum(spent[name].values())
+        print(f"| {name} | {total:.1f} | {n_tokens / total:.2f}x | "
+              + " | ".join(f"{tokens[g] / spent[name][g]:.2f}x" for g in groups) + " |")
 
 
 if __name__ == "__main__":

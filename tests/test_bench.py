@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from leapdecode.bench import stats
 from leapdecode.bench.runners import PEERS_INSTALL_HINT, expand_peers, make_peers
@@ -394,9 +395,12 @@ def test_demo_configuration():
     assert "auto" in METHODS
     assert cfg.methods == ["vanilla", "auto"]
     assert cfg.limit == bench_cli.DEMO_PROMPTS and cfg.max_new_tokens == bench_cli.DEMO_MAX_NEW_TOKENS
-    assert expand_peers(cfg.peers)[0] == "hf" and cfg.out == bench_cli.DEMO_OUT
-    # the demo runs HF's plain generate only (three HF rows took it past 10 minutes on a fresh machine)
-    assert "hf-assisted" not in expand_peers(cfg.peers)
+    assert cfg.out == bench_cli.DEMO_OUT
+    # no HF row (its plain generate alone took a fresh clone's demo to 25.5 minutes on the AVX2-only
+    # machine); asked for, it is there
+    assert not [r for r in expand_peers(cfg.peers) if r.startswith("hf")]
+    asked = bench_cli.config_from_args(build_parser().parse_args(["bench", "--demo", "--peers", "hf-generate"]))
+    assert expand_peers(asked.peers) == ["hf"]
 
 
 def test_demo_runs_llama_servers_plain_row_only_when_built(monkeypatch, tmp_path):
@@ -527,3 +531,21 @@ def test_an_interrupted_bench_closes_every_runner(tmp_path, monkeypatch):
     assert main(["bench", "-m", "tiny-random", "--dtype", "fp32", "--methods", "vanilla,pld", "--workload", str(wl),
                  "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 130
     assert calls["n"] == 5 and sorted(closed) == ["pld", "vanilla"]
+
+
+def test_hf_rows_run_quantized_targets_in_the_cpus_fast_dtype(monkeypatch):
+    """transformers cannot run int4/int8 weights: its copy of a quantized target runs in the dtype
+    this CPU computes fastest (bf16 only with AMX/AVX512-BF16), not the kernel's bf16 activations;
+    a float target keeps its own dtype."""
+    from types import SimpleNamespace
+
+    from leapdecode.bench.runners import hf_dtype
+    from leapdecode.models import loader
+
+    cpu = torch.device("cpu")
+    for fast, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert hf_dtype(SimpleNamespace(weights="int4", dtype=torch.bfloat16, device=cpu)) == want
+        assert hf_dtype(SimpleNamespace(weights="int8", dtype=torch.bfloat16, device=cpu)) == want
+        assert hf_dtype(SimpleNamespace(weights="bf16", dtype=torch.bfloat16, device=cpu)) == torch.bfloat16
+        assert hf_dtype(SimpleNamespace(weights="fp32", dtype=torch.float32, device=cpu)) == torch.float32

@@ -36,6 +36,25 @@ def test_copy_oracle_pays_one_step_per_accepted_run(ceiling):
     assert ceiling.copy_oracle_cost([1, 2, 3, 9], [1, 2, 3, 9], lambda n: 1.0 + 0.5 * (n - 1)) == 1.0 + 2.5
 
 
+def test_copy_oracle_with_memory_copies_from_earlier_outputs(ceiling):
+    unit = lambda n: 1.0  # noqa: E731
+    # an earlier request's output holds what this one writes; its own prompt does not
+    assert ceiling.copy_oracle_cost([100], [1, 2, 3, 4, 5], unit) == 5.0
+    assert ceiling.copy_oracle_cost([100], [1, 2, 3, 4, 5], unit, memory=[[7, 1, 2, 3, 4, 5]]) == 2.0
+    # a match of equal length: the request's own, more recent text wins ("1 2" -> 8, not 9)
+    assert ceiling.copy_oracle_cost([1, 2, 8, 1, 2], [8, 0], unit, memory=[[1, 2, 9]]) == 1.0
+    # a longer match in the memory wins ("3 1 2" -> 9); no match crosses from one output into the next
+    assert ceiling.copy_oracle_cost([1, 2, 8, 3, 1, 2], [9, 7], unit) == 2.0
+    assert ceiling.copy_oracle_cost([1, 2, 8, 3, 1, 2], [9, 7], unit, memory=[[3, 1, 2, 9], [7]]) == 1.0
+    assert ceiling.copy_oracle_cost([5], [6, 7, 8], unit, memory=[[5, 6], [7, 8]]) == 2.0
+
+
+def test_options(ceiling):
+    a = ceiling.parse_args(["--workload", "similar", "--limit", "24", "--memory"])
+    assert (a.workload, a.limit, a.memory, a.max_new_tokens) == ("similar", 24, True, 192)
+    assert not ceiling.parse_args([]).memory
+
+
 @functools.lru_cache(maxsize=None)
 def _brute(n: int, slope: float, max_draft: int) -> float:
     if n == 0:

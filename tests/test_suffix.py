@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 import leapdecode
 from leapdecode.core.runner import ModelRunner
 from leapdecode.errors import InvalidParameterError
-from leapdecode.proposers.suffix import SuffixMemory, SuffixTrie
+from leapdecode.core.cost_model import AcceptanceCalibration, VerifyCost
+from leapdecode.proposers.sam import MATCH_BUCKETS, match_bucket
+from leapdecode.proposers.suffix import SOURCES, SuffixDecodingProposer, SuffixMemory, SuffixTrie
 
 docs_strategy = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4)
 
@@ -119,8 +121,6 @@ def test_bad_options_are_named():
         leapdecode.generate(leapdecode.load("tiny-random"), "hi", method="suffix", max_new_tokens=2,
                             options={"min_prob": -1})
     # a match longer than the stored depth leaves no room for a continuation: it is cut to depth - 1
-    from leapdecode.proposers.suffix import SuffixDecodingProposer
-
     assert SuffixDecodingProposer(depth=8, max_match=8).max_match == 7
 
 
@@ -216,8 +216,6 @@ def test_the_memory_arm_matches_the_memory_once_per_step(tiny, monkeypatch):
     second = leapdecode.generate(runner, PROMPT, method="auto", options=opts, max_new_tokens=64)
     assert second.stats["auto_arms"].get("memory", 0) > 0
     assert calls and len(calls) == len(set(calls)), calls  # each text length matched once
-    from leapdecode.proposers.suffix import SuffixDecodingProposer
-
     p = SuffixDecodingProposer(local=False)
     p.memory = memory
     calls.clear()
@@ -240,3 +238,72 @@ def test_random_documents_drafts_stay_exact(tiny):
         got = leapdecode.generate(runner, text, method="suffix", max_new_tokens=40,
                                   options={"remember_prompts": True, "min_prob": 0.0})
         assert got.tokens == want.tokens
+
+
+FREE = VerifyCost([1, 64], [1.0, 1.0])  # extra verified rows cost nothing
+PROHIBITIVE = VerifyCost([1, 2], [1.0, 100.0])
+
+
+def sized(verify: VerifyCost) -> SuffixDecodingProposer:
+    """A cost-aware proposer without a generation, its calibrations fresh."""
+    p = SuffixDecodingProposer()
+    p._use_costs, p._verify_cost = True, verify
+    p.calibration = {s: [AcceptanceCalibration() for _ in MATCH_BUCKETS] for s in SOURCES}
+    return p
+
+
+def test_cost_aware_trees_are_sized_by_calibrated_probability_and_cost():
+    trie = SuffixTrie(8)
+    trie.extend(0, [1, 2, 3, 5, 6, 1, 2, 3, 5, 6, 1, 2, 4, 9, 9])
+    budget = 16
+    # the paper's rule: a 2-token match drafts at most spec_factor x 2 nodes
+    paper = SuffixDecodingProposer()
+    assert len(paper._candidate(trie, [7, 1, 2], budget, "suffix-global")[0]) == 2
+    # free rows: every node above min_prob, parents first, ranked by calibrated path probability
+    free = sized(FREE)
+    nodes, value, (calib, cond) = free._candidate(trie, [7, 1, 2], budget, "suffix-global")
+    assert calib is free.calibration["suffix-global"][match_bucket(2)]
+    want, _ = trie.speculate(trie.match([7, 1, 2], 16)[0], budget, 0.1)
+    assert sorted(t for t, _, _ in nodes) == sorted(t for t, _, _ in want) and len(nodes) > 2
+    for i, (token, parent, q) in enumerate(nodes):
+        assert parent < i
+        expect = calib(cond[i]) * (nodes[parent][2] if parent >= 0 else 1.0)
+        assert q == pytest.approx(expect)
+    assert cond[0] == pytest.approx(2 / 3)  # "3" follows "1 2" in two of three places
+    assert value == pytest.approx((1 + sum(q for _, _, q in nodes)) / FREE(len(nodes) + 1))
+    # a prohibitive second row: nothing is worth verifying
+    assert sized(PROHIBITIVE)._candidate(trie, [7, 1, 2], budget, "suffix-global")[0] == []
+    # a calibration that learned this trie's guesses are never accepted: nothing either
+    never = sized(VerifyCost([1, 64], [1.0, 1.0 + 63 * 0.3]))
+    for _ in range(200):
+        for b in range(AcceptanceCalibration.BINS):
+            never.calibration["suffix-global"][match_bucket(2)].update(b, False)
+    assert never._candidate(trie, [7, 1, 2], budget, "suffix-global")[0] == []
+    assert never._candidate(trie, [7, 1, 2], budget, "suffix-local")[0] != []  # calibrated apart
+
+
+def test_cost_aware_suffix_follows_the_verify_cost(tiny, fresh_runner):
+    """Greedy, cost-aware (the default): vanilla's tokens; a prohibitive verification drafts nothing,
+    a free one drafts, and the calibration is learned per runner across generations.  Sampling never
+    reads the clock: it drafts by the paper's rule even at a prohibitive cost."""
+    model = tiny(seed=0)
+    want = leapdecode.generate(model, PROMPT, method="vanilla", max_new_tokens=64)
+    dear = fresh_runner(model, verify_cost=PROHIBITIVE)
+    for _ in range(2):
+        got = leapdecode.generate(dear, PROMPT, method="suffix", max_new_tokens=64)
+        assert got.tokens == want.tokens
+        assert got.stats["draft_nodes"] == 0 and got.stats["target_forwards"] == want.stats["target_forwards"]
+    free = fresh_runner(model, verify_cost=FREE)
+    gens, outs = [], []
+    for _ in range(2):  # one after the other: the second drafts from the first's output too
+        gens.append(leapdecode.start_generation(free, PROMPT, method="suffix", max_new_tokens=64))
+        outs.append(gens[-1].run())
+    assert all(o.tokens == want.tokens for o in outs)
+    assert outs[1].stats["draft_nodes"] > 0 and outs[1].stats["mean_accepted"] > 2.0
+    calib = gens[1].proposer.calibration
+    assert calib is gens[0].proposer.calibration  # kept in the runner's memory
+    assert sum(sum(c.seen) for cs in calib.values() for c in cs) > 2 * AcceptanceCalibration.BINS * 8
+    sampled = dict(max_new_tokens=48, temperature=0.8, seed=3)
+    s = leapdecode.generate(dear, PROMPT, method="suffix", **sampled)
+    assert s.tokens == leapdecode.generate(model, PROMPT, method="vanilla", **sampled).tokens
+    assert s.stats["draft_nodes"] > 0

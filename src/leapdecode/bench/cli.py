@@ -22,7 +22,10 @@ DEMO_PROMPTS = 2
 DEFAULT_REPEATS = 2  # runs per prompt: a one-off cost or a neighbour's burst shows as a flagged spread
 DEMO_REPEATS = 2  # medians of two runs a prompt, and a flag where they differ by more than 1.5x
 DEMO_MAX_NEW_TOKENS = 96  # 3 x 128 took a fresh clone's demo to 11.4 min on the AVX2-only 2-core machine; 3 x 96: 9.5
-DEMO_PEERS = ["hf-generate"]  # only HF's plain greedy generate; llama.cpp rows are added when installed
+# No HF row: transformers' generate ran 1.1 tokens/s on the AVX2-only 2-core EPYC (2026-11-29), 773 of
+# the bench's 946 s, and a fresh clone's demo took 25.5 min with it; `--peers hf-generate` adds it.
+# llama.cpp's plain server row is added where an earlier bench built it.
+DEMO_PEERS: list[str] = []
 DEMO_OUT = Path("bench_out") / "demo"
 
 
@@ -229,7 +232,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         console.print(f"leapdecode demo: {cfg.model}, methods {', '.join(cfg.methods)}, peers "
                       f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts of "
                       f"{cfg.workload or 'the Spec-Bench dev set'} x {cfg.max_new_tokens} tokens "
-                      "(models are fetched and converted on first use)", markup=False, highlight=False)
+                      "(models are fetched and converted on first use; `--peers hf-generate` adds HF "
+                      "transformers, measured 4-8x slower than vanilla on 2-core CPUs)", markup=False,
+                      highlight=False)
     summary = terminable(run_bench, cfg, console=console)
     out = Console(stderr=a.json)
     if not out.is_terminal:  # a pipe or file: do not squeeze the table into 80 columns

@@ -9,9 +9,12 @@ memory sampled during the call.
 Peers:
 
 * ``hf``, ``hf-assisted``, ``hf-pld``: transformers ``generate`` on the same converted
-  weights, dtype and device (greedy; with ``assistant_model`` = the draft; with
+  weights and device (greedy; with ``assistant_model`` = the draft; with
   ``prompt_lookup_num_tokens=10``); under a structure, with a logits processor running the same
-  grammar engine (``GrammarLogitsProcessor``: llguidance through ``constraints/grammar.py``);
+  grammar engine (``GrammarLogitsProcessor``: llguidance through ``constraints/grammar.py``), in
+  leapdecode's dtype where its weights are floats, and where they are quantized (which
+  transformers cannot run) in the dtype a CPU runs fastest (``hf_dtype``: bf16 with AMX or
+  AVX512-BF16, else fp32, which an AVX2-only CPU computes natively instead of converting bf16);
 * ``llamacpp``, ``llamacpp-pld``: llama-cpp-python on the model's GGUF (quantized weights,
   so its tokens may differ from vanilla's), greedy and with ``LlamaPromptLookupDecoding``;
 * ``llama-server``, ``llama-server-draft``, ``llama-server-ngram`` (and ``-ngram-simple``):
@@ -290,6 +293,17 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+def hf_dtype(loaded) -> torch.dtype:
+    """The dtype of the hf-* rows' transformers copy of ``loaded``: its own where its weights are
+    floats; for quantized weights the machine's fast one (``dtype="auto"``'s rule), not the bf16 of
+    the kernel's activations, which an AVX2-only CPU emulates in transformers' matmuls."""
+    from ..models.loader import resolve_dtype
+
+    if loaded.weights in ("int4", "int8"):
+        return resolve_dtype("auto", loaded.device)
+    return loaded.dtype
+
+
 class _HFShared:
     """The transformers copy of the target (and draft), loaded once for the hf-* rows."""
 
@@ -314,7 +328,7 @@ class _HFShared:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         with _quiet_transformers():
-            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.loaded.dtype)
+            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=hf_dtype(self.loaded))
         # plain defaults: no sampling or penalties a checkpoint's generation_config might carry
         old = m.generation_config
         m.generation_config = GenerationConfig(bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,

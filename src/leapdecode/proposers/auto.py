@@ -156,7 +156,7 @@ class AutoProposer(Proposer):
 
     def needs_verify_cost(self, params) -> bool:
         return self.sam.needs_verify_cost(params) or any(
-            p is not None and p.needs_verify_cost(params) for p in (self.draft, self.head))
+            p is not None and p.needs_verify_cost(params) for p in (self.draft, self.head, self.memory))
 
     def prompt_features(self) -> int:
         return self.head.prompt_features() if self.head is not None else 0

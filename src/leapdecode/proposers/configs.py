@@ -119,6 +119,9 @@ class SuffixConfig(MethodConfig):
     memory_tokens: int = option(200_000, "earlier requests' output tokens the runner keeps (oldest forgotten "
                                          "first)", low=1)
     remember_prompts: bool = option(False, "keep earlier requests' prompts too, not only their outputs")
+    cost_aware: bool = option(True, "greedy: grow the tree to the budget and verify the prefix worth its "
+                                    "measured cost (calibrated acceptance); false: the paper's spec_factor x "
+                                    "match length")
 
 
 @dataclass(frozen=True, kw_only=True)

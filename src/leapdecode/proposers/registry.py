@@ -134,7 +134,7 @@ def _build_suffix(cfg: SuffixConfig, runner: "ModelRunner", local: bool = True) 
     return SuffixDecodingProposer(tree_budget=cfg.tree_budget, depth=cfg.depth, max_match=cfg.max_match,
                                   spec_factor=cfg.spec_factor, min_prob=cfg.min_prob,
                                   memory_tokens=cfg.memory_tokens, remember_prompts=cfg.remember_prompts,
-                                  local=local)
+                                  cost_aware=cfg.cost_aware, local=local)
 
 
 def _build_recycling(cfg: RecyclingConfig, runner: "ModelRunner") -> "Proposer":

@@ -19,6 +19,18 @@ outputs of the last requests up to ``memory_tokens`` tokens, and the oldest go f
 memory lives in the runner (``ctx.remember``), one per target, shared by every generation on it;
 the global trie learns a request's output when the request ends.
 
+Under greedy decoding (``cost_aware``, the default) the size of the tree is measured rather than
+the paper's ``spec_factor`` x match length, which stands in for the cost of verification on a GPU,
+where extra rows are nearly free: each trie grows its tree up to the budget (``min_prob`` still
+applies), a node's chance of acceptance is its empirical probability given its parent, calibrated
+online against the verdicts per match-length bucket and per trie (request or memory), and the
+prefix of the nodes ranked by calibrated path probability that maximises expected tokens per second
+of verification (``core/cost_model.py``'s ``best_tree_size`` on the target's measured profile) is
+verified; of the two tries the one whose sized tree is worth more.  On a CPU, where a verified row
+costs a tenth to a quarter of a forward, a one-token match no longer buys a one-node tree by rule,
+nor does a long match buy a wide one.  ``cost_aware=False`` (and sampling, where no clock may
+steer) keeps the paper's rule.
+
 Every node is deterministic (``sampled=False``), so the verifier keeps the output exactly
 vanilla's, greedy and sampled.
 """
@@ -30,10 +42,14 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
 
+from ..core.cost_model import AcceptanceCalibration, best_tree_size
 from ..core.proposer import DecodeContext, Proposer
 from ..core.tree import TokenTree
 from .common import check_int
 from .configs import SuffixConfig
+from .sam import MATCH_BUCKETS, match_bucket
+
+SOURCES = ("suffix-local", "suffix-global")  # the request's own trie, the runner's memory
 
 
 class SuffixTrie:
@@ -216,7 +232,8 @@ class SuffixDecodingProposer(Proposer):
 
     def __init__(self, tree_budget: int | None = None, depth: int = SuffixConfig.depth, max_match: int = SuffixConfig.max_match,
                  spec_factor: float = SuffixConfig.spec_factor, min_prob: float = SuffixConfig.min_prob, memory_tokens: int = SuffixConfig.memory_tokens,
-                 remember_prompts: bool = SuffixConfig.remember_prompts, local: bool = True) -> None:
+                 remember_prompts: bool = SuffixConfig.remember_prompts, cost_aware: bool = SuffixConfig.cost_aware,
+                 local: bool = True) -> None:
         """``local=False``: draft from the memory alone, never from the request's own text (``auto``'s
         memory arm: its automaton covers the request; no per-request trie is built)."""
         super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None
@@ -226,13 +243,21 @@ class SuffixDecodingProposer(Proposer):
         self.spec_factor, self.min_prob = float(spec_factor), float(min_prob)
         self.memory_tokens = check_int("memory_tokens", memory_tokens)
         self.remember_prompts = remember_prompts
+        self.cost_aware = cost_aware
         self.use_local = local
+        self._use_costs = False  # set per generation by begin()
+        self._verify_cost = None
+        self.calibration: dict[str, list[AcceptanceCalibration]] = {}
+        self._last: tuple[AcceptanceCalibration, list[float]] | None = None  # the sized tree's nodes
         self.memory: SuffixMemory | None = None
         self.local: SuffixTrie | None = None
         self._fed = self._prompt_len = 0
         self._tokens: list[int] = []
         self._memory_hit: tuple | None = None  # (text length, memory version, node, match length)
         self._steps = self._global_drafts = self._local_drafts = self._nodes = 0
+
+    def needs_verify_cost(self, params) -> bool:
+        return self.cost_aware and params.greedy
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
@@ -244,6 +269,13 @@ class SuffixDecodingProposer(Proposer):
         self._fed = self._prompt_len = len(tokens)
         self._tokens = list(tokens)
         self._memory_hit = None
+        self._last = None
+        # (sampling: no clock may steer)
+        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
+        if self._use_costs:  # what each trie's frequencies are worth to this model, learned across generations
+            self._verify_cost = ctx.verify_cost
+            self.calibration = ctx.remember(("suffix", "calibration"), lambda: {
+                source: [AcceptanceCalibration() for _ in MATCH_BUCKETS] for source in SOURCES})
 
     def memory_match(self, tokens: list[int]) -> int:
         """The length of the longest suffix of ``tokens`` (at most ``max_match``) that occurs in the
@@ -261,31 +293,53 @@ class SuffixDecodingProposer(Proposer):
             self._fed = len(tokens)
         self._tokens = tokens
 
-    def _candidate(self, trie: SuffixTrie, tokens: list[int], budget: int, own_text: bool,
+    def _candidate(self, trie: SuffixTrie, tokens: list[int], budget: int, source: str,
                    found: tuple | None = None):
+        """The speculation tree of ``trie`` at the text's longest matched suffix: its nodes
+        ``(token, parent index, path probability)``, its score (expected tokens per second of the
+        step when sized by cost, else the paper's expected accepted tokens) and, when sized by cost,
+        the calibration it used with each node's empirical probability given its parent (what the
+        verdict teaches it)."""
         node, length = found or trie.match(tokens, self.max_match)
         if length == 0:
-            return [], 0.0
-        cap = min(budget, max(1, int(self.spec_factor * length)))
-        return trie.speculate(node, cap, self.min_prob, exclude=1 if own_text else 0)
+            return [], 0.0, None
+        # the request's own trie holds the text up to the root, the matched suffix's own occurrence
+        # included: it has no continuation yet, so it is left out of the match's count
+        exclude = 1 if source == "suffix-local" else 0
+        if not self._use_costs:
+            cap = min(budget, max(1, int(self.spec_factor * length)))
+            return *trie.speculate(node, cap, self.min_prob, exclude=exclude), None
+        nodes, _ = trie.speculate(node, budget, self.min_prob, exclude=exclude)
+        calib = self.calibration[source][match_bucket(length)]
+        cond = [q / (nodes[parent][2] if parent >= 0 else 1.0) for _, parent, q in nodes]
+        path: list[float] = []
+        for (_, parent, _), c in zip(nodes, cond):  # parents come first
+            path.append(calib(c) * (path[parent] if parent >= 0 else 1.0))
+        # best first (a child is never worth more than its parent: on a tie the parent, added first, leads)
+        order = sorted(range(len(nodes)), key=lambda i: (-path[i], i))
+        keep, value = best_tree_size([path[i] for i in order], 0.0, self._verify_cost)
+        kept = sorted(order[:keep])
+        index = {old: new for new, old in enumerate(kept)}
+        return ([(nodes[i][0], index[nodes[i][1]] if nodes[i][1] >= 0 else -1, path[i]) for i in kept], value,
+                (calib, [cond[i] for i in kept]))
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._sync(tokens)
         self._steps += 1
         tree = TokenTree()
+        self._last = None
         if budget < 1:
             return tree
-        # the request's own trie holds the text up to the root, the matched suffix's own occurrence
-        # included: it has no continuation yet, so it is left out of the match's count
-        local, local_score = self._candidate(self.local, tokens, budget, own_text=True) if self.use_local \
-            else ([], 0.0)
+        none: tuple[list, float, None] = ([], 0.0, None)
+        local = self._candidate(self.local, tokens, budget, "suffix-local") if self.use_local else none
         hit = self._memory_hit  # (memory_match's at this text and this memory: not matched twice)
         found = hit[2:] if hit is not None and hit[:2] == (len(tokens), self.memory.version) else None
-        glob, glob_score = (self._candidate(self.memory.trie, tokens, budget, own_text=False, found=found)
-                            if self.memory.tokens else ([], 0.0))
-        nodes, source = (glob, "suffix-global") if glob_score > local_score else (local, "suffix-local")
+        glob = (self._candidate(self.memory.trie, tokens, budget, "suffix-global", found=found)
+                if self.memory.tokens else none)
+        (nodes, _, learn), source = (glob, "suffix-global") if glob[1] > local[1] else (local, "suffix-local")
         if not nodes:
             return tree
+        self._last = learn
         if source == "suffix-global":
             self._global_drafts += 1
         else:
@@ -297,6 +351,15 @@ class SuffixDecodingProposer(Proposer):
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._tokens = tokens
+        if self._last is None:
+            return
+        calib, cond = self._last  # tree node i is the sized tree's node i
+        self._last = None
+        accepted = set(verdict.accepted)
+        for node in range(min(len(tree), len(cond))):  # every verified node whose parent was accepted
+            parent = tree.parents[node]
+            if parent < 0 or parent in accepted:
+                calib.update(calib.bin(cond[node]), node in accepted)
 
     def end(self) -> None:
         if self.memory is None:
