@@ -18,17 +18,24 @@ out: these are upper bounds):
   that minimises the total cost (dynamic programming): the ceiling of any drafter on this machine's
   verification costs.
 
-Each ceiling is printed overall and per task group.
+Each ceiling is printed overall and per task group; ``--save FILE`` also writes them as a report
+that ``leapdecode results`` shows beside the speedup targets (``docs/results/ceilings/``).
 
     python scripts/draft_ceiling.py --categories extraction --json-object
     python scripts/draft_ceiling.py --workload humaneval-heldout --max-new-tokens 128
-    python scripts/draft_ceiling.py --workload similar --limit 24 --max-new-tokens 128 --memory
+    python scripts/draft_ceiling.py --workload similar --limit 24 --max-new-tokens 128 --memory \
+        --save docs/results/ceilings/DATE-MACHINE-similar.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from leapdecode.proposers.pld import NGramIndex
 
@@ -97,17 +104,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--memory", action="store_true",
                     help="also the copy oracle that may copy from the earlier requests' outputs")
+    ap.add_argument("--save", type=Path, help="also write the ceilings as a JSON report (for `leapdecode results`)")
     return ap.parse_args(argv)
+
+
+def report(a: argparse.Namespace, model: str, workload: str, machine: str, relative: dict[int, float],
+           tokens: dict[str, int], spent: dict[str, dict[str, float]]) -> dict:
+    """The ceilings as ``leapdecode results`` reads them: per ceiling its speedup overall and per group."""
+    n = sum(tokens.values())
+    return {"report": "draft-ceiling", "model": model, "workload": workload, "limit": a.limit,
+            "max_new_tokens": a.max_new_tokens, "machine": machine, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": "python scripts/draft_ceiling.py " + shlex.join(sys.argv[1:]), "tokens": n,
+            "relative_cost": {str(k): round(v, 4) for k, v in sorted(relative.items())},
+            "ceilings": {name: {"overall": round(n / sum(by.values()), 4),
+                                "by_group": {g: round(tokens[g] / c, 4) for g, c in by.items()}}
+                         for name, by in spent.items()}}
 
 
 def main() -> None:
     import leapdecode
     from leapdecode.bench.suite import encode_turn
     from leapdecode.bench.workloads import load_workload, select
+    from leapdecode.core.cost_model import machine_description
     from leapdecode.core.runner import ModelRunner
+    from leapdecode.models.store import atomic_write
 
     a = parse_args()
-    questions, _ = load_workload(a.workload)  # (an unknown workload or category fails before the model loads)
+    questions, workload = load_workload(a.workload)  # (an unknown workload or category fails before the model loads)
     questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)
     if a.json_object:  # as the bench: a workload's own schemas stay
         for q in questions:
@@ -154,6 +177,10 @@ def main() -> None:
         total = sum(spent[name].values())
         print(f"| {name} | {total:.1f} | {n_tokens / total:.2f}x | "
               + " | ".join(f"{tokens[g] / spent[name][g]:.2f}x" for g in groups) + " |")
+    if a.save is not None:
+        r = report(a, a.model, workload, machine_description(model.device), rel, tokens, spent)
+        atomic_write(a.save, json.dumps(r, indent=2) + "\n")
+        print(f"saved {a.save}")
 
 
 if __name__ == "__main__":

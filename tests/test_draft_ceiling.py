@@ -51,8 +51,22 @@ def test_copy_oracle_with_memory_copies_from_earlier_outputs(ceiling):
 
 def test_options(ceiling):
     a = ceiling.parse_args(["--workload", "similar", "--limit", "24", "--memory"])
-    assert (a.workload, a.limit, a.memory, a.max_new_tokens) == ("similar", 24, True, 192)
+    assert (a.workload, a.limit, a.memory, a.max_new_tokens, a.save) == ("similar", 24, True, 192, None)
     assert not ceiling.parse_args([]).memory
+
+
+def test_report_is_what_the_results_page_reads(ceiling):
+    from leapdecode.bench import results_page
+
+    a = ceiling.parse_args(["--workload", "similar", "--limit", "4", "--memory", "--save", "x.json"])
+    spent = {"copy oracle": {"extract": 50.0, "tests": 20.0}, "copy oracle with memory": {"extract": 40.0, "tests": 20.0}}
+    r = ceiling.report(a, "m", "similar (requests of one kind in a row)", "CPU A, 2 cores", {1: 1.0, 4: 1.5},
+                       {"extract": 100, "tests": 40}, spent)
+    assert r["ceilings"]["copy oracle"] == {"overall": 2.0, "by_group": {"extract": 2.0, "tests": 2.0}}
+    assert r["ceilings"]["copy oracle with memory"]["overall"] == pytest.approx(140 / 60, abs=1e-4)
+    assert r["relative_cost"] == {"1": 1.0, "4": 1.5} and r["tokens"] == 140
+    key = ("CPU A", "m", "similar")
+    assert results_page.latest_ceilings([r]) == {key: r}
 
 
 @functools.lru_cache(maxsize=None)

@@ -86,11 +86,18 @@ def test_headline_leads_with_the_spec_bench_run_and_lists_each_workload(tmp_path
     assert "### similar: 3 prompts" in page and "- workload: similar (requests of one kind in a row)" in page
 
 
-def _targets(page: str) -> dict[str, tuple[str, str]]:
-    """The (first) targets table of a page: target -> (now, met)."""
-    section = page.split("### Against the speedup targets", 1)[1].split("\n\n")[2]  # the table's lines
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()[2:]]
-    return {target: (now, met) for target, _goal, now, met in rows}
+def _targets(page: str, ceilings: bool = False) -> dict[str, tuple[str, ...]]:
+    """The (first) targets table of a page: target -> (now, met) or (now, met, measured ceiling)."""
+    section = page.split("### Against the speedup targets", 1)[1]
+    table = section[section.index("| target |"):].split("\n\n")[0]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[2:]]
+    return {target: (now, met, ceiling) if ceilings else (now, met) for target, _goal, now, met, ceiling in rows}
+
+
+def _ceiling_report(date: str, cpu: str, workload: str, ceilings: dict) -> dict:
+    return {"report": "draft-ceiling", "model": "m", "date": date, "machine": f"{cpu}, 2 cores",
+            "workload": workload, "command": f"python scripts/draft_ceiling.py --workload {workload}",
+            "ceilings": {name: {"overall": v, "by_group": {}} for name, v in ceilings.items()}}
 
 
 def test_targets_table_checks_the_latest_runs(tmp_path):
@@ -110,9 +117,23 @@ def test_targets_table_checks_the_latest_runs(tmp_path):
         "machine": "CPU A, 2 cores", "tokens_per_prompt": 96,
         "sets": {"bundled": {results_page.DEV_SET: {"top1": [0.55, 0.5, 0.4], "tokens": 10, "prompts": 2}}}}))
     (d / "b.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU B", ROWS[1:4])))
+    (d / "ceilings").mkdir()
+    for name, date, workload, c in (
+            ("dev-old", "2026-01-01", "questions_dev", {"perfect drafter": 9.0, "copy oracle": 9.0}),
+            ("dev", "2026-02-01", "questions_dev", {"perfect drafter": 3.1, "copy oracle": 1.4}),
+            ("sim", "2026-02-01", "similar (x)", {"perfect drafter": 4.0, "copy oracle": 2.0,
+                                                  "copy oracle with memory": 2.5})):
+        (d / "ceilings" / f"{name}.json").write_text(json.dumps(_ceiling_report(date, "CPU A", workload, c)))
     out = tmp_path / "results.md"
     assert main(["results", "--dir", str(d), "--out", str(out), "--readme", "", "--no-plots"]) == 0
     page = out.read_text()
+    # the measured ceilings beside the targets: the latest report of each workload on that machine
+    c = _targets(page.split("## CPU B")[0], ceilings=True)
+    assert c["`auto` over vanilla, questions_dev"][2] == "any drafter 3.10x, copying 1.40x"
+    assert c["`auto` over vanilla, humaneval-heldout"][2] == ""  # no report: nothing made up
+    assert c["cross-request memory (`suffix`) over `sam`, similar"][2] == "copying with memory over copying alone 1.25x"
+    assert "python scripts/draft_ceiling.py --workload questions_dev" in page.split("## CPU B")[0]
+    assert all(v[2] == "" for v in _targets(page.split("## CPU B")[1], ceilings=True).values())
     a = _targets(page.split("## CPU B")[0])
     assert a["`auto` over vanilla, questions_dev"] == ("1.20x", "no (75% of it)")
     assert a["`auto` over vanilla, humaneval-heldout"] == ("2.10x", "yes")

@@ -7,6 +7,8 @@ configuration (weights, attention, whether it is batch-invariant), and one row p
 speedup over leapdecode's vanilla, mean accepted tokens per decoding forward and greedy identity
 with vanilla; a plot per run.  Hand-written sections of scripts that are not bench runs (the GPU
 check, the draft head's accuracy) are Markdown files beside the summaries, appended in name order.
+Under each machine, a table holds its latest runs against the speedup targets, with the measured
+ceiling of each where ``scripts/draft_ceiling.py --save`` reports are in ``docs/results/ceilings/``.
 
 The summaries are ``summary.json`` files of ``leapdecode bench``, kept in ``docs/results/``
 (``leapdecode results --add bench_out/RUN/summary.json`` copies one in).  The README's headline
@@ -184,18 +186,41 @@ HEADS_DIR = "heads"  # docs/results/heads/: `leapdecode heads accuracy --save` r
 DEV_SET, HUMANEVAL_SET = "spec-bench dev", "humaneval held-apart"  # (training.accuracy's set names)
 
 
-def read_head_reports(directory: Path) -> list[dict]:
-    """Every ``leapdecode heads accuracy`` report (``*.json``) in ``directory`` (none: [])."""
+CEILINGS_DIR = "ceilings"  # docs/results/ceilings/: `scripts/draft_ceiling.py --save` reports
+
+
+def _read_reports(directory: Path, kind: str, field: str, made_by: str) -> list[dict]:
+    """Every report of ``kind`` (``*.json`` with a dict ``field``) in ``directory`` (none: [])."""
     out = []
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         try:
             r = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise InvalidParameterError(f"{path}: not a head-accuracy report ({e})") from None
-        if not isinstance(r, dict) or r.get("report") != "head-accuracy" or not isinstance(r.get("sets"), dict):
-            raise InvalidParameterError(f"{path}: not a head-accuracy report (leapdecode heads accuracy --save)")
+            raise InvalidParameterError(f"{path}: not a {kind} report ({e})") from None
+        if not isinstance(r, dict) or r.get("report") != kind or not isinstance(r.get(field), dict):
+            raise InvalidParameterError(f"{path}: not a {kind} report ({made_by})")
         out.append(r)
     return out
+
+
+def read_head_reports(directory: Path) -> list[dict]:
+    """Every ``leapdecode heads accuracy`` report (``*.json``) in ``directory`` (none: [])."""
+    return _read_reports(directory, "head-accuracy", "sets", "leapdecode heads accuracy --save")
+
+
+def read_ceiling_reports(directory: Path) -> list[dict]:
+    """Every ``scripts/draft_ceiling.py --save`` report (``*.json``) in ``directory`` (none: [])."""
+    return _read_reports(directory, "draft-ceiling", "ceilings", "scripts/draft_ceiling.py --save")
+
+
+def latest_ceilings(reports: list[dict]) -> dict[tuple[str, str, str], dict]:
+    """(processor, model, workload name) -> its latest ceiling report."""
+    latest: dict[tuple[str, str, str], dict] = {}
+    for r in reports:
+        key = (cpu_of(r), str(r.get("model")), workload_name(r))
+        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
+            latest[key] = r
+    return latest
 
 
 def head_table(results: dict[str, dict]) -> list[str]:
@@ -260,54 +285,88 @@ def _verdict(value: float | None, goal: float, text: str) -> tuple[str, str]:
     return text, "yes" if value >= goal else f"no ({value / goal:.0%} of it)"
 
 
-def target_rows(runs: list[dict], head_report: dict | None) -> list[tuple[str, str, str, str]]:
-    """(target, goal, now, met) for one machine's latest runs and head-accuracy report."""
+# ceilings of a speedup target: the draft-ceiling rows shown for it
+SPEED_CEILINGS = (("perfect drafter", "any drafter"), ("copy oracle", "copying"))
+
+
+def _ceiling(report: dict | None, rows=SPEED_CEILINGS, group: str | None = None) -> str:
+    """``any drafter 2.10x, copying 1.30x`` from a draft-ceiling report (overall, or one group's)."""
+    got = []
+    for name, label in rows:
+        c = ((report or {}).get("ceilings") or {}).get(name) or {}
+        v = c.get("overall") if group is None else (c.get("by_group") or {}).get(group)
+        if v is not None:
+            got.append(f"{label} {v:.2f}x")
+    return ", ".join(got)
+
+
+def target_rows(runs: list[dict], head_report: dict | None,
+                ceilings: dict[str, dict] | None = None) -> list[tuple[str, str, str, str, str]]:
+    """(target, goal, now, met, measured ceiling) for one machine's latest runs, head-accuracy report
+    and draft-ceiling reports (workload name -> report)."""
     by = {workload_name(s): s for s in runs}
     dev, he, mem = by.get(DEFAULT_WORKLOAD_NAME), by.get(HUMANEVAL_WORKLOAD), by.get(MEMORY_WORKLOAD)
+    ceilings = ceilings or {}
     out = []
     dev_auto = _row(dev, "auto")
-    for label, auto, goal in ((f"`auto` over vanilla, {DEFAULT_WORKLOAD_NAME}", dev_auto, GOAL_DEV),
-                              (f"`auto` over vanilla, {HUMANEVAL_WORKLOAD}", _row(he, "auto"), GOAL_HUMANEVAL)):
+    for label, auto, goal, name in ((f"`auto` over vanilla, {DEFAULT_WORKLOAD_NAME}", dev_auto, GOAL_DEV,
+                                     DEFAULT_WORKLOAD_NAME),
+                                    (f"`auto` over vanilla, {HUMANEVAL_WORKLOAD}", _row(he, "auto"), GOAL_HUMANEVAL,
+                                     HUMANEVAL_WORKLOAD)):
         v = auto.get("speedup") if auto else None
-        out.append((label, f">= {goal:.2f}x", *_verdict(v, goal, f"{v:.2f}x" if v else "")))
+        out.append((label, f">= {goal:.2f}x", *_verdict(v, goal, f"{v:.2f}x" if v else ""),
+                    _ceiling(ceilings.get(name))))
     groups = (dev_auto or {}).get("speedup_by_group") or {}
     worst = min(groups, key=groups.get) if groups else None
     out.append((f"`auto` on its slowest {DEFAULT_WORKLOAD_NAME} group", f">= {GOAL_GROUP:.2f}x",
-                *_verdict(groups.get(worst), GOAL_GROUP, f"{worst} {groups[worst]:.2f}x" if worst else "")))
+                *_verdict(groups.get(worst), GOAL_GROUP, f"{worst} {groups[worst]:.2f}x" if worst else ""), ""))
     peers = [r for r in (dev or {}).get("rows", []) if r["name"] in LLAMA_SPECULATIVE]
     best = max(peers, key=lambda r: r.get("tokens_per_s") or 0) if peers else None
     ratio = dev_auto["tokens_per_s"] / best["tokens_per_s"] if dev_auto and best and best.get("tokens_per_s") else None
     out.append(("`auto` over llama.cpp's best speculative configuration (tokens/s, same prompts)",
-                f">= {GOAL_PEER:.2f}x", *_verdict(ratio, GOAL_PEER, f"{ratio:.2f}x (`{best['name']}`)" if ratio else "")))
+                f">= {GOAL_PEER:.2f}x", *_verdict(ratio, GOAL_PEER, f"{ratio:.2f}x (`{best['name']}`)" if ratio else ""),
+                ""))
     # the memory as a method (``suffix``: earlier requests' outputs and the request's own text) against
     # the request's own automaton alone (``sam``)
     sam, suffix = _row(mem, "sam"), _row(mem, "suffix")
     gain = suffix["speedup"] / sam["speedup"] if suffix and sam and sam.get("speedup") else None
+    # its ceiling: what copying from earlier outputs too saves over copying from the request alone
+    copy = ((ceilings.get(MEMORY_WORKLOAD) or {}).get("ceilings") or {})
+    alone, both = (copy.get("copy oracle") or {}).get("overall"), (copy.get("copy oracle with memory") or {}).get("overall")
     out.append((f"cross-request memory (`suffix`) over `sam`, {MEMORY_WORKLOAD}", f">= {GOAL_MEMORY:.2f}x",
-                *_verdict(gain, GOAL_MEMORY, f"{gain:.2f}x" if gain else "")))
+                *_verdict(gain, GOAL_MEMORY, f"{gain:.2f}x" if gain else ""),
+                f"copying with memory over copying alone {both / alone:.2f}x" if alone and both else ""))
     dev_set = ((head_report or {}).get("sets") or {}).get("bundled", {}).get(DEV_SET)
     top1 = dev_set["top1"][0] if dev_set else None
     out.append(("the bundled head's top-1, first drafted token, Spec-Bench dev", f">= {GOAL_HEAD_TOP1:.2f}",
-                *_verdict(top1, GOAL_HEAD_TOP1, f"{top1:.3f}" if top1 is not None else "")))
+                *_verdict(top1, GOAL_HEAD_TOP1, f"{top1:.3f}" if top1 is not None else ""), ""))
     ours = [r for s in runs for r in s["rows"] if r.get("system") == "leapdecode" and r.get("identical_pct") is not None]
     ident = min((r["identical_pct"] for r in ours), default=None)
     out.append(("greedy identity with vanilla, every leapdecode row above", "100%",
                 *(("not measured", "") if ident is None else
-                  (f"{ident:.0f}%", "yes" if ident >= 100 else "no"))))
+                  (f"{ident:.0f}%", "yes" if ident >= 100 else "no")), ""))
     return out
 
 
-def targets_section(runs: list[dict], head_report: dict | None) -> list[str]:
+def targets_section(runs: list[dict], head_report: dict | None, ceilings: dict[str, dict] | None = None) -> list[str]:
+    rows = target_rows(runs, head_report, ceilings)
     lines = ["### Against the speedup targets", "",
              "The targets leapdecode measures itself against on a 2-core CPU (greedy, batch 1, 128 new tokens), "
-             "from the runs above" + (" and the head table below" if head_report else "") + ".", "",
-             "| target | goal | now | met |", "|---|---:|---:|---|"]
-    lines += [f"| {t} | {g} | {n} | {m} |" for t, g, n, m in target_rows(runs, head_report)]
+             "from the runs above" + (" and the head table below" if head_report else "") + "."]
+    if ceilings:
+        lines += ["", "The ceilings replay vanilla's own outputs against this machine's measured verification costs "
+                  "(`scripts/draft_ceiling.py`; drafting and host time left out, so they are upper bounds): a "
+                  "drafter that always knew the next tokens (*any drafter*), one that copies the longest earlier "
+                  "match of the text with perfect lengths (*copying*), and that copy from earlier requests' outputs "
+                  "too (*with memory*):", ""]
+        lines += [f"    {r.get('command')}" for _, r in sorted(ceilings.items()) if r.get("command")]
+    lines += ["", "| target | goal | now | met | measured ceiling |", "|---|---:|---:|---|---|"]
+    lines += [f"| {t} | {g} | {n} | {m} | {c} |" for t, g, n, m, c in rows]
     return lines
 
 
 def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
-           head_reports: list[dict] | None = None) -> str:
+           head_reports: list[dict] | None = None, ceiling_reports: list[dict] | None = None) -> str:
     parts = ["# Results: what holds now",
              "",
              "Generated by `leapdecode results` from the bench summaries in `docs/results/` (do not edit by hand: "
@@ -327,7 +386,9 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
         model = next((s.get("model") for s in runs if workload_name(s) == DEFAULT_WORKLOAD_NAME), None)
         if model is not None:  # the targets are about the Spec-Bench dev run's model
             head = latest_heads.get((cpu, str(model)))
-            parts += targets_section([s for s in runs if s.get("model") == model], head) + [""]
+            ceilings = {w: r for (c, m, w), r in latest_ceilings(ceiling_reports or []).items()
+                        if (c, m) == (cpu, str(model))}
+            parts += targets_section([s for s in runs if s.get("model") == model], head, ceilings) + [""]
     parts += heads_section(head_reports or [])
     for name, text in notes:
         parts += [text.strip(), ""]
@@ -404,7 +465,8 @@ def cmd_results(a: argparse.Namespace) -> int:
         raise InvalidParameterError(f"{directory}: no such results directory")
     summaries = read_summaries(directory)
     notes = [(p.name, p.read_text()) for p in sorted(directory.glob("*.md"))]
-    page = render(summaries, notes, plots=not a.no_plots, head_reports=read_head_reports(directory / HEADS_DIR))
+    page = render(summaries, notes, plots=not a.no_plots, head_reports=read_head_reports(directory / HEADS_DIR),
+                  ceiling_reports=read_ceiling_reports(directory / CEILINGS_DIR))
     readme_path = Path(a.readme) if a.readme else None
     readme_old = readme_path.read_text() if readme_path and readme_path.is_file() else None
     readme_new = replace_headline(readme_old, headline(summaries)) if readme_old is not None else None
