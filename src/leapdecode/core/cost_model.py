@@ -402,6 +402,15 @@ class AcceptanceCalibration:
         self.hits[b] += float(accepted)
         self.seen[b] += 1.0
 
+    def observe_tree(self, probs: list[float], parents: list[int], accepted: list[int]) -> None:
+        """Learn from a verified tree whose node ``i`` had probability ``probs[i]`` given its parent:
+        every node whose parent was accepted (or is the root) had its chance."""
+        ok = set(accepted)
+        for node in range(min(len(parents), len(probs))):
+            parent = parents[node]
+            if parent < 0 or parent in ok:
+                self.update(self.bin(probs[node]), node in ok)
+
 
 class BatchCost:
     """Seconds of one batched target forward (``core/batch.py``'s ``step_batch``), measured online.

@@ -225,11 +225,7 @@ class RestProposer(Proposer):
             return
         calib, cond = self._last  # tree node i is the i-th ranked trie node
         self._last = None
-        accepted = set(verdict.accepted)
-        for node in range(min(len(tree), len(cond))):  # every verified node whose parent was accepted
-            parent = tree.parents[node]
-            if parent < 0 or parent in accepted:
-                calib.update(calib.bin(cond[node]), node in accepted)
+        calib.observe_tree(cond, tree.parents, verdict.accepted)
 
     def stats(self) -> dict[str, Any]:
         return {

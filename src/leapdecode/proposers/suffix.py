@@ -355,11 +355,7 @@ class SuffixDecodingProposer(Proposer):
             return
         calib, cond = self._last  # tree node i is the sized tree's node i
         self._last = None
-        accepted = set(verdict.accepted)
-        for node in range(min(len(tree), len(cond))):  # every verified node whose parent was accepted
-            parent = tree.parents[node]
-            if parent < 0 or parent in accepted:
-                calib.update(calib.bin(cond[node]), node in accepted)
+        calib.observe_tree(cond, tree.parents, verdict.accepted)
 
     def end(self) -> None:
         if self.memory is None:
