@@ -108,12 +108,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def report(a: argparse.Namespace, model: str, workload: str, machine: str, relative: dict[int, float],
-           tokens: dict[str, int], spent: dict[str, dict[str, float]]) -> dict:
+def report(a: argparse.Namespace, model: str, workload: str, machine: str, cpu_flags: list[str] | None,
+           relative: dict[int, float], tokens: dict[str, int], spent: dict[str, dict[str, float]]) -> dict:
     """The ceilings as ``leapdecode results`` reads them: per ceiling its speedup overall and per group."""
     n = sum(tokens.values())
     return {"report": "draft-ceiling", "model": model, "workload": workload, "limit": a.limit,
-            "max_new_tokens": a.max_new_tokens, "machine": machine, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "max_new_tokens": a.max_new_tokens, "machine": machine, "cpu_flags": cpu_flags, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": "python scripts/draft_ceiling.py " + shlex.join(sys.argv[1:]), "tokens": n,
             "relative_cost": {str(k): round(v, 4) for k, v in sorted(relative.items())},
             "ceilings": {name: {"overall": round(n / sum(by.values()), 4),
@@ -127,6 +127,7 @@ def main() -> None:
     from leapdecode.bench.workloads import load_workload, select
     from leapdecode.core.cost_model import machine_description
     from leapdecode.core.runner import ModelRunner
+    from leapdecode.models.qkernel import isa_flags
     from leapdecode.models.store import atomic_write
 
     a = parse_args()
@@ -178,7 +179,8 @@ def main() -> None:
         print(f"| {name} | {total:.1f} | {n_tokens / total:.2f}x | "
               + " | ".join(f"{tokens[g] / spent[name][g]:.2f}x" for g in groups) + " |")
     if a.save is not None:
-        r = report(a, a.model, workload, machine_description(model.device), rel, tokens, spent)
+        flags = isa_flags() if model.device.type == "cpu" else None
+        r = report(a, a.model, workload, machine_description(model.device), flags, rel, tokens, spent)
         atomic_write(a.save, json.dumps(r, indent=2) + "\n")
         print(f"saved {a.save}")
 

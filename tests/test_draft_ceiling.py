@@ -60,12 +60,12 @@ def test_report_is_what_the_results_page_reads(ceiling):
 
     a = ceiling.parse_args(["--workload", "similar", "--limit", "4", "--memory", "--save", "x.json"])
     spent = {"copy oracle": {"extract": 50.0, "tests": 20.0}, "copy oracle with memory": {"extract": 40.0, "tests": 20.0}}
-    r = ceiling.report(a, "m", "similar (requests of one kind in a row)", "CPU A, 2 cores", {1: 1.0, 4: 1.5},
-                       {"extract": 100, "tests": 40}, spent)
+    r = ceiling.report(a, "m", "similar (requests of one kind in a row)", "CPU A, 2 cores", ["avx2"],
+                       {1: 1.0, 4: 1.5}, {"extract": 100, "tests": 40}, spent)
     assert r["ceilings"]["copy oracle"] == {"overall": 2.0, "by_group": {"extract": 2.0, "tests": 2.0}}
     assert r["ceilings"]["copy oracle with memory"]["overall"] == pytest.approx(140 / 60, abs=1e-4)
     assert r["relative_cost"] == {"1": 1.0, "4": 1.5} and r["tokens"] == 140
-    key = ("CPU A", "m", "similar")
+    key = ("CPU A (AVX2)", "m", "similar")
     assert results_page.latest_ceilings([r]) == {key: r}
 
 

@@ -59,7 +59,7 @@ def test_page_rows_order_latest_run_and_notes(tmp_path):
     assert "Prompts whose repeats" not in page  # none was unsteady
     assert page.rstrip().endswith("figures")  # the notes come last
     head = readme.read_text()
-    assert head.startswith("intro\n<!-- results:headline -->\n- **CPU A** (2026-02-01, questions_dev, 3 prompts)")
+    assert head.startswith("intro\n<!-- results:headline -->\n- **CPU A (AVX2)** (2026-02-01, questions_dev, 3 prompts)")
     assert "`auto` 1.20x vanilla, 100% identical; llama.cpp's server: 17.5 tokens/s at best (`llama-server-ngram`)" in head
     assert head.endswith("<!-- /results:headline -->\nrest\n") and "old" not in head
     assert main([*args, "--check"]) == 0
@@ -80,7 +80,7 @@ def test_headline_leads_with_the_spec_bench_run_and_lists_each_workload(tmp_path
     readme.write_text("<!-- results:headline -->\n<!-- /results:headline -->\n")
     out = tmp_path / "results.md"
     assert main(["results", "--dir", str(d), "--out", str(out), "--readme", str(readme), "--no-plots"]) == 0
-    lines = [line for line in readme.read_text().splitlines() if line.startswith("- **CPU A**")]
+    lines = [line for line in readme.read_text().splitlines() if line.startswith("- **CPU A (AVX2)**")]
     assert [line.split(", ")[1] for line in lines] == ["questions_dev", "similar"]
     page = out.read_text()
     assert "### similar: 3 prompts" in page and "- workload: similar (requests of one kind in a row)" in page
@@ -155,7 +155,7 @@ def test_add_copies_a_summary_without_its_paths(tmp_path):
                                        files={"report": "/tmp/x"}, plots=["/tmp/p.png"])))
     d = tmp_path / "results"
     target = results_page.add_summary(src, d)
-    assert target.name == "2026-03-04-intel-r-xeon-r-processor-questions-dev.json"
+    assert target.name == "2026-03-04-intel-r-xeon-r-processor-avx2-questions-dev.json"
     kept = json.loads(target.read_text())
     assert "files" not in kept and "plots" not in kept and kept["rows"][0]["name"] == "llama-server"
 
@@ -174,3 +174,38 @@ def test_bad_files_are_named(tmp_path, capsys):
     assert main(["results", "--dir", str(d), "--out", str(tmp_path / "r.md"), "--readme", str(readme)]) == 2
     assert "the README has no <!-- results:headline -->" in capsys.readouterr().err
     assert not (tmp_path / "r.md").exists()  # nothing half-written
+
+
+def test_one_processor_name_with_other_instruction_sets_is_another_machine(tmp_path):
+    """"AMD EPYC" names both the AVX2-only VM and the Zen 4 with AVX512-VNNI: their runs get a section
+    each (by the instruction sets the summary recorded), and a report that recorded its instruction
+    sets goes to its own machine's targets; one that recorded none goes by the processor's name."""
+    d = tmp_path / "results"
+    (d / "ceilings").mkdir(parents=True)
+    (d / "avx2.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "AMD EPYC", ROWS)))
+    (d / "vnni.json").write_text(json.dumps(_summary("2026-02-02 10:00:00", "AMD EPYC", ROWS[1:4],
+                                                     cpu_flags=["avx2", "avx512f", "avx512_vnni"])))
+    vnni = _ceiling_report("2026-02-02", "AMD EPYC", "questions_dev", {"perfect drafter": 2.0})
+    (d / "ceilings" / "vnni.json").write_text(json.dumps({**vnni, "cpu_flags": ["avx2", "avx512f", "avx512_vnni"]}))
+    out = tmp_path / "results.md"
+    assert main(["results", "--dir", str(d), "--out", str(out), "--readme", "", "--no-plots"]) == 0
+    page = out.read_text()
+    assert "## AMD EPYC (AVX2)" in page and "## AMD EPYC (AVX512-VNNI)" in page
+    avx2, vnni_part = page.split("## AMD EPYC (AVX512-VNNI)") if page.index("(AVX2)") < page.index("(AVX512-VNNI)") \
+        else page.split("## AMD EPYC (AVX2)")[::-1]
+    assert "llama-server-ngram" in avx2 and "llama-server-ngram" not in vnni_part  # each its own runs
+    assert _targets(vnni_part, ceilings=True)["`auto` over vanilla, questions_dev"][2] == "any drafter 2.00x"
+    assert _targets(avx2, ceilings=True)["`auto` over vanilla, questions_dev"][2] == ""
+
+
+def test_plots_of_runs_no_longer_on_the_page_are_removed(tmp_path):
+    pytest.importorskip("matplotlib")
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "dev.json").write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS)))
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / "results-cpu-a-questions-dev.png").write_bytes(b"a machine key without its instruction sets")
+    (img / "other.png").write_bytes(b"not the generator's")
+    assert main(["results", "--dir", str(d), "--out", str(tmp_path / "results.md"), "--readme", ""]) == 0
+    assert sorted(p.name for p in img.iterdir()) == ["other.png", "results-cpu-a-avx2-questions-dev.png"]

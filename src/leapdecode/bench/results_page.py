@@ -66,9 +66,32 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def cpu_of(summary: dict) -> str:
-    """The machine's processor (the part of ``machine`` before the core count)."""
+def processor(summary: dict) -> str:
+    """The machine's processor name (the part of ``machine`` before the core count)."""
     return str(summary.get("machine", "unknown machine")).split(",")[0].strip()
+
+
+def isa_tier(flags: list[str]) -> str:
+    """The kernels' instruction-set class of a CPU with these ``qkernel.ISA_FLAGS``."""
+    have = set(flags)
+    for flag, tier in (("amx_int8", "AMX"), ("avx512_vnni", "AVX512-VNNI"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in have:
+            return tier
+    return "no AVX2"
+
+
+def cpu_of(summary: dict) -> str:
+    """The machine a result belongs to: its processor and, where it recorded its instruction sets, their
+    class ("AMD EPYC (AVX2)"): one model name covers machines whose kernels differ (the AVX2-only EPYC VM
+    and the Zen 4 EPYC with AVX512-VNNI both say "AMD EPYC")."""
+    flags = summary.get("cpu_flags")
+    return processor(summary) if flags is None else f"{processor(summary)} ({isa_tier(flags)})"
+
+
+def for_machine(reports: dict, cpu: str, name: str, *rest: str):
+    """The report of machine ``cpu`` (processor ``name``) keyed ``(cpu, *rest)``; a report that recorded no
+    instruction sets is keyed by the processor's name alone."""
+    return reports.get((cpu, *rest), reports.get((name, *rest)))
 
 
 def workload_name(summary: dict) -> str:
@@ -385,9 +408,11 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
             parts += [run_section(s, f"img/{plot_name(s)}" if plots else None), ""]
         model = next((s.get("model") for s in runs if workload_name(s) == DEFAULT_WORKLOAD_NAME), None)
         if model is not None:  # the targets are about the Spec-Bench dev run's model
-            head = latest_heads.get((cpu, str(model)))
-            ceilings = {w: r for (c, m, w), r in latest_ceilings(ceiling_reports or []).items()
-                        if (c, m) == (cpu, str(model))}
+            name = processor(runs[0])
+            head = for_machine(latest_heads, cpu, name, str(model))
+            latest = latest_ceilings(ceiling_reports or [])
+            ceilings = {w: r for w in {w for (_, m, w) in latest if m == str(model)}
+                        if (r := for_machine(latest, cpu, name, str(model), w)) is not None}
             parts += targets_section([s for s in runs if s.get("model") == model], head, ceilings) + [""]
     parts += heads_section(head_reports or [])
     for name, text in notes:
@@ -481,10 +506,13 @@ def cmd_results(a: argparse.Namespace) -> int:
     if readme_new is not None and readme_new != readme_old:
         atomic_write(readme_path, readme_new)
     if not a.no_plots:
-        for runs in latest_runs(summaries).values():
-            for s in runs:
-                if not draw(s, a.out.parent / "img" / plot_name(s)):
-                    print("no plots: matplotlib is not installed (pip install 'leapdecode[bench]')", file=sys.stderr)
-                    break
+        img = a.out.parent / "img"
+        wanted = {plot_name(s) for runs in latest_runs(summaries).values() for s in runs}
+        if all(draw(s, img / plot_name(s)) for runs in latest_runs(summaries).values() for s in runs):
+            for old in img.glob("results-*.png"):  # the page's plots are these: no other results-*.png
+                if old.name not in wanted:
+                    old.unlink()
+        else:
+            print("no plots: matplotlib is not installed (pip install 'leapdecode[bench]')", file=sys.stderr)
     print(f"wrote {a.out}" + (f" and the headline of {readme_path}" if readme_new is not None else ""), file=sys.stderr)
     return 0

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..core.cost_model import machine_description
 from ..errors import InvalidParameterError, LeapdecodeError
+from ..models.qkernel import isa_flags
 from . import report, stats
 from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
 from .workloads import Question, load_workload, select
@@ -62,14 +63,6 @@ def validate_methods(methods: list[str]) -> list[str]:
         split_method_row(m)
         out.append(m)
     return out
-
-
-def _cpu_flags() -> list[str]:
-    """The instruction sets that decide the kernels' speed here (``qkernel.ISA_FLAGS`` on this CPU)."""
-    from ..models.qkernel import ISA_FLAGS, cpu_flags
-
-    have = set(cpu_flags().split())
-    return [f for f in ISA_FLAGS if f in have]
 
 
 def _commit() -> str | None:
@@ -287,7 +280,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "repeats": cfg.repeats,
         "seed": cfg.seed, "machine": machine_description(loaded.device), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "elapsed_s": round(time.perf_counter() - t_start, 1), "skipped": notes,
-        "python": sys.version.split()[0], "cpu_flags": _cpu_flags(), "commit": _commit(),
+        "python": sys.version.split()[0], "cpu_flags": isa_flags(), "commit": _commit(),
         "command": cfg.command,
     })
     plot_files: list[Path] = []

@@ -91,6 +91,13 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx51
              "amx_bf16")
 
 
+def isa_flags() -> list[str]:
+    """The instruction sets that decide the kernels' speed here (``ISA_FLAGS`` on this CPU): what a
+    measured figure records of its machine."""
+    have = set(cpu_flags().split())
+    return [f for f in ISA_FLAGS if f in have]
+
+
 def isa_key() -> str:
     """A short key of the CPU's instruction set (cache key of compiled and packed forms)."""
     return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]

@@ -170,6 +170,7 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
 
     from ..cli_args import load_from_args
     from ..core.cost_model import machine_description
+    from ..models.qkernel import isa_flags
     from ..errors import InvalidParameterError
     from ..bench.results_page import head_table
     from .accuracy import accuracy
@@ -201,6 +202,7 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
     report = {"report": "head-accuracy", "model": target.name, "heads": heads, "sets": results,
               "tokens_per_prompt": a.tokens, "per_category": a.per_category, "humaneval": a.humaneval,
               "machine": machine_description(target.model.device), "python": platform.python_version(),
+              "cpu_flags": isa_flags() if target.model.device.type == "cpu" else None,
               "date": time.strftime("%Y-%m-%d"), "command": _command()}
     if a.save is not None:
         from ..proposers.heads.store import atomic_write
