@@ -18,7 +18,10 @@ from ..models.store import check_output
 # --demo: kept small so that it finishes in a few minutes on a 2-core CPU (first-time
 # model conversion included); tune here.
 DEMO_MODEL = "qwen2.5-coder-1.5b"
-DEMO_PROMPTS = 2
+# One question (Spec-Bench dev's stratified first: two turns of an extraction task). A fresh clone with an
+# empty cache took 9 min 44 s with two on the AVX2-only EPYC (2026-11-29), 3:00 of it the bench, most of
+# that the second question's 1,400-token summarization prompt (its prefill and the warm-up on it).
+DEMO_PROMPTS = 1
 DEFAULT_REPEATS = 2  # runs per prompt: a one-off cost or a neighbour's burst shows as a flagged spread
 DEMO_REPEATS = 2  # medians of two runs a prompt, and a flag where they differ by more than 1.5x
 DEMO_MAX_NEW_TOKENS = 96  # 3 x 128 took a fresh clone's demo to 11.4 min on the AVX2-only 2-core machine; 3 x 96: 9.5
