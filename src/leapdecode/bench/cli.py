@@ -233,7 +233,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     cfg.command = "leapdecode " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None
     if a.demo:
         console.print(f"leapdecode demo: {cfg.model}, methods {', '.join(cfg.methods)}, peers "
-                      f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompts of "
+                      f"{', '.join(cfg.peers) or 'none'}; {cfg.limit} prompt{'' if cfg.limit == 1 else 's'} of "
                       f"{cfg.workload or 'the Spec-Bench dev set'} x {cfg.max_new_tokens} tokens "
                       "(models are fetched and converted on first use; `--peers hf-generate` adds HF "
                       "transformers, measured 4-8x slower than vanilla on 2-core CPUs)", markup=False,
