@@ -18,7 +18,7 @@ out: these are upper bounds):
   that minimises the total cost (dynamic programming): the ceiling of any drafter on this machine's
   verification costs.
 
-Each ceiling is printed overall and per task group; ``--save FILE`` also writes them as a report
+Each ceiling is printed overall and per category; ``--save FILE`` also writes them as a report
 that ``leapdecode results`` shows beside the speedup targets (``docs/results/ceilings/``).
 
     python scripts/draft_ceiling.py --categories extraction --json-object
