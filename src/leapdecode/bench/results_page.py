@@ -399,6 +399,7 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
              "docs/lab-notes/.",
              ""]
     latest_heads = latest_head_reports(head_reports or [])
+    latest_ceils = latest_ceilings(ceiling_reports or [])
     for cpu, runs in latest_runs(summaries).items():
         flags = runs[0].get("cpu_flags")
         parts += [f"## {cpu}", ""]
@@ -410,9 +411,8 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
         if model is not None:  # the targets are about the Spec-Bench dev run's model
             name = processor(runs[0])
             head = for_machine(latest_heads, cpu, name, str(model))
-            latest = latest_ceilings(ceiling_reports or [])
-            ceilings = {w: r for w in {w for (_, m, w) in latest if m == str(model)}
-                        if (r := for_machine(latest, cpu, name, str(model), w)) is not None}
+            ceilings = {w: r for w in {w for (_, m, w) in latest_ceils if m == str(model)}
+                        if (r := for_machine(latest_ceils, cpu, name, str(model), w)) is not None}
             parts += targets_section([s for s in runs if s.get("model") == model], head, ceilings) + [""]
     parts += heads_section(head_reports or [])
     for name, text in notes:
