@@ -47,7 +47,7 @@ def test_tree_logits_equal_one_token_logits_bitwise(smol):
 def test_greedy_speculation_gives_vanilla_tokens(smol):
     prompts = [smol.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                   add_generation_prompt=True) for p in CHAT_PROMPTS]
-    assert _divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead")) == []
+    assert _divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead", "suffix")) == []
 
 
 def test_seeded_speculative_sampling_gives_vanilla_tokens(smol):
@@ -59,7 +59,7 @@ def test_seeded_speculative_sampling_gives_vanilla_tokens(smol):
     want = {s: leapdecode.generate(smol, prompt, method="vanilla", seed=s, **kw).tokens for s in (1, 2)}
     assert want[1] != want[2]
     accepted = 0
-    for method in ("sam", "pld", "recycling", "lookahead", "layerskip", "auto"):  # layerskip: sampled drafts
+    for method in ("sam", "pld", "recycling", "lookahead", "layerskip", "auto", "suffix"):  # layerskip: sampled drafts
         for s in (1, 2):
             got = leapdecode.generate(smol, prompt, method=method, seed=s, **kw)
             assert got.tokens == want[s], (method, s)
