@@ -18,6 +18,15 @@ out: these are upper bounds):
   that minimises the total cost (dynamic programming): the ceiling of any drafter on this machine's
   verification costs.
 
+``--replay sam,pld,suffix:cost_aware=false`` also replays model-free methods (those whose drafts
+depend on the text alone: ``sam``, ``pld``, ``suffix``) through their own
+proposers against the same outputs and costs: greedy decoding emits vanilla's tokens whatever is
+drafted, so the verdict of each proposed tree follows from the output, and the replay gives the
+method's decoding-phase speedup in forward-cost units without running the model (its drafting time
+and the profile's online corrections left out).  The outputs of the requests before share one
+runner memory, in the workload's order, as a bench row's requests do.  ``--outputs FILE`` keeps
+vanilla's outputs and the verification profile, so that replays of other settings run in seconds.
+
 Each ceiling is printed overall and per category; ``--save FILE`` also writes them as a report
 that ``leapdecode results`` shows beside the speedup targets (``docs/results/ceilings/``).
 
@@ -25,6 +34,8 @@ that ``leapdecode results`` shows beside the speedup targets (``docs/results/cei
     python scripts/draft_ceiling.py --workload humaneval-heldout --max-new-tokens 128
     python scripts/draft_ceiling.py --workload similar --limit 24 --max-new-tokens 128 --memory \
         --save docs/results/ceilings/DATE-MACHINE-similar.json
+    python scripts/draft_ceiling.py --limit 8 --max-new-tokens 128 --outputs /tmp/dev8.json \
+        --replay sam,pld,suffix,sam:cost_aware=false
 """
 
 from __future__ import annotations
@@ -93,6 +104,83 @@ def perfect_cost(n_tokens: int, cost: Callable[[int], float]) -> float:
     return best[0]
 
 
+REPLAYABLE = ("pld", "sam", "suffix")  # methods whose trees depend on the text alone (no model, no logits)
+END = -2  # the position after an output: its end-of-sequence token, which no draft holds
+
+
+class _ReplayRunner:
+    """What a model-free proposer reads of a runner: its memory across generations."""
+
+    def __init__(self) -> None:
+        from leapdecode.core.runner import ProposerMemory
+
+        self.model = None
+        self.memory = ProposerMemory()
+
+
+def replay_proposer(method: str):
+    """``METHOD`` or ``METHOD:KEY=VALUE...`` (as a bench row) -> a factory of (proposer, budget) on one
+    shared replay runner; ``SystemExit`` names a method that needs a model."""
+    from leapdecode.bench.runners import split_method_row
+    from leapdecode.proposers import build_proposer, method_config
+
+    base, opts = split_method_row(method)
+    if base not in REPLAYABLE:
+        raise SystemExit(f"--replay: {base!r} needs the model to draft; replayable: {', '.join(REPLAYABLE)}")
+    cfg = method_config(base, opts)
+    runner = _ReplayRunner()
+
+    def make():
+        proposer = build_proposer(cfg, runner)
+        return proposer, runner, cfg.tree_budget or proposer.default_budget
+
+    return make
+
+
+def replay_cost(make, prompt: Sequence[int], output: Sequence[int], cost: Callable[[int], float], verify,
+                max_new_tokens: int) -> tuple[float, int]:
+    """Greedy decoding of ``output`` after ``prompt`` with the proposer ``make()`` builds: each step's
+    tree is verified against the output (its accepted path is the output's next tokens, as greedy
+    verification finds them) and costs ``cost(1 + tree size)``; the proposer learns from each
+    verdict as in a generation (``verify``: the profile it sizes by).  Returns (total cost, steps)."""
+    import torch
+
+    from leapdecode.core.proposer import DecodeContext
+    from leapdecode.core.sampling import SamplingParams
+    from leapdecode.core.verifier import Verdict
+
+    proposer, runner, tree_budget = make()
+    ctx = DecodeContext(runner=runner, cache=None, params=SamplingParams(), generator=torch.Generator(),
+                        prompt_len=len(prompt), max_new_tokens=max_new_tokens, verify_cost=verify)
+    tokens = list(prompt)
+    proposer.begin(ctx, list(tokens))
+    total, steps, i = 0.0, 0, 0
+    target = list(output) + [END]
+    while i < len(output):
+        budget = min(tree_budget, max(max_new_tokens - i - 1, 0))
+        tree = proposer.propose(list(tokens), budget).truncated(budget)
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(tree.parents):
+            children.setdefault(parent, []).append(node)
+        node, path = -1, []
+        while True:
+            want = target[i + len(path)]
+            nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == want), -1)
+            if nxt < 0 or want == END:
+                break
+            path.append(nxt)
+            node = nxt
+        emitted = [tree.tokens[c] for c in path] + ([target[i + len(path)]] if i + len(path) < len(output) else [])
+        total += cost(1 + len(tree))
+        steps += 1
+        tokens += emitted
+        i += len(emitted)
+        verdict = Verdict(path, emitted[-1] if len(emitted) > len(path) else END, emitted)
+        proposer.observe(list(tokens), tree, verdict, None)
+    proposer.end()
+    return total, steps
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
@@ -105,32 +193,63 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory", action="store_true",
                     help="also the copy oracle that may copy from the earlier requests' outputs")
     ap.add_argument("--save", type=Path, help="also write the ceilings as a JSON report (for `leapdecode results`)")
+    ap.add_argument("--replay", default="",
+                    help=f"comma-separated model-free methods to replay against the outputs ({', '.join(REPLAYABLE)}; "
+                         "METHOD:KEY=VALUE rows as the bench's --methods)")
+    ap.add_argument("--outputs", type=Path,
+                    help="keep vanilla's outputs and the verification profile in this file (reused when it was "
+                         "made with the same model, workload and options)")
     return ap.parse_args(argv)
 
 
 def report(a: argparse.Namespace, model: str, workload: str, machine: str, cpu_flags: list[str] | None,
            relative: dict[int, float], tokens: dict[str, int], spent: dict[str, dict[str, float]]) -> dict:
-    """The ceilings as ``leapdecode results`` reads them: per ceiling its speedup overall and per group."""
+    """The ceilings as ``leapdecode results`` reads them: per ceiling its speedup overall and per group
+    (replayed methods, ``replayed ...`` rows of ``spent``, under ``replays``: they are not ceilings)."""
     n = sum(tokens.values())
+
+    def speedups(rows: dict[str, dict[str, float]]) -> dict:
+        return {name: {"overall": round(n / sum(by.values()), 4), "by_group": {g: round(tokens[g] / c, 4) for g, c in by.items()}}
+                for name, by in rows.items()}
+
+    replayed = {k[len("replayed "):]: v for k, v in spent.items() if k.startswith("replayed ")}
     return {"report": "draft-ceiling", "model": model, "workload": workload, "limit": a.limit,
             "max_new_tokens": a.max_new_tokens, "machine": machine, "cpu_flags": cpu_flags, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": "python scripts/draft_ceiling.py " + shlex.join(sys.argv[1:]), "tokens": n,
             "relative_cost": {str(k): round(v, 4) for k, v in sorted(relative.items())},
-            "ceilings": {name: {"overall": round(n / sum(by.values()), 4),
-                                "by_group": {g: round(tokens[g] / c, 4) for g, c in by.items()}}
-                         for name, by in spent.items()}}
+            "ceilings": speedups({k: v for k, v in spent.items() if not k.startswith("replayed ")}),
+            **({"replays": speedups(replayed)} if replayed else {})}
 
 
-def main() -> None:
+def _outputs_key(a: argparse.Namespace) -> dict:
+    """What vanilla's outputs depend on (an ``--outputs`` file made otherwise is not reused)."""
+    return {"model": a.model, "workload": a.workload, "categories": a.categories, "limit": a.limit, "seed": a.seed,
+            "json_object": a.json_object, "max_new_tokens": a.max_new_tokens}
+
+
+def load_outputs(path: Path | None, a: argparse.Namespace) -> dict | None:
+    """A kept run (``--outputs``) made with these options, or None."""
+    if path is None or not path.exists():
+        return None
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--outputs {path}: not a readable outputs file ({e})") from None
+    if not isinstance(kept, dict) or kept.get("key") != _outputs_key(a):
+        print(f"{path} was made with other options: running vanilla again", flush=True)
+        return None
+    return kept
+
+
+def run_vanilla(a: argparse.Namespace) -> dict:
+    """Vanilla's outputs on the workload and the target's verification profile."""
     import leapdecode
     from leapdecode.bench.suite import encode_turn
     from leapdecode.bench.workloads import load_workload, select
     from leapdecode.core.cost_model import machine_description
     from leapdecode.core.runner import ModelRunner
     from leapdecode.models.qkernel import isa_flags
-    from leapdecode.models.store import atomic_write
 
-    a = parse_args()
     questions, workload = load_workload(a.workload)  # (an unknown workload or category fails before the model loads)
     questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)
     if a.json_object:  # as the bench: a workload's own schemas stay
@@ -138,7 +257,7 @@ def main() -> None:
             q.meta.setdefault("json_schema", {"type": "object"})
     model = leapdecode.load(a.model)
     runner = ModelRunner(model, prefix_cache_bytes=0)
-    outputs = []  # (group, prompt ids, output ids) in the workload's order
+    outputs = []  # [group, prompt ids, output ids] in the workload's order
     for q in questions:
         history: list[dict] = []
         schema = {"json_schema": q.meta["json_schema"]} if "json_schema" in q.meta else {}
@@ -146,10 +265,29 @@ def main() -> None:
             ids = encode_turn(model, q, history, turn)
             res = leapdecode.generate(runner, prompt_ids=ids, max_new_tokens=a.max_new_tokens, method="vanilla",
                                       **schema)
-            outputs.append((q.category, ids, res.tokens))
+            outputs.append([q.category, list(ids), list(res.tokens)])
             print(f"question {q.question_id}: {len(res.tokens)} tokens", flush=True)
             history += [{"role": "user", "content": turn}, {"role": "assistant", "content": res.text}]
     verify = runner.verify_cost(model.model.new_cache(max_len=1024))
+    return {"key": _outputs_key(a), "workload": workload, "machine": machine_description(model.device),
+            "cpu_flags": isa_flags() if model.device.type == "cpu" else None,
+            "profile": {"sizes": list(verify.sizes), "seconds": list(verify.seconds)}, "outputs": outputs}
+
+
+def main() -> None:
+    from leapdecode.core.cost_model import VerifyCost
+    from leapdecode.models.store import atomic_write
+
+    a = parse_args()
+    replays = [(m.strip(), replay_proposer(m.strip())) for m in a.replay.split(",") if m.strip()]
+    run = load_outputs(a.outputs, a)
+    if run is None:
+        run = run_vanilla(a)
+        if a.outputs is not None:
+            atomic_write(a.outputs, json.dumps(run))
+            print(f"kept the outputs in {a.outputs}")
+    outputs, workload = run["outputs"], run["workload"]
+    verify = VerifyCost(run["profile"]["sizes"], run["profile"]["seconds"])
     rel = verify.relative()
     unit = verify(1)
 
@@ -161,26 +299,34 @@ def main() -> None:
         rows.append(("copy oracle with memory",
                      lambda i, ids, out: copy_oracle_cost(ids, out, cost, [o for _, _, o in outputs[:i]])))
     rows.append(("perfect drafter", lambda i, ids, out: perfect_cost(len(out), cost)))
+    for name, make in replays:  # one runner memory per replayed row, across its requests
+        rows.append((f"replayed {name}", lambda i, ids, out, f=make:
+                     replay_cost(f, ids, out, cost, verify, a.max_new_tokens)))
     groups = sorted({g for g, _, _ in outputs})
     spent = {name: {g: 0.0 for g in groups} for name, _ in rows}
+    steps = {name: 0 for name, _ in rows}  # a replayed row's forwards
     tokens = {g: 0 for g in groups}
     for i, (g, ids, out) in enumerate(outputs):
         tokens[g] += len(out)
         for name, f in rows:
-            spent[name][g] += f(i, ids, out)
+            got = f(i, ids, out)
+            if isinstance(got, tuple):
+                got, n = got
+                steps[name] += n
+            spent[name][g] += got
     n_tokens = sum(tokens.values())
     print(f"\n{a.model}, {len(outputs)} outputs, {n_tokens} tokens; verification cost relative to one token: "
           + ", ".join(f"{n}: {v:.2f}" for n, v in sorted(rel.items())))
-    print("| decoding phase | cost (1-token forwards) | speedup ceiling | " + " | ".join(groups) + " |")
-    print("|---|---:|---:|" + "---:|" * len(groups))
-    print(f"| vanilla | {n_tokens:.1f} | 1.00x |" + " 1.00x |" * len(groups))
+    print("| decoding phase | cost (1-token forwards) | tokens a forward | speedup ceiling | " + " | ".join(groups) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(groups))
+    print(f"| vanilla | {n_tokens:.1f} | 1.00 | 1.00x |" + " 1.00x |" * len(groups))
     for name, _ in rows:
         total = sum(spent[name].values())
-        print(f"| {name} | {total:.1f} | {n_tokens / total:.2f}x | "
+        per = f"{n_tokens / steps[name]:.2f}" if steps[name] else "-"
+        print(f"| {name} | {total:.1f} | {per} | {n_tokens / total:.2f}x | "
               + " | ".join(f"{tokens[g] / spent[name][g]:.2f}x" for g in groups) + " |")
     if a.save is not None:
-        flags = isa_flags() if model.device.type == "cpu" else None
-        r = report(a, a.model, workload, machine_description(model.device), flags, rel, tokens, spent)
+        r = report(a, a.model, workload, run["machine"], run["cpu_flags"], rel, tokens, spent)
         atomic_write(a.save, json.dumps(r, indent=2) + "\n")
         print(f"saved {a.save}")
 

@@ -258,6 +258,64 @@ def test_chain_acceptance_counts_only_the_tokens_that_had_their_chance():
     assert all(a >= b for a, b in zip(cum, cum[1:]))
 
 
+def _tries(acc: ChainAcceptance, verify: VerifyCost, judgements: int, accept_first: bool) -> list[int]:
+    """``judgements`` one-token-or-nothing decisions for bucket 0; each drafted token is accepted or
+    rejected as ``accept_first`` says.  Returns the judgements at which a token was drafted."""
+    drafted = []
+    for j in range(judgements):
+        n = acc.worth(0, 1, verify)
+        if n:
+            drafted.append(j)
+            acc.update(0, verified=1, accepted=int(accept_first))
+    return drafted
+
+
+def test_a_depth_judged_worthless_is_tried_again_and_learned():
+    """The lock-in: one rejected first token put a bucket below a dear row's break-even (~0.36 here),
+    and it was never drafted again, so never learned.  Now it is tried again after ``explore_after``
+    judgements, and a bucket whose tokens are in fact accepted comes back for good."""
+    verify = VerifyCost([1, 4], [1.0, 2.07])  # a row costs 0.36 of a forward (the AVX2-only VM's profile)
+    acc = ChainAcceptance(n_buckets=1, max_depth=4)
+    acc.update(0, verified=1, accepted=0)  # 1 of 3 with the prior: below break-even
+    assert best_tree_size(acc.cumulative(0, 1), 0.0, verify)[0] == 0
+    drafted = _tries(acc, verify, 40, accept_first=True)
+    assert drafted[0] == 2 * acc.explore_after - 1  # the rejection doubled the patience: tried at the 8th
+    assert len(drafted) > 30  # then learned: drafted at (nearly) every judgement
+    never = ChainAcceptance(n_buckets=1, max_depth=4, explore_after=0)  # exploration off: locked out
+    never.update(0, verified=1, accepted=0)
+    assert _tries(never, verify, 40, accept_first=True) == []
+
+
+def test_tries_of_a_depth_that_never_pays_are_logarithmic():
+    verify = VerifyCost([1, 4], [1.0, 2.07])
+    acc = ChainAcceptance(n_buckets=1, max_depth=4)
+    acc.update(0, verified=1, accepted=0)
+    drafted = _tries(acc, verify, 4000, accept_first=False)
+    # patience 8 (4, doubled by the first rejection), 16, 32, ...: each try waits twice as long
+    assert drafted[:4] == [7, 23, 55, 119]
+    assert len(drafted) <= 11
+    # an accepted token starts the patience over
+    acc.update(0, verified=1, accepted=1)
+    assert acc.patience[0][0] == acc.explore_after
+
+
+def test_a_depth_that_could_not_pay_is_never_tried():
+    """A row dearer than what a sure token saves: no try, whatever the patience."""
+    acc = ChainAcceptance(n_buckets=1, max_depth=4)
+    acc.update(0, verified=1, accepted=0)
+    assert _tries(acc, VerifyCost([1, 2], [1.0, 100.0]), 200, accept_first=True) == []
+
+
+def test_a_deeper_depth_is_tried_beyond_a_chain_that_stops():
+    """Exploration is per depth: a chain cut at one token gets its second token tried."""
+    verify = VerifyCost([1, 4], [1.0, 2.07])
+    acc = ChainAcceptance(n_buckets=1, max_depth=4)
+    for _ in range(30):
+        acc.update(0, verified=1, accepted=1)  # depth 0: always accepted; depth 1: the prior (0.5)
+    lengths = [acc.worth(0, 4, verify) for _ in range(8)]
+    assert min(lengths) >= 1 and max(lengths) >= lengths[0] + 1
+
+
 def test_acceptance_calibration_learns_an_overconfident_draft():
     cal = AcceptanceCalibration()
     assert cal(0.95) == pytest.approx(0.95)  # starts from the identity

@@ -5,6 +5,7 @@ split of an output into steps (checked against brute force on small cases)."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -82,3 +83,72 @@ def test_perfect_drafter_is_the_cheapest_split(ceiling, n, slope):
     cost = lambda k: 1.0 + slope * (k - 1)  # noqa: E731
     assert ceiling.perfect_cost(n, cost) == pytest.approx(_brute(n, slope, ceiling.MAX_DRAFT))
     assert ceiling.perfect_cost(n, cost) <= n  # never worse than vanilla (a = 0 every step)
+
+
+def test_replay_follows_the_output_and_charges_each_tree(ceiling):
+    """A replayed model-free method: each step's tree is verified against the output (the accepted
+    path is the output's next tokens), a step costs cost(1 + tree size), and the proposer learns from
+    the verdicts as in a generation."""
+    from leapdecode.core.cost_model import VerifyCost
+
+    free = VerifyCost([1, 64], [1.0, 1.0])  # rows cost nothing: sam drafts its whole continuation
+    prompt = [5, 1, 2, 3, 4, 6, 7, 8, 9, 5]
+    output = [1, 2, 3, 4, 6, 7, 8, 9, 11]  # the prompt's text again, then a new token
+    make = ceiling.replay_proposer("sam:cost_aware=false:draft_len=16")
+    total, steps = ceiling.replay_cost(make, prompt, output, lambda n: 1.0, free, max_new_tokens=64)
+    # step 1 drafts the continuation after "5" (1 2 3 4 6 7 8 9 5 ...): 8 accepted, then 11 from the target
+    assert (total, steps) == (1.0, 1)
+    unit_rows = lambda n: float(n)  # noqa: E731 (each row costs a forward)
+    total, steps = ceiling.replay_cost(make, prompt, output, unit_rows, free, max_new_tokens=64)
+    assert steps == 1 and total == 1.0 + 16  # a 16-node chain (the copy runs past the prompt's end)
+    # nothing to copy: one step per token, no tree
+    total, steps = ceiling.replay_cost(make, [100], [1, 2, 3], unit_rows, free, max_new_tokens=64)
+    assert (total, steps) == (3.0, 3)
+
+
+def test_replay_stops_at_max_new_tokens_and_the_output_end(ceiling):
+    from leapdecode.core.cost_model import VerifyCost
+
+    free = VerifyCost([1, 64], [1.0, 1.0])
+    make = ceiling.replay_proposer("pld:cost_aware=false")
+    prompt, output = [1, 2, 3, 1, 2], [3, 1, 2, 3, 1, 2]
+    # the budget shrinks near max_new_tokens: one step of 5 drafted nodes (all accepted) and the
+    # target's 6th token, not the method's 24-node tree
+    total, steps = ceiling.replay_cost(make, prompt, output, lambda n: float(n), free, max_new_tokens=len(output))
+    assert (total, steps) == (6.0, 1)
+    # an output that ends (its end-of-sequence token) before max_new_tokens: nothing past it is accepted
+    total, steps = ceiling.replay_cost(make, prompt, output[:4], lambda n: 1.0, free, max_new_tokens=64)
+    assert steps == 1 and total == 1.0
+
+
+def test_replay_methods_are_model_free(ceiling):
+    with pytest.raises(SystemExit, match="needs the model"):
+        ceiling.replay_proposer("eagle")
+    with pytest.raises(Exception, match="unknown method"):
+        ceiling.replay_proposer("nonsense")
+    a = ceiling.parse_args(["--replay", "sam,pld", "--outputs", "o.json"])
+    assert a.replay == "sam,pld" and str(a.outputs) == "o.json"
+
+
+def test_replay_of_memory_uses_earlier_outputs(ceiling):
+    """One runner memory per replayed row: suffix drafts a later request from an earlier output."""
+    from leapdecode.core.cost_model import VerifyCost
+
+    free = VerifyCost([1, 64], [1.0, 1.0])
+    make = ceiling.replay_proposer("suffix:cost_aware=false")
+    out = [7, 8, 9, 10, 11, 12, 13, 14]
+    first = ceiling.replay_cost(make, [1], out, lambda n: 1.0, free, max_new_tokens=64)
+    second = ceiling.replay_cost(make, [2], out, lambda n: 1.0, free, max_new_tokens=64)
+    assert first[1] == len(out) and second[1] < first[1]
+
+
+def test_outputs_file_is_reused_only_for_the_same_options(ceiling, tmp_path):
+    a = ceiling.parse_args(["--limit", "4", "--outputs", str(tmp_path / "o.json")])
+    assert ceiling.load_outputs(a.outputs, a) is None  # none yet
+    (tmp_path / "o.json").write_text(json.dumps({"key": ceiling._outputs_key(a), "outputs": []}))
+    assert ceiling.load_outputs(a.outputs, a)["outputs"] == []
+    b = ceiling.parse_args(["--limit", "5", "--outputs", str(tmp_path / "o.json")])
+    assert ceiling.load_outputs(b.outputs, b) is None  # another sample: vanilla runs again
+    (tmp_path / "o.json").write_text("{broken")
+    with pytest.raises(SystemExit, match="not a readable outputs file"):
+        ceiling.load_outputs(a.outputs, a)

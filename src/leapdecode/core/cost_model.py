@@ -343,12 +343,29 @@ def _best_prefix(probs: list[float], value) -> tuple[int, float]:
 class ChainAcceptance:
     """For a model-free drafter's chain: P(the token at depth ``d`` is accepted | the tokens
     before it were), per context bucket (e.g. how long the suffix match was), learned from the
-    verdicts.  Starts from ``prior`` with the weight of ``strength`` observations."""
+    verdicts.  Starts from ``prior`` with the weight of ``strength`` observations.
 
-    def __init__(self, n_buckets: int, max_depth: int, prior: float = 0.5, strength: float = 2.0) -> None:
+    A depth is learned only from chains that reach it, so an estimate that says "not worth its
+    row" would never be revised: one rejected first token after a match of some length shut that
+    length out for the rest of the runner's life (measured: ``sam`` and ``pld`` replayed on eight
+    HumanEval problems drafted nothing after their first misses, although 75% of those matches'
+    first tokens were right; ``scripts/draft_ceiling.py --replay``).  So ``worth`` drafts one
+    token more than the estimate says every ``patience`` judgements that stop at a depth; the
+    patience starts at ``explore_after`` judgements, doubles each time that depth is reached and
+    rejected, and starts over when it is accepted: where it never pays, the tries are a
+    logarithmic share of the steps.  A depth that would not pay even if it were always accepted
+    (a row dearer than a token) is never tried."""
+
+    MAX_PATIENCE = 1 << 16
+
+    def __init__(self, n_buckets: int, max_depth: int, prior: float = 0.5, strength: float = 2.0,
+                 explore_after: int = 4) -> None:
         self.max_depth = max_depth
         self.hits = [[prior * strength] * max_depth for _ in range(n_buckets)]
         self.seen = [[strength] * max_depth for _ in range(n_buckets)]
+        self.explore_after = explore_after  # 0: never draft past the estimate
+        self.patience = [[explore_after] * max_depth for _ in range(n_buckets)]
+        self.waited = [[0] * max_depth for _ in range(n_buckets)]
 
     def cumulative(self, bucket: int, length: int) -> list[float]:
         """P(the first ``d`` tokens are all accepted), d = 1..length."""
@@ -363,11 +380,27 @@ class ChainAcceptance:
         for d in range(min(verified, accepted + 1, self.max_depth)):
             self.seen[bucket][d] += 1.0
             self.hits[bucket][d] += float(d < accepted)
+        last = verified - 1  # the chain's last token, if it had its chance: the patience for its depth
+        if 0 <= last < self.max_depth and accepted >= last and self.explore_after:
+            patience = self.patience[bucket]
+            patience[last] = self.explore_after if accepted > last else min(2 * patience[last], self.MAX_PATIENCE)
 
     def worth(self, bucket: int, length: int, verify: "VerifyCost", fixed_s: float = 0.0) -> int:
         """How many of a ``length``-token chain's tokens are worth verifying (greedy): the prefix
-        that maximises expected tokens per second (``best_tree_size``)."""
-        return best_tree_size(self.cumulative(bucket, length), fixed_s, verify)[0]
+        that maximises expected tokens per second (``best_tree_size``), or one more when the depth
+        it stops at is due to be tried again (see the class)."""
+        cum = self.cumulative(bucket, length)
+        n = best_tree_size(cum, fixed_s, verify)[0]
+        if self.explore_after and n < len(cum):
+            # only a depth that would pay if it were always accepted is worth a try
+            sure = cum[:n] + [cum[n - 1] if n else 1.0]
+            if best_tree_size(sure, fixed_s, verify)[0] > n:
+                waited = self.waited[bucket]
+                waited[n] += 1
+                if waited[n] >= self.patience[bucket][n]:
+                    waited[n] = 0
+                    return n + 1
+        return n
 
     def observe_chain(self, bucket: int, verified: int, accepted_nodes: list[int]) -> None:
         """A chain drafted as tree nodes 0, 1, 2, ... had ``verified`` of them checked; the verdict
