@@ -549,3 +549,21 @@ def test_hf_rows_run_quantized_targets_in_the_cpus_fast_dtype(monkeypatch):
         assert hf_dtype(SimpleNamespace(weights="int8", dtype=torch.bfloat16, device=cpu)) == want
         assert hf_dtype(SimpleNamespace(weights="bf16", dtype=torch.bfloat16, device=cpu)) == torch.bfloat16
         assert hf_dtype(SimpleNamespace(weights="fp32", dtype=torch.float32, device=cpu)) == torch.float32
+
+
+def test_progress_in_a_log_is_a_line_per_generation(tmp_path, capsys):
+    """Progress written to a file or a pipe (``make demo > log``, CI): rich draws its bar only when it
+    stops there, so each generation also prints a line as it ends; ``--no-progress`` prints none."""
+    from leapdecode.cli import main
+
+    wl = write_jsonl(tmp_path / "q.jsonl", SHORT[:1])
+    common = ["bench", "-m", "tiny-random", "--dtype", "fp32", "--workload", str(wl), "--max-new-tokens", "4",
+              "--no-plots", "--json", "--repeats", "2", "--methods", "pld"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("bench ") and " tokens in " in ln]
+    # 2 rows (vanilla, pld) x 2 repeats x the question's 2 turns, counted as they end
+    assert [ln.split()[1] for ln in lines] == [f"{k}/8" for k in range(1, 9)], err
+    assert {ln.split()[2] for ln in lines} == {"vanilla", "pld"}
+    assert main([*common, "--no-progress", "--out", str(tmp_path / "b")]) == 0
+    assert " tokens in " not in capsys.readouterr().err

@@ -183,6 +183,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         progress = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
                             disable=not cfg.progress, transient=False)
+        plain_lines = cfg.progress and not console.is_terminal  # a line per generation instead of the bar
         n_prompt = 0
         with progress:
             task = progress.add_task("", total=total)
@@ -253,6 +254,10 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
                                     "constraint_s": res.constraint_s} if "json_schema" in q.meta else {}),
                             })
                             progress.advance(task)
+                            if plain_lines:  # a log file or a pipe: rich draws the bar only at the end
+                                console.print(f"bench {int(progress.tasks[0].completed)}/{total} {r.name} "
+                                              f"q{q.question_id} t{turn_no} r{rep + 1}: {n} tokens in "
+                                              f"{res.wall_s:.1f} s", markup=False, highlight=False, soft_wrap=True)
                     if failed:
                         del records[n_before:]
                         note(f"question {q.question_id} turn {turn_no} ({len(ids)} prompt tokens) skipped: {failed}")
