@@ -279,7 +279,7 @@ def test_a_depth_judged_worthless_is_tried_again_and_learned():
     acc.update(0, verified=1, accepted=0)  # 1 of 3 with the prior: below break-even
     assert best_tree_size(acc.cumulative(0, 1), 0.0, verify)[0] == 0
     drafted = _tries(acc, verify, 40, accept_first=True)
-    assert drafted[0] == 2 * acc.explore_after - 1  # the rejection doubled the patience: tried at the 8th
+    assert drafted[0] == 2 * acc.tries.explore_after - 1  # the rejection doubled the patience: tried at the 8th
     assert len(drafted) > 30  # then learned: drafted at (nearly) every judgement
     never = ChainAcceptance(n_buckets=1, max_depth=4, explore_after=0)  # exploration off: locked out
     never.update(0, verified=1, accepted=0)
@@ -296,7 +296,7 @@ def test_tries_of_a_depth_that_never_pays_are_logarithmic():
     assert len(drafted) <= 11
     # an accepted token starts the patience over
     acc.update(0, verified=1, accepted=1)
-    assert acc.patience[0][0] == acc.explore_after
+    assert acc.tries.patience((0, 0)) == acc.tries.explore_after
 
 
 def test_a_depth_that_could_not_pay_is_never_tried():

@@ -340,32 +340,75 @@ def _best_prefix(probs: list[float], value) -> tuple[int, float]:
     return best_n, best
 
 
+class TryAgain:
+    """A cut that learning alone can never revise, tried again now and then.
+
+    A drafter that learns its acceptance from verdicts learns only about what it drafted: once its
+    estimates say the next candidate is not worth a row, that candidate is never verified, so the
+    estimate never moves, whatever the text does later (measured: after one early miss ``sam`` and
+    ``pld`` drafted nothing for the rest of eight HumanEval problems whose matches' first tokens
+    were 75% right; ``suffix``'s trie for the request's own text stopped drafting its long matches;
+    ``scripts/draft_ceiling.py --replay``).  So for each slot (a context and the size the cut
+    stopped at) every ``patience`` cuts the candidate after the cut is drafted too.  The patience
+    starts at ``explore_after``, doubles each time that candidate has its chance and is rejected,
+    and starts over when it is accepted: where it never pays, the tries are a logarithmic share of
+    the steps (after a first miss at the 8th, 24th, 56th, 120th, ... cut).  A candidate that would
+    not pay even if it were always accepted is never tried (``sized``)."""
+
+    MAX_PATIENCE = 1 << 16
+
+    def __init__(self, explore_after: int = 4) -> None:
+        self.explore_after = explore_after  # 0: never
+        self._state: dict = {}  # slot -> [cuts waited, patience]
+
+    def _slot(self, slot) -> list[int]:
+        return self._state.setdefault(slot, [0, self.explore_after])
+
+    def patience(self, slot) -> int:
+        return self._slot(slot)[1]
+
+    def due(self, slot) -> bool:
+        """A cut at ``slot``: is it time to draft the next candidate too?"""
+        if not self.explore_after:
+            return False
+        state = self._slot(slot)
+        state[0] += 1
+        if state[0] >= state[1]:
+            state[0] = 0
+            return True
+        return False
+
+    def verdict(self, slot, accepted: bool) -> None:
+        """The candidate after the cut at ``slot`` had its chance (its parent was accepted)."""
+        if self.explore_after:
+            state = self._slot(slot)
+            state[1] = self.explore_after if accepted else min(2 * state[1], self.MAX_PATIENCE)
+
+    def sized(self, probs: list[float], fixed_s: float, verify: "VerifyCost", context) -> tuple[int, float, bool]:
+        """``best_tree_size`` of ``probs`` (best first), one more when the cut at slot ``(context,
+        size)`` is due and that candidate would pay if it were sure.  Returns (size, the cut's rate,
+        whether the last one is a try)."""
+        n, rate = best_tree_size(probs, fixed_s, verify)
+        if n < len(probs):
+            sure = probs[:n] + [probs[n - 1] if n else 1.0]  # the next one always accepted
+            if best_tree_size(sure, fixed_s, verify)[0] > n and self.due((context, n)):
+                return n + 1, rate, True
+        return n, rate, False
+
+
 class ChainAcceptance:
     """For a model-free drafter's chain: P(the token at depth ``d`` is accepted | the tokens
     before it were), per context bucket (e.g. how long the suffix match was), learned from the
-    verdicts.  Starts from ``prior`` with the weight of ``strength`` observations.
-
-    A depth is learned only from chains that reach it, so an estimate that says "not worth its
-    row" would never be revised: one rejected first token after a match of some length shut that
-    length out for the rest of the runner's life (measured: ``sam`` and ``pld`` replayed on eight
-    HumanEval problems drafted nothing after their first misses, although 75% of those matches'
-    first tokens were right; ``scripts/draft_ceiling.py --replay``).  So ``worth`` drafts one
-    token more than the estimate says every ``patience`` judgements that stop at a depth; the
-    patience starts at ``explore_after`` judgements, doubles each time that depth is reached and
-    rejected, and starts over when it is accepted: where it never pays, the tries are a
-    logarithmic share of the steps.  A depth that would not pay even if it were always accepted
-    (a row dearer than a token) is never tried."""
-
-    MAX_PATIENCE = 1 << 16
+    verdicts.  Starts from ``prior`` with the weight of ``strength`` observations.  A depth the
+    estimates cut off is tried again now and then (``TryAgain``: without it one rejected first
+    token after a match of some length shut that length out for good)."""
 
     def __init__(self, n_buckets: int, max_depth: int, prior: float = 0.5, strength: float = 2.0,
                  explore_after: int = 4) -> None:
         self.max_depth = max_depth
         self.hits = [[prior * strength] * max_depth for _ in range(n_buckets)]
         self.seen = [[strength] * max_depth for _ in range(n_buckets)]
-        self.explore_after = explore_after  # 0: never draft past the estimate
-        self.patience = [[explore_after] * max_depth for _ in range(n_buckets)]
-        self.waited = [[0] * max_depth for _ in range(n_buckets)]
+        self.tries = TryAgain(explore_after)
 
     def cumulative(self, bucket: int, length: int) -> list[float]:
         """P(the first ``d`` tokens are all accepted), d = 1..length."""
@@ -380,27 +423,15 @@ class ChainAcceptance:
         for d in range(min(verified, accepted + 1, self.max_depth)):
             self.seen[bucket][d] += 1.0
             self.hits[bucket][d] += float(d < accepted)
-        last = verified - 1  # the chain's last token, if it had its chance: the patience for its depth
-        if 0 <= last < self.max_depth and accepted >= last and self.explore_after:
-            patience = self.patience[bucket]
-            patience[last] = self.explore_after if accepted > last else min(2 * patience[last], self.MAX_PATIENCE)
+        last = verified - 1  # the chain's last token, when it had its chance: the cut before it
+        if 0 <= last < self.max_depth and accepted >= last:
+            self.tries.verdict((bucket, last), accepted > last)
 
     def worth(self, bucket: int, length: int, verify: "VerifyCost", fixed_s: float = 0.0) -> int:
         """How many of a ``length``-token chain's tokens are worth verifying (greedy): the prefix
         that maximises expected tokens per second (``best_tree_size``), or one more when the depth
-        it stops at is due to be tried again (see the class)."""
-        cum = self.cumulative(bucket, length)
-        n = best_tree_size(cum, fixed_s, verify)[0]
-        if self.explore_after and n < len(cum):
-            # only a depth that would pay if it were always accepted is worth a try
-            sure = cum[:n] + [cum[n - 1] if n else 1.0]
-            if best_tree_size(sure, fixed_s, verify)[0] > n:
-                waited = self.waited[bucket]
-                waited[n] += 1
-                if waited[n] >= self.patience[bucket][n]:
-                    waited[n] = 0
-                    return n + 1
-        return n
+        it stops at is due to be tried again."""
+        return self.tries.sized(self.cumulative(bucket, length), fixed_s, verify, bucket)[0]
 
     def observe_chain(self, bucket: int, verified: int, accepted_nodes: list[int]) -> None:
         """A chain drafted as tree nodes 0, 1, 2, ... had ``verified`` of them checked; the verdict

@@ -3,7 +3,7 @@
 "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications" (Oliaro et al., 2024):
 a suffix tree over the outputs of earlier requests, kept by the serving process, and one over the
 current request's prompt and output; at each step the longest suffix of the text that occurs in a
-tree selects a node, and a speculation tree is grown from it greedily by the empirical probability
+tree (in the request's own, that occurred before its newest occurrence) selects a node, and a speculation tree is grown from it greedily by the empirical probability
 of each continuation (the counts of the tree's children over their parent's), at most
 ``spec_factor`` x the matched length nodes (a long match is trusted with a larger tree), no node
 below ``min_prob``; of the two trees (global, request) the one with the larger expected number of
@@ -26,7 +26,9 @@ applies), a node's chance of acceptance is its empirical probability given its p
 online against the verdicts per match-length bucket and per trie (request or memory), and the
 prefix of the nodes ranked by calibrated path probability that maximises expected tokens per second
 of verification (``core/cost_model.py``'s ``best_tree_size`` on the target's measured profile) is
-verified; of the two tries the one whose sized tree is worth more.  On a CPU, where a verified row
+verified; of the two tries the one whose sized tree is worth more, and every few cuts of a trie and
+match bucket one node beyond the cut is verified too (``TryAgain``: a calibration learns only from
+what is verified, and without the tries a few early misses shut a trie out for good).  On a CPU, where a verified row
 costs a tenth to a quarter of a forward, a one-token match no longer buys a one-node tree by rule,
 nor does a long match buy a wide one.  ``cost_aware=False`` (and sampling, where no clock may
 steer) keeps the paper's rule.
@@ -42,7 +44,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from ..core.cost_model import AcceptanceCalibration, best_tree_size
+from ..core.cost_model import AcceptanceCalibration, TryAgain
 from ..core.proposer import DecodeContext, Proposer
 from ..core.tree import TokenTree
 from .common import check_int
@@ -135,9 +137,12 @@ class SuffixTrie:
             self.count[u] = 0
             self._free.append(u)
 
-    def match(self, context: Sequence[int], longest: int) -> tuple[int, int]:
+    def match(self, context: Sequence[int], longest: int, exclude: int = 0) -> tuple[int, int]:
         """The node of the longest suffix of ``context`` (at most ``longest`` tokens) that is a path
-        from the root, and its length; (0, 0) when not even the last token occurs."""
+        from the root with more than ``exclude`` occurrences, and its length; (0, 0) when not even
+        the last token does.  ``exclude=1`` for a trie that holds ``context`` itself (the request's
+        own): the suffix's newest occurrence is the one being matched, and without an earlier one
+        there is nothing to continue from."""
         n = len(context)
         for length in range(min(longest, n), 0, -1):
             v = 0
@@ -145,7 +150,7 @@ class SuffixTrie:
                 v = self.children[v].get(int(t), -1)
                 if v < 0:
                     break
-            if v > 0:
+            if v > 0 and self.count[v] > exclude:
                 return v, length
         return 0, 0
 
@@ -248,7 +253,10 @@ class SuffixDecodingProposer(Proposer):
         self._use_costs = False  # set per generation by begin()
         self._verify_cost = None
         self.calibration: dict[str, list[AcceptanceCalibration]] = {}
-        self._last: tuple[AcceptanceCalibration, list[float]] | None = None  # the sized tree's nodes
+        self.tries = TryAgain()  # the runner's, per trie and match bucket (begin)
+        # the sized tree's calibration, its nodes' probabilities given their parents, and the try
+        # beyond the cut: (slot, node index) or None
+        self._last: tuple[AcceptanceCalibration, list[float], tuple | None] | None = None
         self.memory: SuffixMemory | None = None
         self.local: SuffixTrie | None = None
         self._fed = self._prompt_len = 0
@@ -276,6 +284,7 @@ class SuffixDecodingProposer(Proposer):
             self._verify_cost = ctx.verify_cost
             self.calibration = ctx.remember(("suffix", "calibration"), lambda: {
                 source: [AcceptanceCalibration() for _ in MATCH_BUCKETS] for source in SOURCES})
+            self.tries = ctx.remember(("suffix", "tries"), TryAgain)
 
     def memory_match(self, tokens: list[int]) -> int:
         """The length of the longest suffix of ``tokens`` (at most ``max_match``) that occurs in the
@@ -300,12 +309,12 @@ class SuffixDecodingProposer(Proposer):
         step when sized by cost, else the paper's expected accepted tokens) and, when sized by cost,
         the calibration it used with each node's empirical probability given its parent (what the
         verdict teaches it)."""
-        node, length = found or trie.match(tokens, self.max_match)
+        # the request's own trie holds the text up to the root, the matched suffix's own occurrence
+        # included: it has no continuation yet, so it is left out of the match and of its count
+        exclude = 1 if source == "suffix-local" else 0
+        node, length = found or trie.match(tokens, self.max_match, exclude)
         if length == 0:
             return [], 0.0, None
-        # the request's own trie holds the text up to the root, the matched suffix's own occurrence
-        # included: it has no continuation yet, so it is left out of the match's count
-        exclude = 1 if source == "suffix-local" else 0
         if not self._use_costs:
             cap = min(budget, max(1, int(self.spec_factor * length)))
             return *trie.speculate(node, cap, self.min_prob, exclude=exclude), None
@@ -317,11 +326,13 @@ class SuffixDecodingProposer(Proposer):
             path.append(calib(c) * (path[parent] if parent >= 0 else 1.0))
         # best first (a child is never worth more than its parent: on a tie the parent, added first, leads)
         order = sorted(range(len(nodes)), key=lambda i: (-path[i], i))
-        keep, value = best_tree_size([path[i] for i in order], 0.0, self._verify_cost)
+        context = (source, match_bucket(length))
+        keep, value, tried = self.tries.sized([path[i] for i in order], 0.0, self._verify_cost, context)
         kept = sorted(order[:keep])
         index = {old: new for new, old in enumerate(kept)}
+        attempt = ((context, keep - 1), index[order[keep - 1]]) if tried else None
         return ([(nodes[i][0], index[nodes[i][1]] if nodes[i][1] >= 0 else -1, path[i]) for i in kept], value,
-                (calib, [cond[i] for i in kept]))
+                (calib, [cond[i] for i in kept], attempt))
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._sync(tokens)
@@ -337,6 +348,8 @@ class SuffixDecodingProposer(Proposer):
         glob = (self._candidate(self.memory.trie, tokens, budget, "suffix-global", found=found)
                 if self.memory.tokens else none)
         (nodes, _, learn), source = (glob, "suffix-global") if glob[1] > local[1] else (local, "suffix-local")
+        if not nodes and (glob[0] or local[0]):  # two cuts worth nothing: the one with a try beyond it
+            (nodes, _, learn), source = (glob, "suffix-global") if glob[0] else (local, "suffix-local")
         if not nodes:
             return tree
         self._last = learn
@@ -353,9 +366,14 @@ class SuffixDecodingProposer(Proposer):
         self._tokens = tokens
         if self._last is None:
             return
-        calib, cond = self._last  # tree node i is the sized tree's node i
+        calib, cond, attempt = self._last  # tree node i is the sized tree's node i
         self._last = None
         calib.observe_tree(cond, tree.parents, verdict.accepted)
+        if attempt is not None and attempt[1] < len(tree.parents):  # the node tried beyond the cut
+            slot, node = attempt
+            parent = tree.parents[node]
+            if parent < 0 or parent in verdict.accepted:
+                self.tries.verdict(slot, node in verdict.accepted)
 
     def end(self) -> None:
         if self.memory is None:
