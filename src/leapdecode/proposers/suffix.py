@@ -1,40 +1,41 @@
 """Cross-request suffix memory (``method="suffix"``).
 
-"SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications" (Oliaro et al., 2024):
-a suffix tree over the outputs of earlier requests, kept by the serving process, and one over the
+"SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications" (Oliaro et al., 2024): a
+suffix tree over the outputs of earlier requests, kept by the serving process, and one over the
 current request's prompt and output; at each step the longest suffix of the text that occurs in a
-tree (in the request's own, that occurred before its newest occurrence) selects a node, and a speculation tree is grown from it greedily by the empirical probability
-of each continuation (the counts of the tree's children over their parent's), at most
-``spec_factor`` x the matched length nodes (a long match is trusted with a larger tree), no node
-below ``min_prob``; of the two trees (global, request) the one with the larger expected number of
-accepted tokens (the sum of its nodes' path probabilities) is verified.  A server answering similar
-requests (extraction to one schema, agent loops, repeated code edits) drafts from what earlier
-requests produced instead of relearning it every time.
+tree (in the request's own: that occurred before its newest occurrence) selects a node, and a
+speculation tree is grown from it greedily by the empirical probability of each continuation (the
+counts of the tree's children over their parent's), at most ``spec_factor`` x the matched length
+nodes (a long match is trusted with a larger tree), no node below ``min_prob``; of the two trees
+(global, request) the one with the larger expected number of accepted tokens (the sum of its nodes'
+path probabilities) is verified. A server answering similar requests (extraction to one schema,
+agent loops, repeated code edits) drafts from what earlier requests produced instead of relearning
+it every time.
 
 Here the trees are depth-limited suffix tries with counts (``SuffixTrie``): every suffix of a
 document, cut at ``depth`` tokens, is a path from the root, and a node's count is the number of
-suffixes through it.  A document is extended one token at a time (the request's own trie grows
-with its output) and can be removed again, so the global memory is bounded: the runner keeps the
-outputs of the last requests up to ``memory_tokens`` tokens, and the oldest go first (LRU).  The
-memory lives in the runner (``ctx.remember``), one per target, shared by every generation on it;
-the global trie learns a request's output when the request ends.
+suffixes through it. A document is extended one token at a time (the request's own trie grows with
+its output) and can be removed again, so the global memory is bounded: the runner keeps the outputs
+of the last requests up to ``memory_tokens`` tokens, and the oldest go first (LRU). The memory lives
+in the runner (``ctx.remember``), one per target, shared by every generation on it; the global trie
+learns a request's output when the request ends.
 
-Under greedy decoding (``cost_aware``, the default) the size of the tree is measured rather than
-the paper's ``spec_factor`` x match length, which stands in for the cost of verification on a GPU,
-where extra rows are nearly free: each trie grows its tree up to the budget (``min_prob`` still
-applies), a node's chance of acceptance is its empirical probability given its parent, calibrated
-online against the verdicts per match-length bucket and per trie (request or memory), and the
-prefix of the nodes ranked by calibrated path probability that maximises expected tokens per second
-of verification (``core/cost_model.py``'s ``best_tree_size`` on the target's measured profile) is
+Under greedy decoding (``cost_aware``, the default) the size of the tree is measured rather than the
+paper's ``spec_factor`` x match length, which stands in for the cost of verification on a GPU, where
+extra rows are nearly free: each trie grows its tree up to the budget (``min_prob`` still applies),
+a node's chance of acceptance is its empirical probability given its parent, calibrated online
+against the verdicts per match-length bucket and per trie (request or memory), and the prefix of the
+nodes ranked by calibrated path probability that maximises expected tokens per second of
+verification (``core/cost_model.py``'s ``best_tree_size`` on the target's measured profile) is
 verified; of the two tries the one whose sized tree is worth more, and every few cuts of a trie and
 match bucket one node beyond the cut is verified too (``TryAgain``: a calibration learns only from
-what is verified, and without the tries a few early misses shut a trie out for good).  On a CPU, where a verified row
-costs a tenth to a quarter of a forward, a one-token match no longer buys a one-node tree by rule,
-nor does a long match buy a wide one.  ``cost_aware=False`` (and sampling, where no clock may
-steer) keeps the paper's rule.
+what is verified, and without the tries a few early misses shut a trie out for good). On a CPU,
+where a verified row costs a tenth to a quarter of a forward, a one-token match no longer buys a
+one-node tree by rule, nor does a long match buy a wide one. ``cost_aware=False`` (and sampling,
+where no clock may steer) keeps the paper's rule.
 
-Every node is deterministic (``sampled=False``), so the verifier keeps the output exactly
-vanilla's, greedy and sampled.
+Every node is deterministic (``sampled=False``), so the verifier keeps the output exactly vanilla's,
+greedy and sampled.
 """
 
 from __future__ import annotations
