@@ -19,13 +19,13 @@ out: these are upper bounds):
   verification costs.
 
 ``--replay sam,pld,suffix:cost_aware=false`` also replays model-free methods (those whose drafts
-depend on the text alone: ``sam``, ``pld``, ``suffix``) through their own
-proposers against the same outputs and costs: greedy decoding emits vanilla's tokens whatever is
-drafted, so the verdict of each proposed tree follows from the output, and the replay gives the
-method's decoding-phase speedup in forward-cost units without running the model (its drafting time
-and the profile's online corrections left out).  The outputs of the requests before share one
-runner memory, in the workload's order, as a bench row's requests do.  ``--outputs FILE`` keeps
-vanilla's outputs and the verification profile, so that replays of other settings run in seconds.
+depend on the text alone: ``sam``, ``pld``, ``suffix``) through their own proposers against the
+same outputs and costs: greedy decoding emits vanilla's tokens whatever is drafted, so the verdict
+of each proposed tree follows from the output, and the replay gives the method's decoding-phase
+speedup in forward-cost units without running the model (its drafting time and the profile's
+online corrections left out).  The outputs of the requests before share one runner memory, in the
+workload's order, as a bench row's requests do.  ``--outputs FILE`` keeps vanilla's outputs and
+the verification profile, so that replays of other settings run in seconds.
 
 Each ceiling is printed overall and per category; ``--save FILE`` also writes them as a report
 that ``leapdecode results`` shows beside the speedup targets (``docs/results/ceilings/``).
@@ -119,8 +119,9 @@ class _ReplayRunner:
 
 
 def replay_proposer(method: str):
-    """``METHOD`` or ``METHOD:KEY=VALUE...`` (as a bench row) -> a factory of (proposer, budget) on one
-    shared replay runner; ``SystemExit`` names a method that needs a model."""
+    """``METHOD`` or ``METHOD:KEY=VALUE...`` (as a bench row) -> a factory of ``(proposer, runner, tree
+    budget)``, a new proposer per request on one shared replay runner (as a bench row's requests);
+    ``SystemExit`` names a method that needs a model."""
     from leapdecode.bench.runners import split_method_row
     from leapdecode.proposers import build_proposer, method_config
 
