@@ -148,7 +148,7 @@ def replay_cost(make, prompt: Sequence[int], output: Sequence[int], cost: Callab
 
     from leapdecode.core.proposer import DecodeContext
     from leapdecode.core.sampling import SamplingParams
-    from leapdecode.core.verifier import Verdict
+    from leapdecode.core.verifier import Verdict, follow_path
 
     proposer, runner, tree_budget = make()
     ctx = DecodeContext(runner=runner, cache=None, params=SamplingParams(), generator=torch.Generator(),
@@ -160,23 +160,13 @@ def replay_cost(make, prompt: Sequence[int], output: Sequence[int], cost: Callab
     while i < len(output):
         budget = min(tree_budget, max(max_new_tokens - i - 1, 0))
         tree = proposer.propose(list(tokens), budget).truncated(budget)
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(tree.parents):
-            children.setdefault(parent, []).append(node)
-        node, path = -1, []
-        while True:
-            want = target[i + len(path)]
-            nxt = next((c for c in children.get(node, ()) if tree.tokens[c] == want), -1)
-            if nxt < 0 or want == END:
-                break
-            path.append(nxt)
-            node = nxt
-        emitted = [tree.tokens[c] for c in path] + ([target[i + len(path)]] if i + len(path) < len(output) else [])
+        verdict = follow_path(tree, tree.child_map(), lambda row, depth: target[i + depth])
+        if verdict.next_token == END:  # the output ended on the accepted path: END is not emitted
+            verdict = Verdict(verdict.accepted, END, verdict.tokens[:-1])
         total += cost(1 + len(tree))
         steps += 1
-        tokens += emitted
-        i += len(emitted)
-        verdict = Verdict(path, emitted[-1] if len(emitted) > len(path) else END, emitted)
+        tokens += verdict.tokens
+        i += len(verdict.tokens)
         proposer.observe(list(tokens), tree, verdict, None)
     proposer.end()
     return total, steps

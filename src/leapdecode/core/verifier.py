@@ -73,9 +73,11 @@ def _ancestor_tokens(tree: TokenTree) -> list[list[int]]:
     return rows
 
 
-def _follow(tree: TokenTree, children: dict[int, list[int]], token_at: Callable[[int, int], int]) -> Verdict:
+def follow_path(tree: TokenTree, children: dict[int, list[int]], token_at: Callable[[int, int], int]) -> Verdict:
     """Descend from the root while a child holds the target's own token ``token_at(row, depth)``
-    (a function of the target's logits at that row only: greedy, or drafter-invariant sampling)."""
+    (a function of the target's logits at that row only: greedy, or drafter-invariant sampling;
+    ``scripts/draft_ceiling.py``'s replays: the known greedy output at that depth).  ``children``:
+    ``tree.child_map()``."""
     node, path = -1, []
     while True:
         token = token_at(node + 1, len(path))
@@ -129,7 +131,7 @@ def verify(
                                          extra[row : row + 1] if extra else None)[0])
         else:
             best_at = greedy_tokens(logits, params, history, extra).tolist().__getitem__
-        return _follow(tree, children, lambda row, depth: best_at(row))
+        return follow_path(tree, children, lambda row, depth: best_at(row))
 
     if lazy:
         def probs_at(row: int) -> torch.Tensor:
@@ -137,7 +139,7 @@ def verify(
     else:
         probs_at = target_probs(logits, params, history, extra).__getitem__
     if uniform is not None:
-        return _follow(tree, children, lambda row, depth: sample_at(probs_at(row), uniform(depth)))
+        return follow_path(tree, children, lambda row, depth: sample_at(probs_at(row), uniform(depth)))
 
     node, path = -1, []
     while True:
