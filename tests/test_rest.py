@@ -433,6 +433,36 @@ def test_observe_learns_a_lower_probability_from_rejections():
     assert calib[0](0.75) < p0
 
 
+def test_a_match_bucket_judged_worthless_is_tried_again():
+    """A calibration that learned a match bucket's continuations are never accepted cuts every tree
+    to nothing, and nothing undrafted can revise it: every few cuts the best node beyond the cut is
+    verified too (``TryAgain``, as for ``suffix``); a rejection doubles the wait, an acceptance
+    starts it over, and the verdicts reach the calibration.  Where a row is prohibitive nothing is
+    ever tried."""
+    calib = [AcceptanceCalibration() for _ in MATCH_BUCKETS]
+    for _ in range(200):
+        for b in range(AcceptanceCalibration.BINS):
+            calib[0].update(b, False)
+    prop = costed(calib, verify=VerifyCost([1, 64], [1.0, 1.0 + 63 * 0.3]))  # a row costs 0.3 of a forward
+    cands = [((1, 2), 3), ((4,), 1)]
+
+    def step(accept: bool) -> int:
+        tree = prop._sized_tree(cands, 8, 2)
+        if len(tree):
+            assert tree_paths(tree) == [(1,)]  # the best node beyond an empty cut
+        prop.observe([], tree, Verdict(accepted=[0] if accept and len(tree) else [], next_token=0, tokens=[0]), None)
+        return len(tree)
+
+    seen = calib[0].seen[7]
+    assert [step(False) for _ in range(4)] == [0, 0, 0, 1]  # tried at the 4th cut, rejected
+    assert [step(False) for _ in range(8)] == [0] * 7 + [1]  # then after 8
+    assert [step(True) for _ in range(16)] == [0] * 15 + [1]  # after 16; accepted: the wait starts over
+    assert [step(False) for _ in range(4)] == [0, 0, 0, 1]
+    assert calib[0].seen[7] == seen + 4  # each try's verdict calibrates
+    dear = costed(calib, verify=PROHIBITIVE)
+    assert all(len(dear._sized_tree(cands, 8, 2)) == 0 for _ in range(40))
+
+
 # ----------------------------------------------------------------------------- end to end
 WORDS = ["the cat ", "sat on ", "the mat ", "hello ", "world ", "def f(x):", " return x", "\n"]
 REPETITIVE = "hello hello hello world, hello world. the cat sat on the mat; the cat sat on the mat."

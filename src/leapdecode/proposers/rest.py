@@ -41,13 +41,14 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.cost_model import AcceptanceCalibration, best_tree_size
+from ..core.cost_model import AcceptanceCalibration, TryAgain
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer
 from .datastore import Datastore, default_path, vocab_sha256
 from .common import check_int
 from .configs import RestConfig
+from .tree_cost import CutRecord, calibrated_cut
 
 # suffix-match lengths whose continuations are calibrated apart (how far they can be trusted)
 MATCH_BUCKETS = (0, 4, 8)
@@ -163,7 +164,8 @@ class RestProposer(Proposer):
         self.default_budget = tree_budget or RestConfig.default_tree_budget
         self.cost_aware = cost_aware
         self._use_costs = False  # set per generation by begin()
-        self._last: tuple[AcceptanceCalibration, list[float]] | None = None
+        self.tries = TryAgain()  # the runner's, per datastore and match bucket (begin)
+        self._last: CutRecord | None = None
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
 
@@ -178,9 +180,9 @@ class RestProposer(Proposer):
         if self._use_costs:
             # what this datastore's continuations are worth to this model, learned across generations
             # (the entry holds the datastore too, so its id is not reused while the entry lives)
-            self.calibration = ctx.remember(
+            self.calibration, self.tries, _ = ctx.remember(
                 ("rest", "calibration", id(self.datastore)),
-                lambda: ([AcceptanceCalibration() for _ in MATCH_BUCKETS], self.datastore))[0]
+                lambda: ([AcceptanceCalibration() for _ in MATCH_BUCKETS], TryAgain(), self.datastore))
             self._verify_cost = ctx.verify_cost
 
     def candidates(self, tokens: Sequence[int], budget: int) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
@@ -206,26 +208,21 @@ class RestProposer(Proposer):
 
     def _sized_tree(self, cands, budget: int, match_len: int) -> TokenTree:
         """The trie's nodes ranked by calibrated acceptance probability, cut to the number that
-        maximises expected tokens per second of the verification forward."""
-        tok, par, depth, count = _trie(cands)
+        maximises expected tokens per second of the verification forward, now and then one beyond
+        the cut (``calibrated_cut``: without the tries a few early misses shut a match bucket out)."""
+        tok, par, _, count = _trie(cands)
         total = sum(w for _, w in cands)
-        calib = self.calibration[max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)]
+        bucket = max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)
         cond = [count[v] / (count[par[v]] if par[v] >= 0 else total) for v in range(len(tok))]
-        cum: list[float] = []
-        for v in range(len(tok)):  # a trie node is created after its parent
-            cum.append(calib(cond[v]) * (cum[par[v]] if par[v] >= 0 else 1.0))
-        order = sorted(range(len(tok)), key=lambda v: (-cum[v], depth[v], v))[:budget]
-        keep, _ = best_tree_size([cum[v] for v in order], 0.0, self._verify_cost)
-        order = order[:keep]
-        self._last = (calib, [cond[v] for v in order])
-        return _tree_of(order, tok, par, self.name)
+        cut = calibrated_cut(cond, par, self.calibration[bucket], self.tries, self._verify_cost, bucket, budget)
+        self._last = cut.record
+        return _tree_of(cut.nodes, tok, par, self.name)
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._last is None:
             return
-        calib, cond = self._last  # tree node i is the i-th ranked trie node
-        self._last = None
-        calib.observe_tree(cond, tree.parents, verdict.accepted)
+        record, self._last = self._last, None  # tree node i is the i-th ranked trie node
+        record.learn(tree.parents, verdict.accepted, self.tries)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -51,6 +51,7 @@ from ..core.tree import TokenTree
 from .common import check_int
 from .configs import SuffixConfig
 from .sam import MATCH_BUCKETS, match_bucket
+from .tree_cost import CutRecord, calibrated_cut
 
 SOURCES = ("suffix-local", "suffix-global")  # the request's own trie, the runner's memory
 
@@ -255,9 +256,7 @@ class SuffixDecodingProposer(Proposer):
         self._verify_cost = None
         self.calibration: dict[str, list[AcceptanceCalibration]] = {}
         self.tries = TryAgain()  # the runner's, per trie and match bucket (begin)
-        # the sized tree's calibration, its nodes' probabilities given their parents, and the try
-        # beyond the cut: (slot, node index) or None
-        self._last: tuple[AcceptanceCalibration, list[float], tuple | None] | None = None
+        self._last: CutRecord | None = None  # what the sized tree's verdict teaches
         self.memory: SuffixMemory | None = None
         self.local: SuffixTrie | None = None
         self._fed = self._prompt_len = 0
@@ -306,10 +305,9 @@ class SuffixDecodingProposer(Proposer):
     def _candidate(self, trie: SuffixTrie, tokens: list[int], budget: int, source: str,
                    found: tuple | None = None):
         """The speculation tree of ``trie`` at the text's longest matched suffix: its nodes
-        ``(token, parent index, path probability)``, its score (expected tokens per second of the
-        step when sized by cost, else the paper's expected accepted tokens) and, when sized by cost,
-        the calibration it used with each node's empirical probability given its parent (what the
-        verdict teaches it)."""
+        ``(token, parent index, calibrated path probability)``, its score (expected tokens per second
+        of the step when sized by cost, else the paper's expected accepted tokens) and, when sized by
+        cost, what the verdict teaches (``CutRecord``)."""
         # the request's own trie holds the text up to the root, the matched suffix's own occurrence
         # included: it has no continuation yet, so it is left out of the match and of its count
         exclude = 1 if source == "suffix-local" else 0
@@ -320,20 +318,10 @@ class SuffixDecodingProposer(Proposer):
             cap = min(budget, max(1, int(self.spec_factor * length)))
             return *trie.speculate(node, cap, self.min_prob, exclude=exclude), None
         nodes, _ = trie.speculate(node, budget, self.min_prob, exclude=exclude)
-        calib = self.calibration[source][match_bucket(length)]
         cond = [q / (nodes[parent][2] if parent >= 0 else 1.0) for _, parent, q in nodes]
-        path: list[float] = []
-        for (_, parent, _), c in zip(nodes, cond):  # parents come first
-            path.append(calib(c) * (path[parent] if parent >= 0 else 1.0))
-        # best first (a child is never worth more than its parent: on a tie the parent, added first, leads)
-        order = sorted(range(len(nodes)), key=lambda i: (-path[i], i))
-        context = (source, match_bucket(length))
-        keep, value, tried = self.tries.sized([path[i] for i in order], 0.0, self._verify_cost, context)
-        kept = sorted(order[:keep])
-        index = {old: new for new, old in enumerate(kept)}
-        attempt = ((context, keep - 1), index[order[keep - 1]]) if tried else None
-        return ([(nodes[i][0], index[nodes[i][1]] if nodes[i][1] >= 0 else -1, path[i]) for i in kept], value,
-                (calib, [cond[i] for i in kept], attempt))
+        cut = calibrated_cut(cond, [parent for _, parent, _ in nodes], self.calibration[source][match_bucket(length)],
+                             self.tries, self._verify_cost, (source, match_bucket(length)))
+        return [(nodes[i][0], parent, q) for i, parent, q in zip(cut.nodes, cut.parents, cut.probs)], cut.rate, cut.record
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._sync(tokens)
@@ -367,14 +355,8 @@ class SuffixDecodingProposer(Proposer):
         self._tokens = tokens
         if self._last is None:
             return
-        calib, cond, attempt = self._last  # tree node i is the sized tree's node i
-        self._last = None
-        calib.observe_tree(cond, tree.parents, verdict.accepted)
-        if attempt is not None and attempt[1] < len(tree.parents):  # the node tried beyond the cut
-            slot, node = attempt
-            parent = tree.parents[node]
-            if parent < 0 or parent in verdict.accepted:
-                self.tries.verdict(slot, node in verdict.accepted)
+        record, self._last = self._last, None  # tree node i is the sized tree's node i
+        record.learn(tree.parents, verdict.accepted, self.tries)
 
     def end(self) -> None:
         if self.memory is None:

@@ -20,6 +20,12 @@ which is sunk: the slower a step's draft so far (a deep tree, a catch-up on the 
 levels and rows it found worth their time (measured on qwen2.5-coder-1.5b: 22-42% fewer verified
 rows per forward with the rate, at the same tokens per second; docs/lab-notes/benchmarks.md 47).
 
+Model-free tries (``rest``'s retrieved continuations, ``suffix``'s suffix tries) are sized the same
+way in one pass (``calibrated_cut``): each node's chance is its continuation frequency given its
+parent through a calibration learned from the verdicts, the nodes are ranked by their paths'
+chances and cut where the tokens per second of the verification peak, and every few cuts one node
+beyond the cut is verified too (``TryAgain``: a calibration learns only from what is verified).
+
 Only greedy trees are sized this way: any greedy tree gives vanilla's tokens, so timings may steer
 it; a seeded sampling run's trees must not depend on a clock.
 """
@@ -27,8 +33,10 @@ it; a seeded sampling run's trees must not depend on a clock.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Hashable, NamedTuple
 
-from ..core.cost_model import AcceptanceCalibration, VerifyCost, best_tree_gain, best_tree_size
+from ..core.cost_model import AcceptanceCalibration, TryAgain, VerifyCost, best_tree_gain, best_tree_size
 
 
 class TreeSizer:
@@ -115,3 +123,57 @@ class TreeSizer:
         accepted (or is the root)."""
         for p, ok in verified:
             self.calibration.update(self.calibration.bin(p), ok)
+
+
+@dataclass
+class CutRecord:
+    """What the verdict on a tree ``calibrated_cut`` sized teaches: its calibration, each kept node's
+    empirical probability given its parent (in the order of the tree, best first) and the try
+    beyond the cut, ``(TryAgain slot, tree index)``, or ``None``."""
+
+    calibration: AcceptanceCalibration
+    cond: list[float]
+    attempt: tuple | None
+
+    def learn(self, parents: list[int], accepted: list[int], tries: TryAgain) -> None:
+        """The tree (its ``parents``, perhaps truncated to the step's budget) was verified and
+        ``accepted`` taken: every node whose parent was accepted had its chance."""
+        self.calibration.observe_tree(self.cond, parents, accepted)
+        if self.attempt is not None and self.attempt[1] < len(parents):
+            slot, node = self.attempt
+            parent = parents[node]
+            if parent < 0 or parent in accepted:
+                tries.verdict(slot, node in accepted)
+
+
+class Cut(NamedTuple):
+    """A sized trie: the kept nodes best first, their parents as positions in that list (-1: the
+    root), their calibrated path probabilities, the cut's rate (expected tokens per second of the
+    step) and what the verdict will teach."""
+
+    nodes: list[int]
+    parents: list[int]
+    probs: list[float]
+    rate: float
+    record: CutRecord
+
+
+def calibrated_cut(cond: list[float], parents: list[int], calib: AcceptanceCalibration, tries: TryAgain,
+                   verify: VerifyCost, context: Hashable, budget: int | None = None) -> Cut:
+    """Size a trie whose node ``i`` has parent ``parents[i]`` (parents first, -1 the root) and
+    empirical probability ``cond[i]`` given its parent: the nodes ranked by calibrated path
+    probability (a child is never worth more than its parent; on a tie the parent, added first,
+    leads), at most ``budget`` of them, cut to the prefix that maximises expected tokens per second
+    of the verification, with a node beyond the cut now and then (``tries``, per ``context`` and cut
+    size)."""
+    path: list[float] = []
+    for c, parent in zip(cond, parents):
+        path.append(calib(c) * (path[parent] if parent >= 0 else 1.0))
+    order = sorted(range(len(cond)), key=lambda i: (-path[i], i))[:budget]
+    keep, rate, tried = tries.sized([path[i] for i in order], 0.0, verify, context)
+    order = order[:keep]
+    position = {node: i for i, node in enumerate(order)}
+    kept_parents = [position[parents[i]] if parents[i] >= 0 else -1 for i in order]
+    attempt = ((context, keep - 1), keep - 1) if tried else None
+    return Cut(order, kept_parents, [path[i] for i in order], rate,
+               CutRecord(calib, [cond[i] for i in order], attempt))
