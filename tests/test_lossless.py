@@ -506,6 +506,48 @@ def test_sampling_same_seed(tiny, env, method, case, sample_seed, params):
     assert res.tokens == want.tokens, (method, case, sample_seed, params, _divergence(want.tokens, res.tokens))
 
 
+@seed(SEED)
+@settings(max_examples=max(EXAMPLES // 3, 10), **HSET)
+@given(case=greedy_cases(), sample_seed=st.integers(0, 2**31 - 1), sampled=st.booleans())
+def test_auto_copying_from_the_requests_suffix_trie_is_exact(tiny, env, case, sample_seed, sampled):
+    """``auto:copier=suffix`` (the copying arm drafts from the request's own suffix trie): vanilla's
+    tokens, greedy and seeded sampling, like every other arm."""
+    model = _model_for(tiny, case)
+    kw = dict(max_new_tokens=case["max_new_tokens"], prompt_ids=case["ids"])
+    if sampled:
+        kw.update(temperature=0.9, top_k=8, seed=sample_seed)
+    want = _vanilla(model, **kw)
+    got = run(model, "", "auto", env, case["draft_kind"], options={"tree_budget": case["tree_budget"],
+                                                                   "copier": "suffix"}, **kw)
+    assert got.tokens == want.tokens, (case, sample_seed, sampled, _divergence(want.tokens, got.tokens))
+    check_stats(got, case["max_new_tokens"], case["tree_budget"], "auto", model)
+    assert "sam" not in got.stats["auto_arms"]
+
+
+def test_auto_copying_from_the_requests_suffix_trie_drafts_and_remembers_nothing(tiny, fresh_runner):
+    """The ``suffix`` arm copies from the request's own text (accepted drafts on repetitive text), and
+    neither reads nor feeds the runner's cross-request memory: a later ``suffix`` request on the
+    same runner finds that memory empty."""
+    model = tiny(seed=0)
+    runner = fresh_runner(model, verify_cost="flat")
+    want = vanilla(model, REPETITIVE, max_new_tokens=64)
+    first = leapdecode.start_generation(runner, REPETITIVE, method="suffix", max_new_tokens=64)
+    first.run()  # the runner's memory now holds this text's continuation
+    memory = first.proposer.memory.tokens
+    gen = leapdecode.start_generation(runner, REPETITIVE, method="auto", max_new_tokens=64,
+                                      options={"copier": "suffix", "use_head": False})
+    got = gen.run()
+    assert got.tokens == want.tokens
+    assert got.stats["auto_arms"].get("suffix", 0) > 0 and "sam" not in got.stats["auto_arms"], got.stats
+    assert got.stats["mean_accepted"] > 1.2 and got.stats["target_forwards"] < want.stats["target_forwards"]
+    copier = gen.proposer.copier
+    assert copier.memory is None and copier.stats()["suffix_global_drafts"] == 0
+    assert copier.stats()["suffix_local_drafts"] > 0
+    later = leapdecode.start_generation(runner, "hello", method="suffix", max_new_tokens=4)
+    out = later.run()
+    assert later.proposer.memory.tokens == memory + len(out.tokens)  # nothing of auto's request in it
+
+
 def test_auto_with_a_draft_is_seed_reproducible(tiny, env):
     assert "auto" in METHODS
     model = tiny(seed=1)

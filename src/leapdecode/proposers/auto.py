@@ -3,7 +3,12 @@ drafter earns the tree budget.
 
 Arms (each one proposes a whole tree for one step):
 
-* ``sam`` - the suffix automaton over prompt + generated text (model-free, microseconds);
+* ``sam`` - the suffix automaton over prompt + generated text (model-free, microseconds); with
+  ``copier="suffix"`` this arm is ``suffix`` instead: the request's own suffix trie
+  (``suffix.py`` without its cross-request memory), whose frequency-scored branches and calibrated
+  cut drafted better than the automaton's newest-occurrence chain when replayed on vanilla's
+  outputs (``scripts/draft_ceiling.py --replay``; docs/lab-notes/benchmarks.md section 50); the
+  automaton still gives the bandit its context, the match length;
 * ``hybrid`` - when a same-tokenizer draft model is available (the target's registered draft
   only while the target has no trained head: see ``registry._build_auto``; a named draft always):
   the draft model's dynamic
@@ -134,14 +139,19 @@ class AutoProposer(Proposer):
                  explore: float = AutoConfig.explore, discount: float = AutoConfig.discount,
                  head_proposer: Proposer | None = None,
                  memory_proposer: SuffixDecodingProposer | None = None,
-                 head_graft: bool = AutoConfig.head_graft) -> None:
+                 head_graft: bool = AutoConfig.head_graft,
+                 copier_proposer: SuffixDecodingProposer | None = None) -> None:
+        """``copier_proposer``: the copying arm's drafter instead of the automaton (the request's own
+        suffix trie, ``copier="suffix"``); the automaton still measures the match length."""
         self.sam_only_match = sam_only_match
         self.head_graft = head_graft  # the automaton's continuation grafted onto the head arm's tree too
         self.sam = SuffixAutomatonProposer(draft_len=sam_len)
+        self.copier: Proposer = copier_proposer if copier_proposer is not None else self.sam
+        self.copy_arm = self.copier.name  # "sam" or "suffix"
         self.draft = draft_proposer
         self.head = head_proposer  # over a trained head
         self.memory = memory_proposer  # earlier requests' outputs (``local=False``: the memory alone)
-        self.arms = ["sam"] + (["hybrid"] if draft_proposer is not None else []) \
+        self.arms = [self.copy_arm] + (["hybrid"] if draft_proposer is not None else []) \
             + (["head"] if head_proposer is not None else []) + (["memory"] if memory_proposer is not None else []) \
             + ["none"]
         self.discount, self.explore = discount, explore
@@ -156,7 +166,7 @@ class AutoProposer(Proposer):
 
     def needs_verify_cost(self, params) -> bool:
         return self.sam.needs_verify_cost(params) or any(
-            p is not None and p.needs_verify_cost(params) for p in (self.draft, self.head, self.memory))
+            p is not None and p.needs_verify_cost(params) for p in (self.copier, self.draft, self.head, self.memory))
 
     def prompt_features(self) -> int:
         return self.head.prompt_features() if self.head is not None else 0
@@ -175,6 +185,8 @@ class AutoProposer(Proposer):
         self.bandit = ctx.remember(("auto", "bandit", tuple(self.arms), self.discount, self.explore),
                                    lambda: BanditStats(self.arms, discount=self.discount, explore=self.explore))
         self.sam.begin(ctx, tokens)
+        if self.copier is not self.sam:
+            self.copier.begin(ctx, tokens)
         if self.draft is not None:
             self.draft.begin(ctx, tokens)
         if self.head is not None:
@@ -197,10 +209,10 @@ class AutoProposer(Proposer):
         if "memory" in arms and (memory_len < MEMORY_MIN_MATCH or memory_len < match_len):
             arms = [a for a in arms if a != "memory"]
         if match_len >= self.sam_only_match:
-            return ["sam"]
+            return [self.copy_arm]
         if match_len >= MATCH_BUCKETS[2]:
             return arms
-        return sorted(arms, key=lambda a: a == "sam")  # no or a short match: the draft model first
+        return sorted(arms, key=lambda a: a == self.copy_arm)  # no or a short match: the draft model first
 
     def _close_step(self) -> None:
         """Credit the previous step's arm with tokens per second, now that its time is known."""
@@ -227,8 +239,8 @@ class AutoProposer(Proposer):
         self._draft_live = False
         if arm == "none" or budget < 1:
             return TokenTree()
-        if arm == "sam":
-            return self.sam.propose(tokens, budget)
+        if arm == self.copy_arm:
+            return self.copier.propose(tokens, budget)
         if arm == "memory":
             return self.memory.propose(tokens, budget)
         chain = found[0][2] if found and (arm == "hybrid" or self.head_graft) else []
@@ -247,8 +259,8 @@ class AutoProposer(Proposer):
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._pending = (self._ctx, self._arm, len(verdict.accepted) + 1)
-        if self._arm == "sam":
-            self.sam.observe(tokens, tree, verdict, logits)
+        if self._arm == self.copy_arm:
+            self.copier.observe(tokens, tree, verdict, logits)
         if self._draft_live:
             self.draft.observe(tokens, tree, verdict, logits)
         if self.head is not None:
@@ -259,6 +271,8 @@ class AutoProposer(Proposer):
 
     def end(self) -> None:
         self._close_step()
+        if self.copier is not self.sam:
+            self.copier.end()
         if self.draft is not None:
             self.draft.end()
         if self.head is not None:

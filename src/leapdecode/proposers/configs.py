@@ -70,6 +70,10 @@ class AutoConfig(MethodConfig):
                                   "(eagle3, eagle, hydra, medusa: the first found)")
     use_memory: bool = option(False, "a memory arm: earlier requests' outputs on this runner (suffix's "
                                      "cross-request memory, its defaults), where they match the text")
+    copier: str = option("sam", "the copying arm's drafter: sam (the suffix automaton's chain from the newest "
+                                "earlier occurrence) or suffix (the request's own suffix trie, frequency-scored "
+                                "branches, sized by calibrated cost; the automaton still gives the bandit its "
+                                "match length)", choices=("sam", "suffix"))
     head_graft: bool = option(False, "graft the suffix automaton's continuation onto the head arm's tree, as "
                                      "the hybrid arm does onto the draft model's (measured: more rows, no fewer "
                                      "forwards; lab notes section 45)")

@@ -83,9 +83,13 @@ def _build_auto(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer":
                                                 defer_prefill=True)  # a generation may never use the arm
     # the memory arm: suffix's defaults, so auto and suffix on one runner share one memory
     memory = _build_suffix(SuffixConfig(tree_budget=cfg.tree_budget), runner, local=False) if cfg.use_memory else None
+    # the copying arm: the automaton itself, or the request's own suffix trie (suffix's defaults)
+    copier = (_build_suffix(SuffixConfig(tree_budget=cfg.tree_budget), runner, memory=False)
+              if cfg.copier == "suffix" else None)
     return AutoProposer(draft_proposer, tree_budget=cfg.tree_budget, sam_len=cfg.sam_len,
                         sam_only_match=cfg.sam_only_match, explore=cfg.explore, discount=cfg.discount,
-                        head_proposer=head, memory_proposer=memory, head_graft=cfg.head_graft)
+                        head_proposer=head, memory_proposer=memory, head_graft=cfg.head_graft,
+                        copier_proposer=copier)
 
 
 AUTO_HEAD_KINDS = ("eagle3", "eagle", "hydra", "medusa")  # auto's preference among the stored heads
@@ -128,13 +132,14 @@ def _build_sam(cfg: SamConfig, runner: "ModelRunner") -> "Proposer":
                                    corpus_tokens=cfg.corpus_tokens)
 
 
-def _build_suffix(cfg: SuffixConfig, runner: "ModelRunner", local: bool = True) -> "SuffixDecodingProposer":
+def _build_suffix(cfg: SuffixConfig, runner: "ModelRunner", local: bool = True,
+                  memory: bool = True) -> "SuffixDecodingProposer":
     from .suffix import SuffixDecodingProposer
 
     return SuffixDecodingProposer(tree_budget=cfg.tree_budget, depth=cfg.depth, max_match=cfg.max_match,
                                   spec_factor=cfg.spec_factor, min_prob=cfg.min_prob,
                                   memory_tokens=cfg.memory_tokens, remember_prompts=cfg.remember_prompts,
-                                  cost_aware=cfg.cost_aware, local=local)
+                                  cost_aware=cfg.cost_aware, local=local, memory=memory)
 
 
 def _build_recycling(cfg: RecyclingConfig, runner: "ModelRunner") -> "Proposer":

@@ -48,6 +48,7 @@ from typing import Any, Sequence
 from ..core.cost_model import AcceptanceCalibration, TryAgain
 from ..core.proposer import DecodeContext, Proposer
 from ..core.tree import TokenTree
+from ..errors import InvalidParameterError
 from .common import check_int
 from .configs import SuffixConfig
 from .sam import MATCH_BUCKETS, match_bucket
@@ -240,9 +241,13 @@ class SuffixDecodingProposer(Proposer):
     def __init__(self, tree_budget: int | None = None, depth: int = SuffixConfig.depth, max_match: int = SuffixConfig.max_match,
                  spec_factor: float = SuffixConfig.spec_factor, min_prob: float = SuffixConfig.min_prob, memory_tokens: int = SuffixConfig.memory_tokens,
                  remember_prompts: bool = SuffixConfig.remember_prompts, cost_aware: bool = SuffixConfig.cost_aware,
-                 local: bool = True) -> None:
+                 local: bool = True, memory: bool = True) -> None:
         """``local=False``: draft from the memory alone, never from the request's own text (``auto``'s
-        memory arm: its automaton covers the request; no per-request trie is built)."""
+        memory arm: its automaton covers the request; no per-request trie is built).  ``memory=False``:
+        the request's own trie alone, neither reading nor adding to the runner's memory (``auto``'s
+        copying arm with ``copier="suffix"``)."""
+        if not (local or memory):
+            raise InvalidParameterError("suffix needs the request's own trie, the memory, or both")
         super().__init__(check_int("tree_budget", tree_budget) if tree_budget is not None
                          else SuffixConfig.default_tree_budget)
         self.depth = check_int("depth", depth)
@@ -252,6 +257,7 @@ class SuffixDecodingProposer(Proposer):
         self.remember_prompts = remember_prompts
         self.cost_aware = cost_aware
         self.use_local = local
+        self.use_memory = memory
         self._use_costs = False  # set per generation by begin()
         self._verify_cost = None
         self.calibration: dict[str, list[AcceptanceCalibration]] = {}
@@ -270,7 +276,7 @@ class SuffixDecodingProposer(Proposer):
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         self.memory = ctx.remember(("suffix", "memory", self.depth, self.memory_tokens),
-                                   lambda: SuffixMemory(self.depth, self.memory_tokens))
+                                   lambda: SuffixMemory(self.depth, self.memory_tokens)) if self.use_memory else None
         self.local = SuffixTrie(self.depth)
         if self.use_local:
             self.local.extend("request", tokens)
@@ -332,10 +338,11 @@ class SuffixDecodingProposer(Proposer):
             return tree
         none: tuple[list, float, None] = ([], 0.0, None)
         local = self._candidate(self.local, tokens, budget, "suffix-local") if self.use_local else none
-        hit = self._memory_hit  # (memory_match's at this text and this memory: not matched twice)
-        found = hit[2:] if hit is not None and hit[:2] == (len(tokens), self.memory.version) else None
-        glob = (self._candidate(self.memory.trie, tokens, budget, "suffix-global", found=found)
-                if self.memory.tokens else none)
+        glob = none
+        if self.memory is not None and self.memory.tokens:
+            hit = self._memory_hit  # (memory_match's at this text and this memory: not matched twice)
+            found = hit[2:] if hit is not None and hit[:2] == (len(tokens), self.memory.version) else None
+            glob = self._candidate(self.memory.trie, tokens, budget, "suffix-global", found=found)
         (nodes, _, learn), source = (glob, "suffix-global") if glob[1] > local[1] else (local, "suffix-local")
         if not nodes and (glob[0] or local[0]):  # two cuts worth nothing: the one with a try beyond it
             (nodes, _, learn), source = (glob, "suffix-global") if glob[0] else (local, "suffix-local")
