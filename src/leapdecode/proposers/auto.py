@@ -7,8 +7,9 @@ Arms (each one proposes a whole tree for one step):
   ``copier="suffix"`` this arm is ``suffix`` instead: the request's own suffix trie
   (``suffix.py`` without its cross-request memory), whose frequency-scored branches and calibrated
   cut drafted better than the automaton's newest-occurrence chain when replayed on vanilla's
-  outputs (``scripts/draft_ceiling.py --replay``; docs/lab-notes/benchmarks.md section 50); the
-  automaton still gives the bandit its context, the match length;
+  outputs (``scripts/draft_ceiling.py --replay``), but in ``auto`` it ran at the automaton's speed
+  (Spec-Bench dev 1.13x against 1.14x, HumanEval 1.34x both: docs/lab-notes/benchmarks.md section
+  50), so it is not the default; the automaton still gives the bandit its context, the match length;
 * ``hybrid`` - when a same-tokenizer draft model is available (the target's registered draft
   only while the target has no trained head: see ``registry._build_auto``; a named draft always):
   the draft model's dynamic
