@@ -67,6 +67,32 @@ def test_seeded_speculative_sampling_gives_vanilla_tokens(smol):
     assert accepted > 0  # drafts were accepted, so the trees mattered
 
 
+def test_retrieval_and_autos_trie_copier_give_vanilla_tokens(smol, tmp_path):
+    """``rest`` (its calibrated cut with tries beyond it) and ``auto:copier=suffix`` in the default
+    format: vanilla's tokens, greedy and seeded sampling; the datastore holds the prompts' own
+    vanilla answers, so retrieval drafts and is accepted."""
+    from leapdecode.proposers.datastore import build_datastore
+
+    prompts = [smol.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                  add_generation_prompt=True) for p in CHAT_PROMPTS]
+    answers = [leapdecode.generate(smol, p, method="vanilla", max_new_tokens=40).text for p in prompts]
+    path = build_datastore(answers, smol.tokenizer, smol.name).save(tmp_path / "answers.npz")
+    cases = [("rest", {"datastore": str(path)}), ("auto", {"copier": "suffix"})]
+    for method, options in cases:
+        assert _divergences(smol, prompts, (method,), options=options) == [], method
+    kw = dict(max_new_tokens=40, temperature=0.8, top_p=0.95)
+    accepted = 0
+    for s in (1, 2):
+        want = leapdecode.generate(smol, prompts[0], method="vanilla", seed=s, **kw).tokens
+        for method, options in cases:
+            got = leapdecode.generate(smol, prompts[0], method=method, seed=s, options=options, **kw)
+            assert got.tokens == want, (method, s)
+            accepted += sum(int(k) * v for k, v in got.stats["accept_hist"].items())
+    greedy = leapdecode.generate(smol, prompts[0], method="rest", max_new_tokens=40, options=cases[0][1])
+    assert greedy.stats["rest_hit_rate"] > 0 and greedy.stats["mean_accepted"] > 1.0, greedy.stats
+    assert accepted > 0
+
+
 def test_auto_keeps_float_weights_where_only_the_portable_kernel_runs(monkeypatch):
     # the portable path gives the same bits but is far slower than bf16: auto does not pick it
     monkeypatch.setattr(qkernel, "kernel_isa", lambda: "portable")
