@@ -209,3 +209,27 @@ def test_plots_of_runs_no_longer_on_the_page_are_removed(tmp_path):
     (img / "other.png").write_bytes(b"not the generator's")
     assert main(["results", "--dir", str(d), "--out", str(tmp_path / "results.md"), "--readme", ""]) == 0
     assert sorted(p.name for p in img.iterdir()) == ["other.png", "results-cpu-a-avx2-questions-dev.png"]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
+def test_N_RES6_out_where_nothing_can_be_written_is_one_line(tmp_path, capsys):
+    """`results --out /proc/x.md` is a usage error like every other command's --out there (probe N-RES6:
+    it was a FileNotFoundError traceback on the temporary file beside the page), and nothing is done
+    first: an --add given with it copies nothing."""
+    args = ["results", "--dir", str(ROOT / "docs" / "results"), "--readme", "", "--no-plots"]
+    assert main([*args, "--out", "/proc/x.md"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("leapdecode: error: --out /proc/x.md: nothing can be written in /proc (")
+    assert len(err.strip().splitlines()) == 1
+    assert not list(Path("/proc").glob(".x.md.*"))
+    d = tmp_path / "results"
+    d.mkdir()
+    run = tmp_path / "summary.json"
+    run.write_text(json.dumps(_summary("2026-02-01 10:00:00", "CPU A", ROWS)))
+    (tmp_path / "a-file").write_text("")
+    assert main(["results", "--dir", str(d), "--add", str(run), "--out", str(tmp_path / "a-file" / "x.md"),
+                 "--readme", "", "--no-plots"]) == 2
+    assert "--out " in capsys.readouterr().err
+    assert list(d.iterdir()) == []  # the --add was not done: nothing half-written
+    assert main(["results", "--dir", str(d), "--out", "/proc/x.md", "--readme", "", "--check"]) == 1  # writes nothing
+

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidParameterError
-from ..models.store import atomic_write
+from ..models.store import atomic_write, check_output
 from .workloads import DEFAULT_WORKLOAD_REL
 
 RESULTS_DIR = Path("docs") / "results"
@@ -483,6 +483,11 @@ def draw(s: dict, path: Path) -> bool:
 
 def cmd_results(a: argparse.Namespace) -> int:
     directory = a.dir
+    out = a.out
+    if not a.check:  # the places written, checked before anything is (probe N-RES6: a traceback on /proc)
+        out = check_output(out, "--out", directory=False)
+        if a.add:
+            check_output(directory, "--dir", directory=True)
     if a.add and not a.check:
         for src in a.add:
             print(f"added {add_summary(src, directory)}", file=sys.stderr)
@@ -496,17 +501,19 @@ def cmd_results(a: argparse.Namespace) -> int:
     readme_old = readme_path.read_text() if readme_path and readme_path.is_file() else None
     readme_new = replace_headline(readme_old, headline(summaries)) if readme_old is not None else None
     if a.check:
-        stale = [str(p) for p, old, new in ((a.out, a.out.read_text() if a.out.is_file() else None, page),
+        stale = [str(p) for p, old, new in ((out, out.read_text() if out.is_file() else None, page),
                                             (readme_path, readme_old, readme_new)) if p and old != new]
         if stale:
             print(f"out of date: {', '.join(stale)} (run `leapdecode results`)", file=sys.stderr)
             return 1
         return 0
-    atomic_write(a.out, page)
+    if readme_new is not None and readme_new != readme_old:
+        check_output(readme_path, "--readme", directory=False)  # before the page is written
+    atomic_write(out, page)
     if readme_new is not None and readme_new != readme_old:
         atomic_write(readme_path, readme_new)
     if not a.no_plots:
-        img = a.out.parent / "img"
+        img = out.parent / "img"
         wanted = {plot_name(s) for runs in latest_runs(summaries).values() for s in runs}
         if all(draw(s, img / plot_name(s)) for runs in latest_runs(summaries).values() for s in runs):
             for old in img.glob("results-*.png"):  # the page's plots are these: no other results-*.png
@@ -514,5 +521,5 @@ def cmd_results(a: argparse.Namespace) -> int:
                     old.unlink()
         else:
             print("no plots: matplotlib is not installed (pip install 'leapdecode[bench]')", file=sys.stderr)
-    print(f"wrote {a.out}" + (f" and the headline of {readme_path}" if readme_new is not None else ""), file=sys.stderr)
+    print(f"wrote {out}" + (f" and the headline of {readme_path}" if readme_new is not None else ""), file=sys.stderr)
     return 0
