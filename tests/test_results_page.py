@@ -4,6 +4,7 @@ bench summaries (issue 44 item 2); the generator's own behaviour on made-up summ
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,31 @@ def test_N_RES6_out_where_nothing_can_be_written_is_one_line(tmp_path, capsys):
     assert list(d.iterdir()) == []  # the --add was not done: nothing half-written
     assert main(["results", "--dir", str(d), "--out", "/proc/x.md", "--readme", "", "--check"]) == 1  # writes nothing
 
+
+def test_N_RES7_check_with_and_without_plots_agree(tmp_path, monkeypatch, capsys):
+    """On the committed page (every plot drawn and committed) `--check --no-plots` passes as `--check`
+    does (probe N-RES7: it said a fresh clone was out of date, its page differing only in the image
+    links), and both fail once a summary changes. `--no-plots` links the plots already drawn, so a page
+    written without matplotlib keeps them, and a run whose plot was never drawn gets no broken link."""
+    monkeypatch.chdir(ROOT)
+    assert main(["results", "--check"]) == 0
+    assert main(["results", "--check", "--no-plots"]) == 0
+    for part in ("docs/results", "docs/img"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    shutil.copy(ROOT / "docs" / "results.md", tmp_path / "docs" / "results.md")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    monkeypatch.chdir(tmp_path)
+    committed = Path("docs/results.md").read_text()
+    assert main(["results", "--no-plots"]) == 0
+    assert Path("docs/results.md").read_text() == committed  # the plots' links are kept
+    for summary in Path("docs/results").glob("*.json"):  # every run, so the page's latest ones too
+        s = json.loads(summary.read_text())
+        s["rows"][0]["tokens_per_s"] = (s["rows"][0].get("tokens_per_s") or 0) + 1000.0
+        summary.write_text(json.dumps(s))
+    capsys.readouterr()
+    assert main(["results", "--check"]) == 1
+    assert main(["results", "--check", "--no-plots"]) == 1
+    assert capsys.readouterr().err.count("out of date: docs/results.md") == 2
+    shutil.rmtree("docs/img")
+    assert main(["results", "--no-plots"]) == 0
+    assert "![" not in Path("docs/results.md").read_text()  # no link to a plot that was never drawn
