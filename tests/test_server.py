@@ -403,7 +403,7 @@ def test_unloaded_draft_is_a_400_and_loads_nothing(client, server, monkeypatch):
 
 
 def test_api_key(server):
-    server.config.api_key = "s3cret"
+    server.config.api_keys = ("s3cret",)
     try:
         for key in ("wrong", None):
             headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -416,7 +416,22 @@ def test_api_key(server):
             assert c.chat.completions.create(model="tiny-random", messages=CHAT, max_tokens=2).choices
         assert httpx.get(server.url + "/health").status_code == 200  # health stays open
     finally:
-        server.config.api_key = None
+        server.config.api_keys = ()
+
+
+def test_N_AUTH7_metrics_need_the_key_unless_made_public(server):
+    """Probe N-AUTH7: /metrics (request counts by status, process memory) answered without the key."""
+    server.config.api_keys = ("k1", "k2")
+    try:
+        assert httpx.get(server.url + "/metrics").status_code == 401
+        assert httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+        for key in ("k1", "k2"):  # every tenant's key opens it
+            r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and "leapdecode_proposer_memory_bytes" in r.text
+        server.config.metrics_public = True
+        assert httpx.get(server.url + "/metrics").status_code == 200
+    finally:
+        server.config.api_keys, server.config.metrics_public = (), False
 
 
 # ---------------------------------------------------------------------------- internal faults

@@ -142,8 +142,10 @@ def start_request(model: LoadedModel | ModelRunner, request: GenerationRequest, 
     max_new_tokens = min(request.max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
     params, stops = request.sampling, list(request.stop)
     if request.strategy is not None:
-        return build_search(request.strategy, runner, ids, max_new_tokens, temperature=params.temperature,
-                            seed=params.seed, sampling=params, method=request.method, stop=stops)
+        search = build_search(request.strategy, runner, ids, max_new_tokens, temperature=params.temperature,
+                              seed=params.seed, sampling=params, method=request.method, stop=stops)
+        search.memory_scope = request.memory_scope
+        return search
     constraint = request.constraint
     if request.structure:
         from .constraints.grammar import compile_constraint
@@ -152,7 +154,7 @@ def start_request(model: LoadedModel | ModelRunner, request: GenerationRequest, 
     proposer = build_proposer(request.method, runner)
     return Generation(runner, ids, params, proposer, method=request.method.method, max_new_tokens=max_new_tokens,
                       stop=stops, tree_budget=request.method.tree_budget, kv_policy=request.kv_policy,
-                      constraint=constraint)
+                      constraint=constraint, memory_scope=request.memory_scope)
 
 
 def merge_shorthands(strategy: Any, options: Any, shorthands: dict[str, Any]) -> Any:

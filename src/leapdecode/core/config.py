@@ -25,10 +25,16 @@ from ..errors import InvalidParameterError
 
 
 def option(default: Any, help: str, *, low: float | None = None, high: float | None = None,
-           low_open: bool = False, choices: tuple | None = None) -> Any:
-    """A config field with its help text and bounds (``low``/``high`` inclusive unless ``low_open``)."""
+           low_open: bool = False, choices: tuple | None = None, server_max: Any = None) -> Any:
+    """A config field with its help text and bounds (``low``/``high`` inclusive unless ``low_open``).
+
+    ``server_max``: for an option that sizes shared or long-lived state, or a step's work (a memory's
+    size, a trie's depth, a window, a tree), the most a server's request may ask for unless the
+    operator raises it (``leapdecode serve --request-limit METHOD.OPTION=N``; ``False`` for a switch
+    a request may not turn on); ``request_limits`` gathers them.  The API and the CLI, whose user owns
+    the process, are not bounded by it."""
     return field(default=default, metadata={"help": help, "low": low, "high": high, "low_open": low_open,
-                                            "choices": choices})
+                                            "choices": choices, "server_max": server_max})
 
 
 def _allowed_types(annotation: Any) -> tuple[tuple[type, ...], bool]:
@@ -161,11 +167,20 @@ class OptionsConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
+    def server_limits(cls) -> dict[str, Any]:
+        """``{option: server_max}`` of the options a server bounds in requests (``option()``)."""
+        return {f.name: f.metadata["server_max"] for f in dataclasses.fields(cls)
+                if f.metadata.get("server_max") is not None}
+
+    @classmethod
     def options_table(cls) -> list[tuple[str, str, str]]:
         """(name, default, help) per option, for docs and ``--help``."""
         rows = []
         for f in dataclasses.fields(cls):
-            rows.append((f.name, repr(f.default), f.metadata.get("help", "")))
+            help_, bound = f.metadata.get("help", ""), f.metadata.get("server_max")
+            if bound is not None:  # what ``leapdecode serve --request-limit`` overrides
+                help_ += " (a server's request: " + ("may not turn it on)" if bound is False else f"at most {bound})")
+            rows.append((f.name, repr(f.default), help_))
         return rows
 
 
@@ -175,7 +190,7 @@ class MethodConfig(OptionsConfig):
 
     method: ClassVar[str] = "base"
     tree_budget: int | None = option(None, "most drafted nodes verified per step (default: the method's own)",
-                                     low=1)
+                                     low=1, server_max=64)
     # the budget drafted when ``tree_budget`` is None: a number (the proposer reads it from here), or
     # how the proposer derives it; ``leapdecode methods`` shows it as ``tree_budget``'s default
     default_tree_budget: ClassVar[int | str] = 24

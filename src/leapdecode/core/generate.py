@@ -82,9 +82,10 @@ class Generation(Task):
     def __init__(self, runner: "ModelRunner", prompt_ids: list[int], params: SamplingParams,
                  proposer: Proposer | None = None, method: str = "vanilla", max_new_tokens: int = 256,
                  stop: list[str] | None = None, tree_budget: int | None = None, kv_policy: KVPolicy | None = None,
-                 constraint: Constraint | None = None) -> None:
+                 constraint: Constraint | None = None, memory_scope: str | None = None) -> None:
         model = runner.model
         self.runner, self.model, self.params, self.method = runner, model, params, method
+        self.memory_scope = memory_scope  # whose part of the runner's memory the proposer uses (DecodeContext)
         self.max_new_tokens = check_max_new_tokens(max_new_tokens)
         self.stop = check_stop(stop)
         self.prompt_ids = check_prompt_ids(prompt_ids, model)
@@ -186,9 +187,10 @@ class Generation(Task):
         else:
             self.cache = cache = self.runner.acquire_cache(model, want, kind=policy.cache_kind)
             self._kv = policy.start(model, cache)
-        self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens)
+        self.ctx = DecodeContext(self.runner, cache, params, gen, len(ids), self.max_new_tokens,
+                                 memory_scope=self.memory_scope)
         # the prompt but its last token, in chunks aligned to position 0, through the prefix cache
-        self.prefill = PrefillPlanner(self.runner, cache, ids, policy)
+        self.prefill = PrefillPlanner(self.runner, cache, ids, policy, scope=self.memory_scope)
 
     def adopt_prompt(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Start from a prompt another generation already prefilled: ``k``, ``v`` are the keys and
@@ -331,6 +333,7 @@ class Generation(Task):
                 self.prefill.keep_decided(self.tokens, min(self.cache.length, len(self.tokens)))
             if self.proposer is not None:
                 self.proposer.end()
+                self.runner.memory.settle()  # what the proposer fed its memory counts against the bounds
         finally:
             self._release()
         stats = self.out.stats(method=self.method, new_tokens=len(self.generated), prompt_tokens=len(self.prompt_ids),

@@ -55,10 +55,13 @@ class BlockTable:
     """One sequence's keys in the prefix cache (see the module docstring): ``key`` is the key of
     the blocks it covers, ``covered`` how many tokens they hold (restored or kept)."""
 
-    def __init__(self, store: PrefixCache, in_blocks: bool, keep_output: bool) -> None:
+    def __init__(self, store: PrefixCache, in_blocks: bool, keep_output: bool, salt: bytes = b"") -> None:
         self.store = store
         self.in_blocks = in_blocks  # 16-token blocks; else whole prompt chunks
         self.keep_output = keep_output  # the output's blocks are kept at the end too
+        # the first key's seed: a scope's salt (a server's tenant), so that no other scope restores its
+        # blocks, nor learns from a restore's speed that they exist (vLLM's ``cache_salt``, likewise)
+        self.salt = salt
         self.key = b""
         self.covered = 0
 
@@ -67,7 +70,7 @@ class BlockTable:
         """Append to ``cache`` the longest run of stored blocks of ``ids`` from ``covered`` to at
         most ``end``; the new ``covered``."""
         while self.covered + BLOCK <= end:
-            key = chain_key(self.key or BLOCKS_KEY, ids[self.covered : self.covered + BLOCK])
+            key = chain_key(self.key or BLOCKS_KEY + self.salt, ids[self.covered : self.covered + BLOCK])
             if not self.store.restore(key, cache):
                 break
             self.key, self.covered = key, self.covered + BLOCK
@@ -77,14 +80,14 @@ class BlockTable:
         """Keep every whole block of ``ids`` from ``covered`` whose keys and values are committed in
         ``cache`` below slot ``upto``."""
         while self.covered + BLOCK <= upto:
-            self.key = chain_key(self.key or BLOCKS_KEY, ids[self.covered : self.covered + BLOCK])
+            self.key = chain_key(self.key or BLOCKS_KEY + self.salt, ids[self.covered : self.covered + BLOCK])
             self.store.store(self.key, cache, self.covered + BLOCK, BLOCK)
             self.covered += BLOCK
 
     # ----------------------------------------------------------------- whole chunks
     def chunk_key(self, chunk: list[int]) -> bytes:
         """The key of a whole chunk that follows what this table covers."""
-        return chain_key(self.key, chunk)
+        return chain_key(self.key or self.salt, chunk)
 
     def restore_chunk(self, key: bytes, cache: "KVCache", length: int) -> bool:
         """Append the chunk ``key`` (``length`` tokens) to ``cache`` if the store holds it."""
@@ -105,11 +108,15 @@ class KVBlockManager:
     def __init__(self, store: PrefixCache) -> None:
         self.store = store
 
-    def table(self, decoder: Any, prompt_len: int, chunk: int, policy: "KVPolicy | None" = None) -> BlockTable | None:
+    def table(self, decoder: Any, prompt_len: int, chunk: int, policy: "KVPolicy | None" = None,
+              scope: str | None = None) -> BlockTable | None:
         """A new sequence's table for a prompt of ``prompt_len`` tokens prefilled in forwards of
-        ``chunk`` on ``decoder``; None where nothing is kept (the store is off, or a KV-cache policy
-        changes what the cache holds)."""
+        ``chunk`` on ``decoder``, its keys salted by ``scope`` (a server's tenant; None: unsalted);
+        None where nothing is kept (the store is off, or a KV-cache policy changes what the cache
+        holds)."""
         if policy is not None or not self.store.enabled:
             return None
         in_blocks = keyed_in_blocks(decoder, self.store, prompt_len, chunk)
-        return BlockTable(self.store, in_blocks, in_blocks and chunk <= getattr(decoder, "cut_invariant_tokens", 0))
+        salt = b"" if scope is None else hashlib.blake2b(scope.encode(), digest_size=16).digest()
+        return BlockTable(self.store, in_blocks, in_blocks and chunk <= getattr(decoder, "cut_invariant_tokens", 0),
+                          salt)

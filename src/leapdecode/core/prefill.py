@@ -46,10 +46,11 @@ class PrefillPlanner:
     the prefix cache)."""
 
     def __init__(self, runner: "ModelRunner", cache: Any, prompt_ids: list[int], policy: KVPolicy | None = None, *,
-                 decoder: Any = None, use_prefix: bool = True, restore: bool = True) -> None:
+                 decoder: Any = None, use_prefix: bool = True, restore: bool = True, scope: str | None = None) -> None:
         # ``decoder``: another model than the runner's target (contrastive decoding's amateur), with
         # ``use_prefix=False``; ``restore=False``: compute every chunk (a caller that wants every
-        # prompt forward's hidden states), still keeping them in the prefix cache
+        # prompt forward's hidden states), still keeping them in the prefix cache; ``scope``: the
+        # request's memory scope (a server's tenant), whose blocks no other scope restores
         target = runner.model.model if decoder is None else decoder
         self.cache, self.ids, self.device = cache, prompt_ids, target.device
         self.restore = restore
@@ -57,8 +58,8 @@ class PrefillPlanner:
         self.prefilled = 0  # prompt tokens in the cache (computed or restored)
         self.reused = 0  # of which restored from the prefix cache
         # the sequence's keys in the runner's prefix cache (None: nothing restored or kept)
-        self.blocks: BlockTable | None = runner.blocks.table(target, len(prompt_ids), self.chunk, policy) \
-            if use_prefix else None
+        self.blocks: BlockTable | None = runner.blocks.table(target, len(prompt_ids), self.chunk, policy,
+                                                             scope=scope) if use_prefix else None
 
     @property
     def end(self) -> int:

@@ -45,6 +45,9 @@ class DecodeContext:
     prompt_len: int
     max_new_tokens: int
     verify_cost: "VerifyCost | None" = None  # measured before ``begin`` when the proposer asks for it
+    # whose part of the runner's memory this generation reads and feeds (a server's tenant; None:
+    # the process's one part): what one scope learns never steers another's drafts
+    memory_scope: str | None = None
     _acquired: list = field(default_factory=list, repr=False)
 
     @property
@@ -64,9 +67,13 @@ class DecodeContext:
         None otherwise."""
         return position_uniform(self.params.seed, position) if self.drafter_invariant else None
 
-    def remember(self, key: tuple, factory: Callable[[], T]) -> T:
+    def remember(self, key: tuple, factory: Callable[[], T], shared: bool = False) -> T:
         """The runner's memory entry ``key`` (created by ``factory`` on first use): what a method
-        learns across generations on this target (bandit statistics, calibration, n-gram pools)."""
+        learns across generations on this target (bandit statistics, calibration, n-gram pools), in
+        this generation's ``memory_scope``.  ``shared``: a copy derived from weights alone (a head's
+        quantized copy), the same for every scope and so kept once."""
+        if not shared and self.memory_scope is not None:
+            key = (("scope", self.memory_scope), *key)
         return self.runner.memory.get(key, factory)
 
     def acquire_cache(self, model: "LoadedModel", max_len: int) -> "KVCache":

@@ -12,7 +12,10 @@ In the spirit of gpt-fast's ``setup_caches`` and vLLM's model runner, the runner
 * the prefix cache and its block manager: the KV of prompt chunks and blocks, reused by later
   prompts that start alike (``core/prefix_cache.py``, ``core/kv_blocks.py``; exact);
 * a bounded proposer memory: what methods learn across generations on this target (bandit
-  statistics, acceptance calibration, n-gram pools, datastores), least recently used first out.
+  statistics, acceptance calibration, n-gram pools, datastores), least recently used first out,
+  within a count and (a server's) byte budget; a generation reads and feeds the part of it its
+  request's ``memory_scope`` names (a server's tenant), so one tenant's text never steers another's
+  drafts.
 
 Models hold weights only.  ``runner_for(model)`` gives the runner of a ``LoadedModel``
 (created on first use); a caller that wants isolated state builds a ``ModelRunner`` itself.
@@ -42,12 +45,38 @@ CACHE_ROUND = 256  # cache lengths are rounded up to this, so a slightly longer 
 IDLE_CACHES = 2  # idle caches kept per model for reuse
 
 
+UNSIZED_BYTES = 1024  # what an entry of unknown size is counted as (a statistic, a small table)
+
+
+def entry_bytes(value: Any, _depth: int = 0) -> int:
+    """About how many bytes a memory entry holds: its ``nbytes`` (a method or attribute: a suffix
+    memory, an adjacency matrix, a tensor or array), a module's parameters and buffers, the sum over
+    a tuple, list or dict's items, else ``UNSIZED_BYTES``.  Weights shared with the target (a view
+    of its head) are counted as if they were copies: the budget errs on the safe side."""
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None and not isinstance(value, type):
+        return int(nbytes() if callable(nbytes) else nbytes)
+    if hasattr(value, "parameters") and hasattr(value, "buffers"):  # a torch module
+        return sum(t.nelement() * t.element_size() for t in (*value.parameters(), *value.buffers()))
+    if _depth < 3 and isinstance(value, (tuple, list)):
+        return sum(entry_bytes(v, _depth + 1) for v in value[:4096]) + 8 * len(value)
+    if _depth < 3 and isinstance(value, dict):
+        return sum(entry_bytes(v, _depth + 1) for v in list(value.values())[:4096]) + 16 * len(value)
+    return UNSIZED_BYTES
+
+
 class ProposerMemory:
     """A bounded mapping from a key (by convention ``(method, what, ...)``) to what a method keeps
-    across generations; the least recently used entry is dropped past ``max_entries``."""
+    across generations, least recently used first out: past ``max_entries`` entries, and past
+    ``max_bytes`` bytes (``entry_bytes``; None: no byte bound) once an entry is added or a
+    generation that may have grown one ends (``settle``).  An entry that can shed its oldest content
+    (``shrink(nbytes)``: a suffix memory forgets its oldest documents) sheds it before it is
+    dropped whole.  A generation keeps using an entry dropped under it; the runner forgets it."""
 
-    def __init__(self, max_entries: int = 64) -> None:
+    def __init__(self, max_entries: int = 64, max_bytes: int | None = None) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.evictions = 0  # entries dropped or shrunk to stay within the bounds
         self._entries: OrderedDict[Any, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -60,9 +89,42 @@ class ProposerMemory:
         with self._lock:
             value = self._entries.setdefault(key, value)
             self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._settle()
             return value
+
+    def settle(self) -> None:
+        """Drop (or shrink) the least recently used entries until the bounds hold again: after a
+        generation ends, since entries grow as generations feed them."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+            self.evictions += 1
+        if self.max_bytes is None:
+            return
+        sizes = {k: entry_bytes(v) for k, v in self._entries.items()}
+        excess = sum(sizes.values()) - self.max_bytes
+        for key in list(self._entries):
+            if excess <= 0:
+                break
+            value = self._entries[key]
+            if hasattr(value, "shrink"):
+                excess -= value.shrink(excess)
+                sizes[key] = entry_bytes(value)
+                if excess <= 0:
+                    self.evictions += 1
+                    break
+            del self._entries[key]
+            excess -= sizes[key]
+            self.evictions += 1
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the entries hold now (``entry_bytes``)."""
+        with self._lock:
+            return sum(entry_bytes(v) for v in self._entries.values())
 
     def __contains__(self, key: Any) -> bool:
         return key in self._entries
@@ -100,14 +162,15 @@ class ModelRunner:
     """Decoding state for one loaded target; see the module docstring."""
 
     def __init__(self, model: "LoadedModel", memory_entries: int = 64, allow_draft_loading: bool = True,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES, weak_model: bool = False) -> None:
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES, weak_model: bool = False,
+                 memory_bytes: int | None = None) -> None:
         # ``weak_model`` (``runner_for``'s runners): the runner does not keep its model alive, so a
         # model the user drops is collected with its runner and caches (a strong reference here, as
         # the value of ``_RUNNERS``' weak key, kept every model ever used resident)
         self._model = None if weak_model else model
         self._model_ref = weakref.ref(model) if weak_model else None
         self.blocks = KVBlockManager(PrefixCache(prefix_cache_bytes))  # block keys over the prefix cache
-        self.memory = ProposerMemory(memory_entries)
+        self.memory = ProposerMemory(memory_entries, memory_bytes)  # memory_bytes: a server's budget
         self.allow_draft_loading = allow_draft_loading
         self._drafts: dict[str, "LoadedModel"] = {}
         self._idle: dict[tuple[int, str], list["KVCache"]] = {}  # (id(decoder), kind) -> free caches

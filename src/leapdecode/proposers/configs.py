@@ -26,9 +26,9 @@ class DraftConfig(MethodConfig):
     method = "draft"
     other_tokenizer_tree_budget: ClassVar[int] = 16  # a draft with another tokenizer: its chain's budget
     draft: str | None = option(None, "draft model name or path (default: the target's registered pair)")
-    top_k: int = option(4, "children expanded per node of the draft tree (same tokenizer)", low=1)
-    beam: int = option(4, "nodes expanded per tree level (same tokenizer)", low=1)
-    max_depth: int = option(8, "deepest draft tree level (same tokenizer)", low=1)
+    top_k: int = option(4, "children expanded per node of the draft tree (same tokenizer)", low=1, server_max=16)
+    beam: int = option(4, "nodes expanded per tree level (same tokenizer)", low=1, server_max=16)
+    max_depth: int = option(8, "deepest draft tree level (same tokenizer)", low=1, server_max=16)
     adaptive: bool = option(True, "size trees from measured costs and calibrated acceptance (greedy); "
                                   "other tokenizer: adapt the chain length")
     tau: float = option(0.05, "stop expanding below this path probability (same tokenizer)", low=0, low_open=True,
@@ -38,11 +38,11 @@ class DraftConfig(MethodConfig):
     staged: bool = option(True, "a suffix automaton speculates for the draft model (greedy)")
     context_window: int | None = option(CONTEXT_WINDOW, "prompt tokens the draft reads besides the attention "
                                                         "sink (None: all)", low=1)
-    draft_len: int = option(6, "initial chain length (other tokenizer)", low=1)
+    draft_len: int = option(6, "initial chain length (other tokenizer)", low=1, server_max=64)
     min_draft_len: int = option(2, "shortest adaptive chain (other tokenizer)", low=1)
-    max_draft_len: int = option(12, "longest adaptive chain (other tokenizer)", low=1)
-    window: int = option(6, "tokens re-tokenized around the anchor (other tokenizer)", low=1)
-    anchor_lag: int = option(8, "how far back the re-tokenization anchor trails (other tokenizer)", low=1)
+    max_draft_len: int = option(12, "longest adaptive chain (other tokenizer)", low=1, server_max=64)
+    window: int = option(6, "tokens re-tokenized around the anchor (other tokenizer)", low=1, server_max=64)
+    anchor_lag: int = option(8, "how far back the re-tokenization anchor trails (other tokenizer)", low=1, server_max=64)
 
     @classmethod
     def tree_budget_default_text(cls) -> str:
@@ -62,7 +62,7 @@ class AutoConfig(MethodConfig):
     draft: str | None = option(None, "draft model for the hybrid arm (default: the registered pair, if any)")
     use_draft: bool = option(True, "use a draft model arm when one is available (the registered pair only "
                                    "when the target has no trained head; a named draft always)")
-    sam_len: int = option(16, "longest suffix-automaton chain", low=1)
+    sam_len: int = option(16, "longest suffix-automaton chain", low=1, server_max=64)
     sam_only_match: int = option(12, "a match this long uses the automaton's draft alone", low=1)
     explore: float = option(0.15, "UCB exploration weight", low=0)
     discount: float = option(0.99, "per-step discount of the bandit's evidence", low=0, low_open=True, high=1)
@@ -87,10 +87,10 @@ class AutoConfig(MethodConfig):
 @dataclass(frozen=True, kw_only=True)
 class PldConfig(MethodConfig):
     method = "pld"
-    max_ngram: int = option(4, "longest n-gram looked up", low=1)
+    max_ngram: int = option(4, "longest n-gram looked up", low=1, server_max=16)
     min_ngram: int = option(1, "shortest n-gram looked up", low=1)
-    draft_len: int = option(10, "tokens copied per match", low=1)
-    max_matches: int = option(4, "matches kept per n-gram length", low=1)
+    draft_len: int = option(10, "tokens copied per match", low=1, server_max=64)
+    max_matches: int = option(4, "matches kept per n-gram length", low=1, server_max=16)
     cost_aware: bool = option(True, "greedy: the longest match's chain only, cut by per-depth acceptance and "
                                     "measured verify cost")
 
@@ -104,7 +104,7 @@ class PldConfig(MethodConfig):
 @dataclass(frozen=True, kw_only=True)
 class SamConfig(MethodConfig):
     method = "sam"
-    draft_len: int = option(16, "longest chain copied from the match", low=1)
+    draft_len: int = option(16, "longest chain copied from the match", low=1, server_max=64)
     min_match: int = option(1, "shortest suffix match that drafts", low=1)
     occurrence: str = option("recent", "which earlier occurrence to copy from", choices=("recent", "first"))
     cost_aware: bool = option(True, "cut chains by per-depth acceptance and measured verify cost (greedy)")
@@ -115,15 +115,15 @@ class SamConfig(MethodConfig):
 @dataclass(frozen=True, kw_only=True)
 class SuffixConfig(MethodConfig):
     method = "suffix"
-    depth: int = option(48, "longest suffix stored per position (match + continuation)", low=2)
+    depth: int = option(48, "longest suffix stored per position (match + continuation)", low=2, server_max=64)
     max_match: int = option(16, "longest suffix of the text matched (at most depth - 1: a match needs room for "
                                 "its continuation)", low=1)
     spec_factor: float = option(1.0, "a match of n tokens drafts at most spec_factor x n nodes", low=0,
                                 low_open=True)
     min_prob: float = option(0.1, "no draft node below this empirical path probability", low=0)
     memory_tokens: int = option(200_000, "earlier requests' output tokens the runner keeps (oldest forgotten "
-                                         "first)", low=1)
-    remember_prompts: bool = option(False, "keep earlier requests' prompts too, not only their outputs")
+                                         "first)", low=1, server_max=200000)
+    remember_prompts: bool = option(False, "keep earlier requests' prompts too, not only their outputs", server_max=False)
     cost_aware: bool = option(True, "greedy: grow the tree to the budget and verify the prefix worth its "
                                     "measured cost (calibrated acceptance); false: the paper's spec_factor x "
                                     "match length")
@@ -133,7 +133,7 @@ class SuffixConfig(MethodConfig):
 class RecyclingConfig(MethodConfig):
     method = "recycling"
     default_tree_budget = 28  # at most the template's paths
-    k: int = option(8, "top-k candidates kept per token", low=1)
+    k: int = option(8, "top-k candidates kept per token", low=1, server_max=16)
     persist: bool = option(True, "keep the adjacency matrix across generations on this model")
     template: list | None = option(None, "static tree template: rank paths (default: the paper's shape)")
 
@@ -146,26 +146,26 @@ class RecyclingConfig(MethodConfig):
 class LookaheadConfig(MethodConfig):
     method = "lookahead"
     default_tree_budget = "(guesses + window) x (ngram - 1)"
-    window: int = option(5, "Jacobi window width", low=1)
-    ngram: int = option(4, "n-gram size of the pool", low=2)
-    guesses: int | None = option(None, "n-gram guesses verified per step (default: window)", low=1)
+    window: int = option(5, "Jacobi window width", low=1, server_max=16)
+    ngram: int = option(4, "n-gram size of the pool", low=2, server_max=8)
+    guesses: int | None = option(None, "n-gram guesses verified per step (default: window)", low=1, server_max=16)
 
 
 @dataclass(frozen=True, kw_only=True)
 class JacobiConfig(MethodConfig):
     method = "jacobi"
     default_tree_budget = "k"
-    k: int = option(8, "tokens guessed per Jacobi iteration", low=1)
+    k: int = option(8, "tokens guessed per Jacobi iteration", low=1, server_max=32)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RestConfig(MethodConfig):
     method = "rest"
     datastore: str | None = option(None, "datastore path (default: the model's stdlib datastore)")
-    max_suffix: int = option(16, "longest suffix matched", low=1)
+    max_suffix: int = option(16, "longest suffix matched", low=1, server_max=64)
     min_suffix: int = option(2, "shortest suffix matched", low=1)
-    draft_len: int = option(10, "continuation length", low=1)
-    max_candidates: int = option(128, "continuations read per match", low=1)
+    draft_len: int = option(10, "continuation length", low=1, server_max=64)
+    max_candidates: int = option(128, "continuations read per match", low=1, server_max=1024)
     cost_aware: bool = option(True, "size trees from calibrated frequencies and measured verify cost (greedy)")
 
     def __post_init__(self) -> None:
@@ -180,7 +180,7 @@ class LayerSkipConfig(MethodConfig):
     method = "layerskip"
     default_tree_budget = "k"
     skip: float | None = option(None, "layers skipped: a count, or a fraction in (0, 1) (default 0.3)", low=0)
-    k: int = option(6, "longest draft chain", low=1)
+    k: int = option(6, "longest draft chain", low=1, server_max=32)
     min_conf: float = option(0.6, "stop drafting below this confidence", low=0, high=0.999999)
     update_every: int = option(4, "re-run the layer-selection DP every N verifications", low=1)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the draft head (0: whole)", low=0)
@@ -198,7 +198,7 @@ class MedusaConfig(MethodConfig):
     method = "medusa"
     head: str | None = option(None, "trained head directory, or a directory of them (default: the store's "
                                     "medusa head for the target; `leapdecode train-head`)")
-    top_k: int = option(4, "candidates per head (children per node)", low=1)
+    top_k: int = option(4, "candidates per head (children per node)", low=1, server_max=16)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
     head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
     cost_aware: bool = option(True, "greedy: verify only as many of the best candidates (by calibrated head "
@@ -211,8 +211,8 @@ class HydraConfig(MethodConfig):
     method = "hydra"
     head: str | None = option(None, "trained head directory, or a directory of them (default: the store's "
                                     "hydra head for the target; `leapdecode train-head`)")
-    top_k: int = option(4, "children expanded per node", low=1)
-    beam: int = option(4, "nodes expanded per round", low=1)
+    top_k: int = option(4, "children expanded per node", low=1, server_max=16)
+    beam: int = option(4, "nodes expanded per round", low=1, server_max=16)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
     head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)
     cost_aware: bool = option(True, "greedy: draft another round and keep candidates only while the expected "
@@ -225,12 +225,12 @@ class EagleConfig(MethodConfig):
     head: str | None = option(None, "trained head directory, or a directory of them (default: the store's "
                                     "eagle3 or eagle head for the target, else a bundled one; "
                                     "`leapdecode train-head`)")
-    top_k: int = option(4, "children expanded per node of the draft tree", low=1)
-    beam: int = option(4, "nodes expanded per tree level", low=1)
-    max_depth: int = option(6, "deepest draft tree level", low=1)
+    top_k: int = option(4, "children expanded per node of the draft tree", low=1, server_max=16)
+    beam: int = option(4, "nodes expanded per tree level", low=1, server_max=16)
+    max_depth: int = option(6, "deepest draft tree level", low=1, server_max=16)
     draft_vocab: int = option(DRAFT_VOCAB, "FR-Spec vocabulary subset of the shared output head (0: whole)", low=0)
     prompt_window: int = option(128, "last prompt tokens whose features (from the prefill) the head reads",
-                                low=0)
+                                low=0, server_max=1024)
     head_kind: str = option("auto", "which head: eagle3, eagle, or auto (an eagle3 head when one is found, "
                                     "else an eagle head)", choices=("auto", "eagle3", "eagle"))
     head_weights: str = option("auto", HEAD_WEIGHTS_HELP, choices=HEAD_WEIGHTS)

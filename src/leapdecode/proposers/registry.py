@@ -273,3 +273,63 @@ def build_proposer(cfg: MethodConfig, runner: "ModelRunner") -> "Proposer | None
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise TypeError(f"proposer of method {cfg.method!r} has no default_budget (an integer >= 1)")
     return proposer
+
+
+# ------------------------------------------------------------------- a server's bounds on requests
+LIMIT_FLAG = "leapdecode serve --request-limit"
+
+
+def request_limits(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"METHOD.OPTION": bound}``: the most a server's request may ask of every option that sizes
+    shared or long-lived state or a step's work (each option's ``server_max``, written once in
+    ``configs.py``), with the operator's ``overrides`` (``parse_request_limits``)."""
+    limits = {f"{name}.{option}": bound for name, spec in METHODS.items()
+              for option, bound in spec.config.server_limits().items()}
+    limits.update(overrides or {})
+    return limits
+
+
+def parse_request_limits(items: list[str] | None) -> dict[str, Any]:
+    """``--request-limit`` arguments (``suffix.depth=128``; ``tree_budget=32``: every method's) as
+    ``request_limits`` overrides, typed as their options; an unknown or unbounded option, or a bound
+    its option would refuse, is an ``InvalidParameterError`` naming the argument."""
+    bounded = request_limits()
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        keys = [k for k in bounded if k.endswith(".tree_budget")] if key == "tree_budget" else [key]
+        if not sep or not key or any(k not in bounded for k in keys):
+            raise InvalidParameterError(
+                f"--request-limit takes METHOD.OPTION=VALUE for an option that sizes a request's state or work "
+                f"(or tree_budget=N for every method), got {item!r}; bounded options: {', '.join(sorted(bounded))}")
+        for k in keys:
+            method, option = k.split(".", 1)
+            value = METHODS[method].config.parse_option(option, text.strip())
+            if value is not None and not isinstance(value, bool):
+                METHODS[method].config.from_options({option: value})  # a bound the option itself accepts
+            out[k] = value
+    return out
+
+
+def check_request_limits(cfg: MethodConfig, given: Any, limits: dict[str, Any]) -> None:
+    """Refuse a request's options (``given``: the names it set) above this server's ``limits``
+    (``request_limits``): an ``InvalidParameterError`` whose ``field`` is the option
+    (``options.NAME``) and whose message names the bound and the setting that raises it."""
+    for name in given:
+        bound = limits.get(f"{cfg.method}.{name}")
+        value = getattr(cfg, name, None)
+        if bound is None or value is None:
+            continue
+        if isinstance(bound, bool):
+            over = bool(value) and not bound
+            why = (f"this server does not let a request turn on option {name!r} of method {cfg.method!r} "
+                   f"({LIMIT_FLAG} {cfg.method}.{name}=true allows it)")
+        else:
+            over = value > bound
+            why = (f"option {name!r} of method {cfg.method!r} is {value!r}; this server allows a request at most "
+                   f"{bound!r} ({LIMIT_FLAG} {cfg.method}.{name}=N raises it)")
+        if over:
+            error = InvalidParameterError(why)
+            error.field = f"options.{name}"
+            raise error

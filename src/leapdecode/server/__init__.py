@@ -10,7 +10,10 @@
 * ``errors.py``: the table from exception type to HTTP status;
 * ``config.py``: ``ServerConfig``; ``metrics.py``: Prometheus metrics; ``cli.py``: ``leapdecode serve``.
 
-This module imports nothing heavy: the CLI reads ``DEFAULT_MAX_BODY_BYTES`` from it.
+This module imports nothing heavy: the CLI reads the defaults below from it.
 """
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
+# the byte budget of the cross-request memory every tenant's methods share (--memory-budget-mib)
+DEFAULT_MEMORY_BUDGET_BYTES = 512 << 20
+MEMORY_SCOPES = ("key", "user", "shared")  # --memory-scope: whose memory a request reads and feeds

@@ -41,6 +41,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..core.prefix_cache import PrefixCache
 from ..errors import InvalidParameterError
 from ..proposers.registry import DEFAULT_METHOD, method_config
+from ..proposers.registry import request_limits as all_request_limits
+from . import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES
 from .config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from .engine import Engine, build_runner
 from .errors import ApiError, api_error
@@ -65,14 +67,18 @@ class ApiRoute(APIRoute):
         return route
 
 
-def check_auth(request: Request, api_key: str | None) -> None:
-    if not api_key:
-        return
+def check_auth(request: Request, api_keys: tuple[str, ...]) -> str | None:
+    """The tenant a request comes from (``key-N``: the N-th ``--api-key``, counted from 1), or a 401;
+    None when the server has no key.  Every key is compared, in constant time, whichever matches."""
+    if not api_keys:
+        return None
     header = request.headers.get("authorization", "")
     given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-    if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
+    matched = [hmac.compare_digest(given.encode(), key.encode()) for key in api_keys]
+    if not given or not any(matched):
         raise ApiError(401, "Incorrect API key provided" if given else
                        "Missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key")
+    return f"key-{matched.index(True) + 1}"
 
 
 def create_app(
@@ -80,7 +86,7 @@ def create_app(
     default_method: str | None = None,
     default_options: dict[str, Any] | None = None,
     drafts: Mapping[str, Any] | Iterable[str] = (),
-    api_key: str | None = None,
+    api_key: str | Iterable[str] | None = None,
     max_queue: int = 16,
     request_timeout: float = 600.0,
     max_tokens_limit: int | None = None,
@@ -95,6 +101,10 @@ def create_app(
     prefix_cache_bytes: int | None = None,
     datastores: Mapping[str, str] | None = None,
     heads: Mapping[str, str] | None = None,
+    request_limits: Mapping[str, Any] | None = None,
+    memory_budget_bytes: int | None = DEFAULT_MEMORY_BUDGET_BYTES,
+    memory_scope: str = "key",
+    metrics_public: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model`` (a LoadedModel) with one engine thread.
 
@@ -113,6 +123,14 @@ def create_app(
     16, as OpenAI's); ``max_body_bytes``: larger request bodies get 413; ``datastores`` / ``heads``:
     name -> path of the datastores and head directories requests may name (a request names one of
     these, never a path: the server opens no file a request names).
+
+    Tenants: ``api_key``, one key or several (each a tenant; None: no authentication);
+    ``memory_scope``: whose part of the cross-request memory a request reads and feeds ("key": its
+    key's, "user": its key's and its ``user`` field's, "shared": every client's; docs/server.md says
+    what sharing exposes); ``memory_budget_bytes``: the byte budget of that memory, every tenant's
+    together (least recently used out; None: unbounded); ``request_limits``: overrides of the most a
+    request may ask of each option that sizes state or work (``proposers.registry.request_limits``:
+    "METHOD.OPTION" -> bound); ``metrics_public``: /metrics answers without the key.
     """
     default_method = default_method or DEFAULT_METHOD
     default_options = dict(default_options or {})
@@ -124,7 +142,11 @@ def create_app(
     names = list(wanted)
     if default_options.get("draft") is not None:
         wanted.setdefault(default_options["draft"], None)
+    if memory_scope not in MEMORY_SCOPES:
+        raise InvalidParameterError(f"memory_scope must be one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     runner = build_runner(model, wanted)
+    runner.memory.max_bytes = memory_budget_bytes
     if prefix_cache_bytes is not None:
         runner.prefix_cache = PrefixCache(prefix_cache_bytes)
     cfg = ServerConfig(
@@ -136,13 +158,16 @@ def create_app(
         # beside a trained head, as in-process (a named draft it would keep, and pay for)
         default_draft=names[0] if names and names[0] != getattr(model, "draft_name", None) else None,
         tree_budget=tree_budget,
-        api_key=api_key,
+        api_keys=keys,
+        memory_scope=memory_scope,
+        metrics_public=bool(metrics_public),
         request_timeout=float(request_timeout),
         max_tokens_limit=int(max_tokens_limit or model.max_seq_len),
         default_max_tokens=int(default_max_tokens),
         max_n=int(max_n),
         max_body_bytes=int(max_body_bytes),
         files={"datastore": dict(datastores or {}), "head": dict(heads or {})},
+        limits=all_request_limits(dict(request_limits or {})),
     )
     try:
         default_config = resolve_method(None, cfg.defaults(runner))
@@ -157,6 +182,8 @@ def create_app(
     metrics.batch_size = lambda: engine.batch_size
     metrics.kv_cache = lambda: (engine.kv_reserved_bytes, engine.kv_budget_bytes)
     metrics.prefix_cache = runner.prefix_cache.stats
+    metrics.proposer_memory = lambda: (runner.memory.nbytes, runner.memory.max_bytes or 0, len(runner.memory),
+                                       runner.memory.evictions)
     preparer = Preparer(cfg, runner, limit=max_queue, retry_after=engine.retry_after)
     created = int(time.time())
 
@@ -185,10 +212,11 @@ def create_app(
         return ModelCard(id=cfg.model_name, created=created, max_model_len=model.max_seq_len)
 
     async def complete(request: Request, kind: Kind):
-        check_auth(request, cfg.api_key)
+        tenant = check_auth(request, cfg.api_keys)
         check_json_body(request)
         raw = await read_body(request, cfg.max_body_bytes)
         prep = await preparer(kind, raw)
+        prep = prep.scoped(cfg.scope(tenant, prep.request.user))
         return await answer(request, engine, prep, cfg)
 
     # ------------------------------------------------------------ routes
@@ -200,17 +228,19 @@ def create_app(
                              "busy": engine.busy}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def get_metrics():
+    async def get_metrics(request: Request):
+        if not cfg.metrics_public:  # request counts and memory are the server's business (probe N-AUTH7)
+            check_auth(request, cfg.api_keys)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def list_models(request: Request):
-        check_auth(request, cfg.api_key)
+        check_auth(request, cfg.api_keys)
         return ModelList(data=[model_card()]).model_dump(mode="json")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
-        check_auth(request, cfg.api_key)
+        check_auth(request, cfg.api_keys)
         if model_id != cfg.model_name:
             raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return model_card().model_dump(mode="json")

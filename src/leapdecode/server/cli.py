@@ -15,7 +15,7 @@ from .settings import ServeSettings
 def add_parser(subparsers) -> None:
     from ..cli_args import add_model_args
     from ..proposers import DEFAULT_METHOD, METHODS
-    from . import DEFAULT_MAX_BODY_BYTES
+    from . import DEFAULT_MAX_BODY_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES
 
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -43,8 +43,24 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tree-budget", type=int, help="default max drafted tokens verified per step")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--api-key", default=os.environ.get("LEAPDECODE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $LEAPDECODE_API_KEY)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints and /metrics (repeatable: each key "
+                        "is a tenant, whose cross-request memory is its own; default: $LEAPDECODE_API_KEY)")
+    p.add_argument("--memory-scope", choices=MEMORY_SCOPES, default="key",
+                   help="whose cross-request memory (suffix's tries, learned statistics, the prefix cache) a "
+                        "request reads and feeds: key (its API key's; the default), user (its key's and its "
+                        "`user` field's: the operator trusts the field), or shared (every client's: one client's "
+                        "text then steers the drafts and timing others see; docs/server.md)")
+    p.add_argument("--memory-budget-mib", type=int, default=DEFAULT_MEMORY_BUDGET_BYTES >> 20,
+                   help="MiB the cross-request memory may hold, every tenant's together; past it the least "
+                        "recently used goes (0 = no budget; default: %(default)s)")
+    p.add_argument("--request-limit", action="append", metavar="METHOD.OPTION=N",
+                   help="raise or lower the most a request may ask of an option that sizes shared state or a "
+                        "step's work (repeatable; e.g. suffix.depth=128, suffix.remember_prompts=true, "
+                        "tree_budget=32 for every method); a request above it gets 400 naming it. `leapdecode "
+                        "methods` shows each bounded option's default bound")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (default: it needs the key when one is set)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a place in the batch; more get 429 with Retry-After "
                         "(default: %(default)s)")
@@ -153,6 +169,7 @@ def named_paths(flag: str, values: list[str] | None) -> dict[str, str]:
 def cmd_serve(a: argparse.Namespace) -> int:
     from ..core.config import parse_option_assignments
     from ..proposers import method_config, method_spec
+    from ..proposers.registry import parse_request_limits
 
     try:
         import fastapi  # noqa: F401
@@ -171,11 +188,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     method_config(a.method, {**({"tree_budget": a.tree_budget} if a.tree_budget else {}), **options})
     if not (math.isfinite(a.request_timeout) and a.request_timeout > 0):
         raise LeapdecodeError(f"--request-timeout must be a number of seconds > 0, got {a.request_timeout}")
-    if a.api_key is not None and (not a.api_key.strip() or a.api_key != a.api_key.strip()):
-        # an unset variable (--api-key "$KEY") would serve without authentication; a blank or padded
-        # key could never be sent back (clients strip the header's value)
-        raise LeapdecodeError("--api-key (or $LEAPDECODE_API_KEY) is empty or has leading or trailing spaces: "
-                              "give the key itself, or leave both out to serve without authentication")
+    if a.api_key is None and os.environ.get("LEAPDECODE_API_KEY") is not None:
+        a.api_key = [os.environ["LEAPDECODE_API_KEY"]]
+    for key in a.api_key or []:
+        if not key.strip() or key != key.strip():
+            # an unset variable (--api-key "$KEY") would serve without authentication; a blank or padded
+            # key could never be sent back (clients strip the header's value)
+            raise LeapdecodeError("--api-key (or $LEAPDECODE_API_KEY) is empty or has leading or trailing spaces: "
+                                  "give the key itself, or leave both out to serve without authentication")
+    if len(set(a.api_key or [])) != len(a.api_key or []):
+        raise LeapdecodeError("--api-key: a key is given twice (each key is a tenant of its own)")
+    if a.memory_budget_mib < 0:
+        raise LeapdecodeError(f"--memory-budget-mib must be >= 0, got {a.memory_budget_mib}")
+    limits = parse_request_limits(a.request_limit)
     if not 0 <= a.port <= 65535:
         raise LeapdecodeError(f"--port must be in 0..65535, got {a.port}")
     if a.threads is not None and a.threads < 1:
@@ -196,7 +221,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  served_model_name=a.served_model_name, tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes,
                  max_batch=a.max_batch, kv_budget_bytes=a.kv_budget_mib * 2**20,
                  prefix_cache_bytes=a.prefix_cache_mib * 2**20, speculate_under_load=not a.no_speculation_under_load,
-                 datastores=files["--datastore"], heads=files["--head"]))
+                 datastores=files["--datastore"], heads=files["--head"], request_limits=limits,
+                 memory_budget_bytes=(a.memory_budget_mib << 20) or None, memory_scope=a.memory_scope,
+                 metrics_public=a.metrics_public))
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)

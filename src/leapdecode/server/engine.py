@@ -115,6 +115,7 @@ class GenSpec:
     constraint: Constraint | None = None  # structured output: this generation's own grammar state
     kv_policy: KVPolicy | None = None  # lossy KV-cache compression (core/kv_policy.py); None: exact
     strategy: StrategyConfig | None = None  # a search: its hypotheses are this spec's choices
+    memory_scope: str | None = None  # whose cross-request memory it reads and feeds (its tenant's)
 
     @property
     def choices(self) -> int:
@@ -125,7 +126,7 @@ class GenSpec:
         """The generation (or search) of this spec, not started."""
         request = GenerationRequest(method=self.method, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                                     stop=tuple(self.stop or ()), strategy=self.strategy, kv_policy=self.kv_policy,
-                                    constraint=self.constraint)
+                                    constraint=self.constraint, memory_scope=self.memory_scope)
         return start_request(runner, request, prompt_ids=self.prompt_ids)
 
 

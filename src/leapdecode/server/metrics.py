@@ -65,6 +65,7 @@ class Metrics:
         self.batch_size = lambda: 0  # generations running now
         self.kv_cache = lambda: (0, 0)  # (bytes reserved by running generations, budget)
         self.prefix_cache = lambda: {}  # PrefixCache.stats()
+        self.proposer_memory = lambda: (0, 0, 0, 0)  # (bytes, budget (0: none), entries, evictions)
 
     # ------------------------------------------------------------ updates
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -176,6 +177,14 @@ class Metrics:
                    [("", pc["hit_rate"])])
             metric("leapdecode_prefix_cache_bytes", "gauge", "Bytes of KV kept by the prefix cache.",
                    [("", pc["bytes"])])
+        held, budget, entries, evictions = self.proposer_memory()
+        metric("leapdecode_proposer_memory_bytes", "gauge", "Bytes of cross-request memory the methods keep "
+               "(every tenant's: suffix tries, statistics, head copies).", [("", held)])
+        metric("leapdecode_proposer_memory_budget_bytes", "gauge", "Their byte budget (--memory-budget-mib; 0: none).",
+               [("", budget)])
+        metric("leapdecode_proposer_memory_entries", "gauge", "Entries of that memory.", [("", entries)])
+        metric("leapdecode_proposer_memory_evictions_total", "counter",
+               "Entries dropped or shrunk to stay within the budget (least recently used first).", [("", evictions)])
         rss = process_rss_bytes()
         if rss is not None:
             metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", [("", rss)])

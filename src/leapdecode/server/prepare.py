@@ -50,6 +50,10 @@ class Prepared:
     def n(self) -> int:
         return self.request.choices_per_prompt
 
+    def scoped(self, scope: str | None) -> "Prepared":
+        """Its generations in the memory scope ``scope`` (``ServerConfig.scope``: the request's tenant)."""
+        return replace(self, specs=[replace(spec, memory_scope=scope) for spec in self.specs])
+
     @property
     def choices(self) -> int:
         """Choices in the answer: prompts x n."""

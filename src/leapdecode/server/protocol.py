@@ -31,7 +31,7 @@ from ..core.prompt import CHAT_ROLES
 from ..core.kv_policy import KVPolicy, parse_kv_policy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
-from ..proposers.registry import DEFAULT_METHOD, METHODS
+from ..proposers.registry import DEFAULT_METHOD, METHODS, check_request_limits
 from ..request import GenerationRequest, RequestDefaults, validate_request
 from ..strategies.registry import STRATEGIES, StrategyConfig
 from .tools import NAME_RE, NO_PARAMETERS, Tool, ToolCalling
@@ -53,6 +53,9 @@ class ServerDefaults:
     files: dict[str, dict[str, str]] = field(default_factory=dict)
     max_n: int = 16
     max_tokens_limit: int | None = None
+    # the most a request may ask of each option that sizes shared or long-lived state or a step's
+    # work ("METHOD.OPTION" -> bound: ``proposers.registry.request_limits``; empty: unbounded)
+    limits: dict[str, Any] = field(default_factory=dict)
 
 
 FILE_OPTIONS = ("datastore", "head")  # method options whose value is a path on the server
@@ -213,8 +216,13 @@ def method_options(ext: LeapdecodeExtension, where: dict[str, str]) -> dict[str,
 
 
 def server_method(cfg: MethodConfig, given: dict[str, Any], where: dict[str, str], d: ServerDefaults) -> MethodConfig:
-    """A validated method config on this server: the file options a request named (``datastore``,
-    ``head``) become the paths given at start-up, and its draft must be loaded here."""
+    """A validated method config on this server: the options a request set stay within the server's
+    bounds (``d.limits``), the file options it named (``datastore``, ``head``) become the paths given
+    at start-up, and its draft must be loaded here."""
+    try:
+        check_request_limits(cfg, given, d.limits)
+    except InvalidParameterError as e:
+        raise verbatim(str(e), param=field_name(e.field or "options", where), code="request_limit") from None
     for key in FILE_OPTIONS:
         if given.get(key) is not None:  # the request named it: one of the server's names
             named = d.files.get(key, {})
@@ -302,7 +310,7 @@ class StreamOptions(BaseModel):
 
 class _Request(BaseModel):
     """Fields common to completions and chat completions.  Unknown top-level fields are ignored
-    (as OpenAI clients send some, e.g. ``user``); unknown ``leapdecode`` fields are errors."""
+    (as OpenAI clients send some, e.g. ``metadata``); unknown ``leapdecode`` fields are errors."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -318,6 +326,8 @@ class _Request(BaseModel):
     seed: Int | None = None
     stop: list[str] | None = None
     leapdecode: LeapdecodeExtension | None = None
+    # OpenAI's end-user id: scopes the cross-request memory where the server says so (--memory-scope user)
+    user: str | None = None
     # tool calling: validated by ChatCompletionRequest (a tuple of ``Tool``), refused by CompletionRequest
     tools: Any = None
     tool_choice: Any = None

@@ -208,7 +208,8 @@ class ParallelSamples(TreeSearch):
                                     self.params.typical_p, self.params.repetition_penalty, s)
             proposer = build_proposer(self.method, self.runner)
             gen = Generation(self.runner, self.prompt_ids, params, proposer, method=self.method.method,
-                             max_new_tokens=self.max_new_tokens, stop=self.stop, tree_budget=self.method.tree_budget)
+                             max_new_tokens=self.max_new_tokens, stop=self.stop, tree_budget=self.method.tree_budget,
+                             memory_scope=self.memory_scope)
             self.members.append(Member(i, s, gen))
         lead = self.members[0].gen
         lead.start()

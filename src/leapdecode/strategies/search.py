@@ -313,6 +313,9 @@ class TreeSearch(Task):
     ``hypotheses() -> list[Hypothesis]`` (best first).  ``self.eos`` holds the model's end-of-sequence ids, ``self.generator`` a seeded CPU
     random generator."""
 
+    # whose part of the runner's memory the generations of a search that runs a method's proposer use
+    # (``parallel.py``; ``GenerationRequest.memory_scope``, set by ``api.start_request``)
+    memory_scope: str | None = None
     # "all": ``prompt_states(states)`` is called with every prefill forward's ``hidden_states`` list, in
     # order, before ``begin`` (the prefix cache is then not read); "last": with the prompt's last
     # token's only; None: not called

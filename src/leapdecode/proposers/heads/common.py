@@ -269,7 +269,8 @@ def running_head(ctx: DecodeContext, head: nn.Module, setting: str) -> nn.Module
     if kind == "bf16":
         return head
     # the entry holds the head, so while it lives no other object can take the head's id
-    kept, converted = ctx.remember((f"head_{kind}", id(head)), lambda: (head, quantized_copy(head, kind)))
+    kept, converted = ctx.remember((f"head_{kind}", id(head)), lambda: (head, quantized_copy(head, kind)),
+                                   shared=True)
     assert kept is head
     return converted
 
