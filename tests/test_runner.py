@@ -225,6 +225,43 @@ def test_a_runners_memory_stays_within_its_bound(model):
     assert max(keys_seen) == 2
 
 
+class Sized:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def nbytes(self) -> int:
+        return self.n
+
+
+def test_proposer_memory_keeps_a_byte_budget_least_recently_used_out():
+    mem = ProposerMemory(max_entries=10, max_bytes=1000)
+    for key in "abc":
+        mem.get(key, lambda: Sized(300))
+    assert mem.nbytes == 900 and mem.evictions == 0
+    mem.get("a", lambda: Sized(0))  # used again: "b" is now the oldest
+    mem.get("d", lambda: Sized(300))
+    assert "b" not in mem and all(k in mem for k in "acd") and mem.nbytes == 900 and mem.evictions == 1
+    grown = mem.get("c", lambda: Sized(0))
+    grown.n = 2000  # an entry grows while a generation feeds it: the next settle drops what it must
+    mem.settle()
+    assert len(mem) == 0 and mem.evictions == 4  # "c" alone is over the budget, and cannot shrink
+
+
+def test_a_suffix_memory_sheds_its_oldest_documents_before_it_is_dropped():
+    from leapdecode.proposers.suffix import SuffixMemory
+
+    memory = SuffixMemory(depth=8, max_tokens=10**9)
+    for doc in range(4):
+        memory.add([doc * 100 + t for t in range(50)])  # four documents, no shared suffix
+    one = memory.nbytes() // 4
+    mem = ProposerMemory(max_bytes=3 * one)
+    mem.get("suffix", lambda: memory)
+    # the oldest documents went (freed nodes are kept for reuse, so more than one had to)
+    assert "suffix" in mem and mem.nbytes <= 3 * one and 0 < memory.tokens < 150
+    assert list(memory.order)[-1] == 3 and 0 not in memory.order and memory.trie.match([0, 1, 2], 3) == (0, 0)
+    assert memory.trie.match([300, 301], 2)[1] == 2  # the newest is still drafted from
+
+
 def test_state_is_kept_per_runner_not_on_the_model(model):
     before = set(vars(model)), set(vars(model.model))
     a, b = ModelRunner(model), ModelRunner(model)
