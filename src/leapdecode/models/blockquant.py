@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +31,8 @@ from ..errors import ModelFileError
 from .native import NativeCausalLM
 from .qkernel import BlockWeight, QLinear, QPart, isa_key
 from .quant import BLOCK_LINEARS, to_activation_dtype
-from .store import cache_dir, digest_path, digest_problem, say, sweep_stale, write_digest
+from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale, writable,
+                    write_digest)
 
 LAYOUT_VERSION = 4
 # HF-side pieces of each fused native linear, with their GGUF names
@@ -203,16 +203,15 @@ def save_packed(model: NativeCausalLM, path: Path) -> None:
         if ".parts." not in name:
             tensors[name] = p.detach()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".packed-", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+    # an owned folder, not a file: save_file writes its own .tmpXXXXXX beside its target and renames it,
+    # so a packing killed mid-write leaves one folder, which the next load removes (issue 61, probe F14)
+    with owned_temp(path.parent, ".packed-", folder=True) as work:
+        tmp = work / path.name
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"layout": json.dumps(layout), "version": str(LAYOUT_VERSION)})
-        write_digest(Path(tmp), path)  # checked at every load (sampled) and by `models verify` (whole)
+        fault_point("pack")
+        write_digest(tmp, path)  # checked at every load (sampled) and by `models verify` (whole)
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
@@ -262,7 +261,8 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
 
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     path = packed_path(model_dir, key_source)
-    sweep_stale(path.parent, ".packed-")  # a packing killed mid-write (issue 45, probe F14)
+    sweep_stale(path.parent, ".packed-")  # a packing killed mid-write (issues 45 and 61, probe F14)
+    sweep_stale(path.parent, ".tmp")  # safetensors' own temporary file of an earlier version's killed packing
     if path.is_file():
         problem = digest_problem(path)  # probe F04: damaged data gave NaN logits and token 0 forever
         try:
@@ -271,17 +271,25 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
             return load_packed(path, cfg, max_seq_len)
         except ModelFileError as e:
             say(f"{e}; packing again")
-            path.unlink(missing_ok=True)
-    say(f"packing {model_dir.name} for the int4 kernel (once; cached in {path.parent})")
+            with contextlib.suppress(OSError):  # a read-only cache keeps it: packed in memory below
+                path.unlink(missing_ok=True)
+    keep = writable(path.parent)
+    if keep:
+        say(f"packing {model_dir.name} for the int4 kernel (once; cached in {path.parent})")
+    else:  # probe F10e: a read-only cache without this model's packed weights
+        say(f"the cache {path.parent} is not writable: packing {model_dir.name} for the int4 kernel in memory "
+            "(again at every load)")
     model = NativeCausalLM.from_pretrained(model_dir, dtype=torch.float32, max_seq_len=max_seq_len)
     try:
         with (gguf() if gguf is not None else contextlib.nullcontext(None)) as gguf_path:
             kinds = quantize_native(model, gguf_path)
-    except OSError as e:  # probe F10e: the GGUF is assembled in the cache, which may be read-only
+    except OSError as e:  # probe F10e: a multi-part GGUF is assembled first (in the cache or the temporary folder)
         raise ModelFileError(f"cannot read {model_dir.name}'s GGUF blocks to pack them ({e.strerror or e}); "
                              f"point LEAPDECODE_CACHE at a writable directory") from None
     total = sum(kinds.values()) or 1
     say("weights: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(kinds.items())))
+    if not keep:
+        return model
     try:
         save_packed(model, path)
     except Exception as e:  # noqa: BLE001  (probes F10e, F12b: read-only cache, disk full: OSError, SafetensorError)

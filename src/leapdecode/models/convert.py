@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from ..errors import ModelFileError
-from .store import (FORMAT_VERSION, META_FILE, WEIGHTS_FILE, publish, safetensors_problem, say, share_permissions,
-                    small_file_digests)
+from .store import (FORMAT_VERSION, META_FILE, WEIGHTS_FILE, fault_point, publish, safetensors_problem, say,
+                    share_permissions, small_file_digests)
 
 
 def leapdecode_version() -> str:
@@ -194,6 +194,7 @@ def convert_into_cache(gguf_path: Path, target: Path, staging_dir: Path, meta: d
         raise
     except Exception as e:
         raise ModelFileError(f"cannot convert {gguf_path}: {type(e).__name__}: {e}") from None
+    fault_point("convert")  # tests: a conversion killed with its weights written (issue 61)
     problem = safetensors_problem(out / WEIGHTS_FILE)
     if problem is not None:
         raise ModelFileError(f"converting {gguf_path} wrote a bad {WEIGHTS_FILE}: it {problem}")

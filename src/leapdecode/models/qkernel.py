@@ -45,7 +45,8 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .linear import make_linear
-from .store import atomic_write, cache_dir, digest_path, digest_problem, say, sweep_stale, write_digest
+from .store import (atomic_write, cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale,
+                    writable, write_digest)
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
@@ -112,27 +113,27 @@ def compiler() -> str | None:
 
 
 def _build(target: Path) -> None:
+    """Compile the library into an ``owned_temp`` folder beside ``target`` (objects, compiler output and
+    the library: a build killed at any point leaves one folder, removed by the next open, probe F27),
+    record its digest and rename it into place."""
     cxx = compiler()
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qgemm-", suffix=".so", dir=target.parent)
-    os.close(fd)
     say("building the quantized kernel for this CPU (once per machine and version; under a minute)")
     try:
-        with tempfile.TemporaryDirectory(prefix=".qgemm-build-", dir=target.parent) as work:
-            objects = _compile_parts(cxx, Path(work), target)
-            _run([cxx, *CXXFLAGS, *objects, "-o", tmp], cxx, target)
-        write_digest(Path(tmp), target)  # first: a library is never there without its digest
-        os.replace(tmp, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with owned_temp(target.parent, ".qgemm-", folder=True) as work:
+            objects = _compile_parts(cxx, work, target)
+            fault_point("kernel-build")
+            built = work / target.name
+            _run([cxx, *CXXFLAGS, *objects, "-o", str(built)], cxx, target)
+            write_digest(built, target)  # first: a library is never there without its digest
+            os.replace(built, target)
         with contextlib.suppress(OSError):
             build_log(target).unlink(missing_ok=True)  # an earlier failure's output is history now
         _prune_builds(target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot build the kernel: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 KEEP_BUILDS = 3  # kernel libraries kept in the cache: this build and the most recent others
@@ -270,24 +271,24 @@ def _loaded() -> "ctypes.CDLL | KernelUnavailable":
 
 
 def _open_library() -> ctypes.CDLL:
-    """Build the library where the cache has none, check it (``library_intact``) and load it; a
-    damaged or foreign library in the cache is removed and built again, once."""
+    """Load the cached library where it is intact (``library_intact``), without the build lock: a
+    verified library in a read-only cache runs (probe F10a); else build it (under the lock; in a
+    temporary folder outside a cache that cannot be written) and load it.  A damaged or foreign
+    library in the cache is removed and built again, once."""
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
     target = _target()
     sweep_stale(target.parent, ".qgemm-")  # left by a process that ended mid-build
-    if not (target.is_file() and library_intact(target)) and not writable(target.parent):
-        fallback = Path(tempfile.gettempdir()) / f"leapdecode-kernels-{os.getuid()}" / target.name
-        say(f"the kernel cache {target.parent} is not writable: building the kernel in {fallback.parent} instead")
-        target = fallback
     for attempt in (1, 2):
-        with _build_lock(target.parent):
-            if target.is_file() and not library_intact(target):
-                say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its "
-                    "build recorded): building it again")
-                _discard(target)
-            if not target.is_file():
-                _build(target)
+        if not (target.is_file() and library_intact(target)):
+            target = _buildable(target)
+            with _build_lock(target.parent):
+                if target.is_file() and not library_intact(target):
+                    say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its "
+                        "build recorded): building it again")
+                    _discard(target)
+                if not target.is_file():
+                    _build(target)
         try:
             return _bind(ctypes.CDLL(str(target)))
         except (OSError, AttributeError) as e:
@@ -295,7 +296,22 @@ def _open_library() -> ctypes.CDLL:
                 raise KernelUnavailable(f"cannot load {target} even after building it again: {e}") from None
             say(f"cannot load the cached kernel library {target} ({e}): building it again")
             _discard(target)
+            if target.is_file():  # a read-only cache keeps it: build elsewhere
+                target = _elsewhere(target)
     raise AssertionError("unreachable")
+
+
+def _buildable(target: Path) -> Path:
+    """``target``, or where a cache that cannot be written builds it instead (``_elsewhere``)."""
+    return target if writable(target.parent) else _elsewhere(target)
+
+
+def _elsewhere(target: Path) -> Path:
+    """The library's place in this user's temporary folder, for a cache that cannot be written (said once)."""
+    fallback = Path(tempfile.gettempdir()) / f"leapdecode-kernels-{os.getuid()}" / target.name
+    say(f"the kernel cache {target.parent} is not writable: using a kernel built in {fallback.parent} instead")
+    sweep_stale(fallback.parent, ".qgemm-")
+    return fallback
 
 
 def _discard(target: Path) -> None:
@@ -303,16 +319,6 @@ def _discard(target: Path) -> None:
     for p in (target, digest_path(target)):
         with contextlib.suppress(OSError):
             p.unlink()
-
-
-def writable(directory: Path) -> bool:
-    """Whether a file can be created in ``directory`` (made if missing): a read-only cache is not."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(prefix=".qgemm-probe-", dir=directory):
-            return True
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -133,10 +134,22 @@ def gguf_path(name: str) -> Path | None:
 @contextlib.contextmanager
 def gguf_file(name: str) -> Iterator[Path]:
     """The verified GGUF of the registered model ``name`` for the duration of the block: the
-    installed file itself, or the parts assembled into a staging file removed afterwards."""
+    installed file itself (nothing written: a read-only cache packs from it, probe F10e), or the
+    parts assembled into a staging file removed afterwards (in the temporary folder where the cache
+    cannot be written, said once)."""
     entry = get_entry(name)
     install.install_missing(entry)
-    with store.staging(f"{name}-gguf") as staging:
+    if len(entry.files) == 1:
+        yield install.assemble(entry, Path(os.devnull))  # one file: checked in place, ``dest`` unused
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            staging = stack.enter_context(store.staging(f"{name}-gguf"))
+        except (OSError, ModelFileError):
+            elsewhere = Path(tempfile.gettempdir())
+            say(f"the cache {cache_dir()} is not writable: assembling {name}'s GGUF in {elsewhere} instead")
+            store.sweep_stale(elsewhere, f".leapdecode-{name}-gguf-", max_age_s=None)
+            staging = stack.enter_context(store.owned_temp(elsewhere, f".leapdecode-{name}-gguf-", folder=True))
         yield install.assemble(entry, staging / f"{name}.gguf")
 
 

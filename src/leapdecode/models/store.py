@@ -3,8 +3,11 @@
 The cache root is ``$LEAPDECODE_CACHE`` or ``~/.cache/leapdecode``.  Anything written into
 it is first built in a unique staging directory in the root and then renamed into place,
 under a per-key ``fcntl`` lock, so concurrent processes and crashes never leave a
-half-written entry behind.  A converted model directory holds ``model.safetensors``,
-``config.json``, tokenizer files and ``leapdecode.json`` (``META_FILE``); whether one is
+half-written entry behind.  Every temporary file or folder carries its owner (``owned_temp``:
+the writer's process id in its name and an ``flock`` held while it writes), so the next run
+removes a killed writer's leftovers at once, whatever their age (``sweep_stale``).  A converted
+model directory holds ``model.safetensors``, ``config.json``, tokenizer files and
+``leapdecode.json`` (``META_FILE``); whether one is
 complete is checked cheaply on every use (metadata, and the safetensors header against the
 file size), never by hashing gigabytes.
 
@@ -17,7 +20,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -109,7 +114,14 @@ def lock(key: str) -> Iterator[None]:
     except ImportError:  # pragma: no cover - Windows: rely on the atomic rename alone
         yield
         return
-    with open(locks / f"{key}.lock", "a+") as f:
+    try:
+        f = open(locks / f"{key}.lock", "a+")
+    except OSError as e:  # probe F10e: a read-only cache where something is missing
+        raise ModelFileError(
+            f"{_cache_origin(cache_dir())}: cannot write in {locks} ({e.strerror or type(e).__name__}) to prepare "
+            f"{key}; point {CACHE_ENV} at a writable directory (or fill the read-only cache from a writable copy)"
+        ) from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -133,13 +145,12 @@ def remove_stale(key: str) -> None:
 
 @contextlib.contextmanager
 def staging(key: str) -> Iterator[Path]:
-    """A unique staging directory in the cache root, always removed at the end."""
+    """A unique staging directory in the cache root (``owned_temp``), always removed at the end; the
+    staging directories of killed writers (any key) go first (issue 61: a conversion killed mid-write)."""
     root = make_dir(cache_dir())
-    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(key), dir=root))
-    try:
+    sweep_stale(root, ".tmp-", max_age_s=None)
+    with owned_temp(root, _tmp_prefix(key), folder=True) as tmp:
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def publish(staged: Path, target: Path, staging_dir: Path) -> None:
@@ -163,16 +174,17 @@ def share_permissions(directory: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: Path, durable: bool = False) -> Iterator[Path]:
-    """A temporary file beside ``path`` to write (by path: ``np.savez``, ``savefig``...); renamed
-    over ``path`` when the block ends, deleted if it fails, so a reader never sees half a file.
-    The file gets a normal file's mode (``mkstemp`` makes 0600 ones; the cache may be shared);
+    """A temporary file beside ``path`` to write (by path, in place: ``np.savez``, ``savefig``...);
+    renamed over ``path`` when the block ends, deleted if it fails, so a reader never sees half a file.
+    The temporary file is an ``owned_temp`` (a killed writer's is removed by the next write of
+    ``path``); it gets a normal file's mode (``mkstemp`` makes 0600 ones; the cache may be shared);
     ``durable`` flushes it to disk before the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
+    sweep_stale(path.parent, f".{path.name}.", max_age_s=None)
+    with owned_temp(path.parent, f".{path.name}.", suffix=".tmp" + path.suffix) as tmp:
+        yield tmp
+        fault_point(f"write:{path.name}")
         if durable:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -180,9 +192,6 @@ def atomic_output(path: Path, durable: bool = False) -> Iterator[Path]:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_output(path: str | os.PathLike, flag: str, directory: bool) -> Path:
@@ -210,27 +219,144 @@ def check_output(path: str | os.PathLike, flag: str, directory: bool) -> Path:
     return p
 
 
-STALE_AFTER_S = 3600  # a temporary file or folder older than this was left by a process that ended mid-write
+# --------------------------------------------------------------------------- temporary files with an owner
+STALE_AFTER_S = 3600  # a temporary name without an owner (an earlier version's) older than this was left by a crash
+_OWNED = re.compile(r"pid[0-9]+-[a-z0-9_]{8}")  # owned_temp's mark: "pid" PID "-" and mkstemp's 8 random characters
 
 
-def sweep_stale(directory: Path, prefix: str, max_age_s: float = STALE_AFTER_S) -> int:
-    """Remove the files and folders in ``directory`` whose names start with ``prefix`` (a writer's
-    temporary names: ``.packed-``, ``.qgemm-``) and that are older than ``max_age_s`` (a process
-    killed mid-write leaves them; a live writer's are younger); returns how many went."""
+@contextlib.contextmanager
+def owned_temp(directory: Path, prefix: str, suffix: str = "", folder: bool = False) -> Iterator[Path]:
+    """A new temporary file (``folder``: a folder) in ``directory``, named ``prefix`` + ``pid<PID>-``
+    + 8 random characters + ``suffix``, removed when the block ends (unless renamed away by then).
+
+    While the block runs this process holds an exclusive ``flock`` on it, which the kernel releases
+    when the process ends however it ends (``kill -9`` included): ``sweep_stale`` removes an owned
+    name that nobody holds at once, whatever its age, and never one whose writer is still at work
+    (pids are reused and may belong to another machine or container sharing the cache; a lock is
+    neither).  Write the file in place (by path: its inode carries the lock); a library that writes
+    its own temporary file and renames it (safetensors' ``save_file`` makes ``.tmpXXXXXX``) writes
+    into an owned folder instead.  An ``OSError`` where nothing can be created (a read-only cache)."""
+    for _ in range(3):  # a sweep in another process may take a name in the instant before it is locked
+        if folder:
+            made = Path(tempfile.mkdtemp(prefix=f"{prefix}pid{os.getpid()}-", suffix=suffix, dir=directory))
+            try:
+                fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                made.rmdir()
+                raise
+        else:
+            fd, name = tempfile.mkstemp(prefix=f"{prefix}pid{os.getpid()}-", suffix=suffix, dir=directory)
+            made = Path(name)
+        if _hold(fd, made):
+            break
+        os.close(fd)
+    else:  # pragma: no cover - three sweeps lost in a row
+        raise OSError(f"cannot keep a temporary file in {directory}: removed as it was made")
+    try:
+        yield made
+    finally:
+        try:
+            _remove(made)
+        finally:
+            os.close(fd)
+
+
+def _hold(fd: int, path: Path) -> bool:
+    """Lock ``fd`` (waiting out a sweep that holds it) and check that ``path`` still names it."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: owned names are swept by age alone
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # no flock on this filesystem (some network ones): swept by age alone
+        return True
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a folder (a link as a file); missing already is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_if_unowned(path: Path) -> bool:
+    """Remove an owned temporary name whose writer is gone (nobody holds its lock); False where its
+    writer is alive (or it cannot be opened or removed, e.g. in a read-only cache)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return False
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | (os.O_DIRECTORY if path.is_dir() else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer is at work
+        except OSError:  # no flock on this filesystem (some network ones): the age rule
+            if time.time() - path.lstat().st_mtime <= STALE_AFTER_S:
+                return False
+        _remove(path)  # under the lock: a writer that made this name in the meantime sees it gone (_hold)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def sweep_stale(directory: Path, prefix: str, max_age_s: float | None = STALE_AFTER_S) -> int:
+    """Remove what killed writers left in ``directory`` under names that start with ``prefix`` (a
+    writer's temporary names: ``.packed-``, ``.qgemm-``, ``.tmp-``, ``.NAME.``): an ``owned_temp``
+    whose owner is gone at once, whatever its age; a name without an owner (an earlier version's)
+    once older than ``max_age_s`` (None: never; a folder a user chose may hold such names of their
+    own).  A live writer's files stay; a read-only directory keeps everything.  Returns how many went."""
     removed = 0
     try:
-        entries = list(directory.glob(prefix + "*"))
+        entries = [p for p in directory.iterdir() if p.name.startswith(prefix)]
     except OSError:
         return 0
     for stale in entries:
         with contextlib.suppress(OSError):  # another process may remove it first; a read-only cache keeps it
-            if time.time() - stale.stat().st_mtime > max_age_s:
-                if stale.is_dir():
-                    shutil.rmtree(stale)
-                else:
-                    stale.unlink()
+            if _OWNED.search(stale.name, len(prefix)):
+                removed += _remove_if_unowned(stale)
+            elif max_age_s is not None and time.time() - stale.lstat().st_mtime > max_age_s:
+                _remove(stale)
                 removed += 1
     return removed
+
+
+FAULT_ENV = "LEAPDECODE_FAULT_AT"  # tests only: the stage at which fault_point kills the process
+
+
+def fault_point(stage: str) -> None:
+    """The tests' ``kill -9`` at a known point of a write (issue 61): SIGKILL this process when
+    ``$LEAPDECODE_FAULT_AT`` is ``stage`` (``convert``, ``pack``, ``kernel-build``, ``write:NAME`` for
+    ``atomic_output``'s file NAME), so a test can check what the next run leaves without timing
+    races.  Does nothing unless that variable is set."""
+    if os.environ.get(FAULT_ENV) == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def writable(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (made if missing): a read-only cache is not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        sweep_stale(directory, ".leapdecode-probe-", max_age_s=None)
+        with owned_temp(directory, ".leapdecode-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def atomic_write(path: Path, data: str | bytes, durable: bool = False) -> Path:
