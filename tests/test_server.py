@@ -612,6 +612,67 @@ def test_a_slow_grammar_holds_no_plain_request_and_preparation_is_bounded(server
     assert set(result["r"].choices[0].text) <= {"a", "b"} and preparer.pending == 0
 
 
+def wide_schema(properties: int, tag: str = "") -> dict:
+    """A schema as slow to check as ``properties`` properties (its unused ``$defs``), that the grammar
+    engine follows easily (a row of thousands of optional properties it cannot)."""
+    return {"type": "object", "properties": {"a": {"type": "integer"}},
+            "$defs": {f"{tag}d{i}": {"type": "integer"} for i in range(properties)}}
+
+
+def structured_chat(schema: dict) -> dict:
+    return {"model": "tiny-random", "max_tokens": 3, "messages": CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def test_HR22_a_schema_is_checked_in_a_child_process_once(server, monkeypatch):
+    """Probe HR22: a large schema's metaschema check (pure Python, seconds, holding the interpreter
+    lock: decoding ran 2.8x slower beside it) ran on the server's own threads, three times per request.
+    Now the server process never runs it: the child checks a schema once, and the request's validation
+    and compilation find it checked."""
+    import jsonschema
+
+    def in_this_process(*args, **kwargs):
+        raise AssertionError("a metaschema check ran in the server process")
+
+    monkeypatch.setattr(jsonschema.validators, "validator_for", in_this_process)
+    checker = server.app.state.preparer.checker
+    before = checker.checks
+    schema = wide_schema(2000, tag="hr22")
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/chat/completions", json=structured_chat(schema), timeout=60)
+        assert r.status_code == 200, r.text
+    assert checker.checks == before + 1  # checked once, in the child; the repeat found it checked
+    bad = httpx.post(server.url + "/v1/chat/completions", json=structured_chat({"type": "nonsense"}), timeout=60)
+    assert bad.status_code == 400 and error_of(bad)["param"] == "response_format.json_schema.schema"
+    assert "nonsense" in error_of(bad)["message"]
+
+
+def test_HR22_a_schema_past_the_size_bound_is_refused_before_any_work(server):
+    """Probe HR22: two 20,000-property schemas (600 KB) held the server for seconds before a 400."""
+    checker = server.app.state.preparer.checker
+    before, limit = checker.checks, server.config.max_grammar_bytes
+    r = httpx.post(server.url + "/v1/chat/completions", json=structured_chat(wide_schema(20000)), timeout=60)
+    e = error_of(r)
+    assert r.status_code == 400 and e["code"] == "grammar_too_large" and f"at most {limit}" in e["message"]
+    assert "--max-grammar-bytes" in e["message"] and checker.checks == before
+
+
+def test_HR22_a_check_past_its_time_budget_is_a_400_and_the_next_one_runs(server):
+    checker = server.app.state.preparer.checker
+    timeout = checker.timeout_s
+    checker.timeout_s = 0.001  # no schema is checked that fast: the child is killed
+    try:
+        r = httpx.post(server.url + "/v1/chat/completions", json=structured_chat(wide_schema(3000, tag="slow")),
+                       timeout=60)
+        assert r.status_code == 400 and "took more than 0.001 s to check" in error_of(r)["message"]
+        assert "--grammar-timeout" in error_of(r)["message"]
+    finally:
+        checker.timeout_s = timeout
+    r = httpx.post(server.url + "/v1/chat/completions", json=structured_chat(wide_schema(3000, tag="slow")),
+                   timeout=60)
+    assert r.status_code == 200, r.text  # a new child checked it
+
+
 # ---------------------------------------------------------------------------- queue, cancellation, timeout
 def test_queue_full_gives_429_and_disconnects_free_slots(server):
     engine, url = server.engine, server.url

@@ -22,8 +22,10 @@ converter.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -103,8 +105,50 @@ class GrammarConstraint(Constraint):
         return self.matcher.is_accepting()
 
 
-def check_json_schema(schema: Any) -> dict:
-    """A JSON schema (a mapping, or its JSON text) checked against its metaschema."""
+CHECKED_SCHEMAS = 256  # schemas remembered as valid (by content), so a schema is checked once
+
+
+class _Checked:
+    """The digests of schemas found valid (least recently used out), shared by every caller: a
+    server checks a request's schema once, in a child process (``isolated.SchemaChecker``), and its
+    validation and compilation then find it here instead of checking it again."""
+
+    def __init__(self) -> None:
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            if digest in self._digests:
+                self._digests.move_to_end(digest)
+                return True
+            return False
+
+    def add(self, digest: bytes) -> None:
+        with self._lock:
+            self._digests[digest] = None
+            self._digests.move_to_end(digest)
+            while len(self._digests) > CHECKED_SCHEMAS:
+                self._digests.popitem(last=False)
+
+
+CHECKED = _Checked()
+
+
+def schema_digest(schema: Any) -> bytes:
+    """A digest of a schema's content (canonical JSON: key order does not matter)."""
+    try:
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    except RecursionError:  # probes SO016, SO017, PA36: 2,000 nested levels
+        raise GrammarError("the JSON schema is nested too deeply to check") from None
+    except (TypeError, ValueError) as e:
+        raise GrammarError(f"a JSON schema must be JSON data: {e}") from None
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def read_json_schema(schema: Any) -> Any:
+    """A JSON schema as data (a mapping or a boolean) from itself or its JSON text, and the checks
+    that need no metaschema: ``true`` is ``{}``; ``false`` and anything but an object are refused."""
     if isinstance(schema, (str, bytes)):
         try:
             schema = json.loads(schema)
@@ -118,6 +162,16 @@ def check_json_schema(schema: Any) -> dict:
         schema = {}
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    return schema
+
+
+def check_json_schema(schema: Any) -> dict:
+    """A JSON schema (a mapping, or its JSON text) checked against its metaschema (once per content:
+    ``CHECKED``)."""
+    schema = read_json_schema(schema)
+    digest = schema_digest(schema)
+    if digest in CHECKED:
+        return schema
     try:
         import jsonschema
     except ImportError:
@@ -131,6 +185,7 @@ def check_json_schema(schema: Any) -> dict:
         raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
     except RecursionError:  # probes SO016, SO017, PA36: 2,000 nested levels
         raise GrammarError("the JSON schema is nested too deeply to check") from None
+    CHECKED.add(digest)
     return schema
 
 

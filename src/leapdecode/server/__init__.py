@@ -17,3 +17,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 # the byte budget of the cross-request memory every tenant's methods share (--memory-budget-mib)
 DEFAULT_MEMORY_BUDGET_BYTES = 512 << 20
 MEMORY_SCOPES = ("key", "user", "shared")  # --memory-scope: whose memory a request reads and feeds
+# the largest structure (JSON schemas, tools' parameters, regex, grammar) a request may give, in bytes
+# of its JSON text (--max-grammar-bytes), and the seconds its check and its compilation may each take
+DEFAULT_MAX_GRAMMAR_BYTES = 256 << 10
+DEFAULT_GRAMMAR_TIMEOUT_S = 10.0

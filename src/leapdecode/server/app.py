@@ -42,7 +42,7 @@ from ..core.prefix_cache import PrefixCache
 from ..errors import InvalidParameterError
 from ..proposers.registry import DEFAULT_METHOD, method_config
 from ..proposers.registry import request_limits as all_request_limits
-from . import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES
+from . import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES
 from .config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from .engine import Engine, build_runner
 from .errors import ApiError, api_error
@@ -105,6 +105,8 @@ def create_app(
     memory_budget_bytes: int | None = DEFAULT_MEMORY_BUDGET_BYTES,
     memory_scope: str = "key",
     metrics_public: bool = False,
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model`` (a LoadedModel) with one engine thread.
 
@@ -131,6 +133,11 @@ def create_app(
     together (least recently used out; None: unbounded); ``request_limits``: overrides of the most a
     request may ask of each option that sizes state or work (``proposers.registry.request_limits``:
     "METHOD.OPTION" -> bound); ``metrics_public``: /metrics answers without the key.
+
+    Structured output: ``max_grammar_bytes``: the largest structure a request may give (its JSON
+    schemas, tools' parameters, regex or grammar together; more gets 400); ``grammar_timeout``: the
+    seconds a schema's check (in a child process, ``constraints/isolated.py``) and a grammar's
+    compilation may each take, beside decoding (``prepare.py``).
     """
     default_method = default_method or DEFAULT_METHOD
     default_options = dict(default_options or {})
@@ -166,6 +173,8 @@ def create_app(
         default_max_tokens=int(default_max_tokens),
         max_n=int(max_n),
         max_body_bytes=int(max_body_bytes),
+        max_grammar_bytes=int(max_grammar_bytes),
+        grammar_timeout=float(grammar_timeout),
         files={"datastore": dict(datastores or {}), "head": dict(heads or {})},
         limits=all_request_limits(dict(request_limits or {})),
     )

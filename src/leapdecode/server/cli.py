@@ -15,7 +15,8 @@ from .settings import ServeSettings
 def add_parser(subparsers) -> None:
     from ..cli_args import add_model_args
     from ..proposers import DEFAULT_METHOD, METHODS
-    from . import DEFAULT_MAX_BODY_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES
+    from . import (DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_GRAMMAR_BYTES,
+                   DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES)
 
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -59,6 +60,13 @@ def add_parser(subparsers) -> None:
                         "step's work (repeatable; e.g. suffix.depth=128, suffix.remember_prompts=true, "
                         "tree_budget=32 for every method); a request above it gets 400 naming it. `leapdecode "
                         "methods` shows each bounded option's default bound")
+    p.add_argument("--max-grammar-bytes", type=int, default=DEFAULT_MAX_GRAMMAR_BYTES,
+                   help="largest structured-output request: its JSON schemas (response_format, tools' "
+                        "parameters), regex or grammar together, in bytes of JSON; more gets 400 "
+                        "(default: %(default)s)")
+    p.add_argument("--grammar-timeout", type=float, default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                   help="seconds a request's schema check (in a child process) and its grammar's compilation may "
+                        "each take; past it the request gets 400 (default: %(default)s)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (default: it needs the key when one is set)")
     p.add_argument("--max-queue", type=int, default=16,
@@ -182,12 +190,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for name, v, lo in (("--max-queue", a.max_queue, 1), ("--default-max-tokens", a.default_max_tokens, 1),
                         ("--max-tokens-limit", a.max_tokens_limit, 1), ("--tree-budget", a.tree_budget, 1),
                         ("--max-body-bytes", a.max_body_bytes, 1), ("--max-batch", a.max_batch, 1),
-                        ("--kv-budget-mib", a.kv_budget_mib, 1), ("--prefix-cache-mib", a.prefix_cache_mib, 0)):
+                        ("--kv-budget-mib", a.kv_budget_mib, 1), ("--prefix-cache-mib", a.prefix_cache_mib, 0),
+                        ("--max-grammar-bytes", a.max_grammar_bytes, 1)):
         if v is not None and v < lo:
             raise LeapdecodeError(f"{name} must be >= {lo}, got {v}")
     method_config(a.method, {**({"tree_budget": a.tree_budget} if a.tree_budget else {}), **options})
-    if not (math.isfinite(a.request_timeout) and a.request_timeout > 0):
-        raise LeapdecodeError(f"--request-timeout must be a number of seconds > 0, got {a.request_timeout}")
+    for flag, seconds in (("--request-timeout", a.request_timeout), ("--grammar-timeout", a.grammar_timeout)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise LeapdecodeError(f"{flag} must be a number of seconds > 0, got {seconds}")
     if a.api_key is None and os.environ.get("LEAPDECODE_API_KEY") is not None:
         a.api_key = [os.environ["LEAPDECODE_API_KEY"]]
     for key in a.api_key or []:
@@ -223,7 +233,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  prefix_cache_bytes=a.prefix_cache_mib * 2**20, speculate_under_load=not a.no_speculation_under_load,
                  datastores=files["--datastore"], heads=files["--head"], request_limits=limits,
                  memory_budget_bytes=(a.memory_budget_mib << 20) or None, memory_scope=a.memory_scope,
-                 metrics_public=a.metrics_public))
+                 metrics_public=a.metrics_public, max_grammar_bytes=a.max_grammar_bytes,
+                 grammar_timeout=a.grammar_timeout))
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)

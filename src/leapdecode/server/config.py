@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.runner import ModelRunner
-from . import DEFAULT_MAX_BODY_BYTES
+from . import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_GRAMMAR_BYTES
 from .protocol import ServerDefaults
 
 
@@ -27,6 +27,8 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_n: int = 16
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a request's structures, together (--max-grammar-bytes)
+    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S  # seconds a schema's check, and a compile, may take
     files: dict[str, dict[str, str]] = field(default_factory=dict)  # option -> {name: path} (--datastore, --head)
     limits: dict[str, Any] = field(default_factory=dict)  # "METHOD.OPTION" -> the most a request may ask
 

@@ -2,10 +2,18 @@
 
 ``read_body`` runs on the event loop (it only moves bytes, and stops at the size limit);
 ``prepare`` does the CPU work (JSON parsing, validation, chat templating, tokenization) and
-``constrain`` compiles a structured request's grammar, each on its own worker thread
-(``Preparer``), so a large body never stalls the event loop and a slow grammar (a schema of
-thousands of properties compiles for seconds) never delays a plain request (probe HR22).  Requests
-in preparation count against ``--max-queue`` like those waiting for the batch: more get a 429.
+``constrain`` compiles a structured request's grammar, off the event loop (``Preparer``), so a
+large body never stalls the event loop and a slow grammar never delays a plain request (probe HR22):
+
+* a request's structures (JSON schemas, tools' parameters, regex, grammar) are at most
+  ``--max-grammar-bytes`` together (``structures``: a 400 before any work);
+* a request with a schema not checked before goes to the structured lane: its schemas are checked
+  against their metaschemas in a child process (``constraints/isolated.py``: that pure-Python check
+  held the interpreter lock for seconds and slowed decoding 2.8x), within ``--grammar-timeout``,
+  then it is prepared and its grammar compiled on that lane's thread (the grammar engine releases
+  the lock), within the same budget; plain requests are prepared on their own lane meanwhile.
+
+Requests in preparation count against ``--max-queue`` like those waiting for the batch: more get a 429.
 """
 
 from __future__ import annotations
@@ -14,14 +22,16 @@ import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from fastapi import Request
 
+from ..constraints.grammar import CHECKED, COMPILE_TIMEOUT_S, schema_digest
+from ..constraints.isolated import SchemaChecker
 from ..core.config import MethodConfig
 from ..core.prompt import encode_prompt
 from ..core.runner import ModelRunner
-from ..errors import InvalidParameterError
+from ..errors import GrammarError, InvalidParameterError
 from .config import ServerConfig
 from .engine import GenSpec
 from .errors import ApiError, BodyTimeout, BodyTooLarge
@@ -153,6 +163,34 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int, default
     return requested
 
 
+def structures(body: dict, limit: int) -> list[tuple[str, dict]]:
+    """A parsed body's JSON schemas as ``(param, schema)`` (``response_format``'s, each tool's
+    parameters), found where well-formed (validation names what is not); a 400 when its structures
+    (those, and a regex or grammar) take more than ``limit`` bytes of JSON together."""
+    found: list[tuple[str, Any]] = []
+    fmt = body.get("response_format")
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        found.append(("response_format.json_schema.schema", spec["schema"]))
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("parameters"), dict):
+            found.append((f"tools[{i}].function.parameters", fn["parameters"]))
+    ext = body.get("leapdecode")
+    texts = [ext.get(k) for k in ("regex", "grammar")] if isinstance(ext, dict) else []
+    try:
+        size = sum(len(json.dumps(v)) for _, v in found) + sum(len(t) for t in texts if isinstance(t, str))
+    except RecursionError:
+        raise ApiError(400, "a JSON schema of this request is nested too deeply to check",
+                       param=found[0][0] if found else None) from None
+    if size > limit:
+        raise ApiError(400, f"this request's structured-output schemas and grammars take {size} bytes; this server "
+                            f"compiles at most {limit} (leapdecode serve --max-grammar-bytes)",
+                       param=found[0][0] if found else "leapdecode", code="grammar_too_large")
+    return found
+
+
 def draft_in_use(cfg: MethodConfig, runner: ModelRunner) -> str | None:
     """The draft model a method config will use on ``runner`` (``None``: none)."""
     if "draft" not in cfg.option_names() or getattr(cfg, "use_draft", True) is False:
@@ -200,7 +238,7 @@ def _structure(req, runner: ModelRunner) -> dict | None:
     return req.structure or None
 
 
-def constrain(prep: Prepared, runner: ModelRunner) -> Prepared:
+def constrain(prep: Prepared, runner: ModelRunner, timeout_s: float = COMPILE_TIMEOUT_S) -> Prepared:
     """Compile a prepared request's grammar into its specs' constraints (off the engine thread: a
     refused grammar is a 400 before queueing)."""
     structure = prep.structure
@@ -211,7 +249,7 @@ def constrain(prep: Prepared, runner: ModelRunner) -> Prepared:
     calling = prep.tools
     param = "response_format" if "json_schema" in structure else f"leapdecode.{next(iter(structure))}"
     try:
-        first = compile_constraint(runner, **structure)
+        first = compile_constraint(runner, timeout_s=timeout_s, **structure)
     except InvalidParameterError as e:
         if calling is not None and calling.constrained:
             raise _tool_schema_error(runner, calling, e) from None
@@ -220,10 +258,10 @@ def constrain(prep: Prepared, runner: ModelRunner) -> Prepared:
     return replace(prep, specs=specs, structure=None)
 
 
-def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> Prepared:
-    """Parse, validate and tokenize a request (pydantic errors propagate: a 400 naming the field);
-    its grammar, if any, is left in ``structure`` for ``constrain``."""
-    body = parse_json(raw)
+def prepare(kind: Kind, raw: bytes | dict, cfg: ServerConfig, runner: ModelRunner) -> Prepared:
+    """Parse (unless ``raw`` is parsed already), validate and tokenize a request (pydantic errors
+    propagate: a 400 naming the field); its grammar, if any, is left in ``structure`` for ``constrain``."""
+    body = raw if isinstance(raw, dict) else parse_json(raw)
     model = runner.model
     if kind == "chat":
         req = ChatCompletionRequest.model_validate(body, context=cfg.defaults(runner))
@@ -279,15 +317,17 @@ def prepare(kind: Kind, raw: bytes, cfg: ServerConfig, runner: ModelRunner) -> P
 
 
 class Preparer:
-    """Runs ``prepare`` off the event loop on one worker thread, then a structured request's
-    ``constrain`` on another (grammars compile one at a time, beside plain requests' preparation).
-    At most ``limit`` requests are in preparation at once; one more is a ``QueueFullError`` (429
-    with ``retry_after()`` seconds)."""
+    """Prepares requests off the event loop on two lanes (see the module docstring): plain requests
+    on one worker thread; a request with a JSON schema not checked before on the structured lane,
+    which checks its schemas in a child process (``checker``), then prepares it; every structured
+    request's grammar compiles on the structured lane too.  At most ``limit`` requests are in
+    preparation at once; one more is a ``QueueFullError`` (429 with ``retry_after()`` seconds)."""
 
     def __init__(self, cfg: ServerConfig, runner: ModelRunner, limit: int,
                  retry_after: Callable[[], int] = lambda: 1) -> None:
         self.cfg, self.runner, self.limit, self.retry_after = cfg, runner, limit, retry_after
         self.pending = 0  # requests in either stage (changed on the event loop only)
+        self.checker = SchemaChecker(cfg.grammar_timeout, "leapdecode serve --grammar-timeout")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-prepare")
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-grammar")
 
@@ -297,13 +337,38 @@ class Preparer:
         loop = asyncio.get_running_loop()
         self.pending += 1
         try:
-            prep = await loop.run_in_executor(self._pool, prepare, kind, raw, self.cfg, self.runner)
+            body = await loop.run_in_executor(self._pool, self._unchecked, raw)
+            lane = self._pool if body[1] is None else self._grammar_pool
+            prep = await loop.run_in_executor(lane, self._prepare, kind, body)
             if prep.structure:
-                prep = await loop.run_in_executor(self._grammar_pool, constrain, prep, self.runner)
+                prep = await loop.run_in_executor(self._grammar_pool, constrain, prep, self.runner,
+                                                  self.cfg.grammar_timeout)
             return prep
         finally:
             self.pending -= 1
 
+    def _unchecked(self, raw: bytes) -> tuple[dict, list[tuple[str, dict]] | None]:
+        """The parsed body and its schemas not checked before (None: none, a plain-lane request)."""
+        body = parse_json(raw)
+        todo = []
+        for param, schema in structures(body, self.cfg.max_grammar_bytes):
+            try:
+                if schema_digest(schema) not in CHECKED:
+                    todo.append((param, schema))
+            except GrammarError as e:
+                raise ApiError(400, str(e), param=param) from None
+        return body, todo or None
+
+    def _prepare(self, kind: Kind, body: tuple[dict, list[tuple[str, dict]] | None]) -> Prepared:
+        parsed, todo = body
+        for param, schema in todo or []:  # in the child: this thread waits without the interpreter lock
+            try:
+                self.checker.check(schema)
+            except InvalidParameterError as e:
+                raise ApiError(400, str(e), param=param) from None
+        return prepare(kind, parsed, self.cfg, self.runner)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self.checker.close()

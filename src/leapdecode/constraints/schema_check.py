@@ -1,0 +1,42 @@
+"""A child process that checks JSON schemas against their metaschemas (``isolated.SchemaChecker``).
+
+jsonschema's check is pure Python: a schema of 20,000 properties takes 6-9 s here and holds the
+interpreter lock all along, which slowed a server's decoding 2.8x (probe HR22; lab notes).  The
+server runs it in this process instead, which imports jsonschema and nothing of leapdecode (run as a
+script by its path, so the package, torch among it, is never imported: a light child).
+
+Protocol: one JSON object a line on stdin, ``{"schema": ...}``; one line back per request:
+``{"ok": true}``, ``{"error": MESSAGE, "at": PATH}`` (the metaschema's complaint) or
+``{"deep": true}`` (nested too deeply to check).  The parent owns the time budget: it kills this
+process when a check runs past it.  Keep the check itself in step with ``grammar.check_json_schema``.
+"""
+
+import json
+import sys
+
+
+def check(schema):
+    import jsonschema
+
+    try:
+        # structure only, as grammar.check_json_schema: no format checks
+        jsonschema.validators.validator_for(schema).check_schema(schema, format_checker=None)
+    except jsonschema.SchemaError as e:
+        return {"error": e.message, "at": "/".join(str(p) for p in e.absolute_path) or "(root)"}
+    except RecursionError:
+        return {"deep": True}
+    return {"ok": True}
+
+
+def main():
+    for line in sys.stdin:
+        try:
+            reply = check(json.loads(line)["schema"])
+        except RecursionError:
+            reply = {"deep": True}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
