@@ -7,7 +7,8 @@ large body never stalls the event loop and a slow grammar never delays a plain r
 
 * a request's structures (JSON schemas, tools' parameters, regex, grammar) are at most
   ``--max-grammar-bytes`` together (``structures``: a 400 before any work);
-* a request with a schema not checked before goes to the structured lane: its schemas are checked
+* a request with a schema not checked before, or a body over ``PLAIN_BODY_BYTES``, goes to the
+  structured lane (parsing 200 KB of JSON alone takes milliseconds): its schemas are checked
   against their metaschemas in a child process (``constraints/isolated.py``: that pure-Python check
   held the interpreter lock for seconds and slowed decoding 2.8x), within ``--grammar-timeout``,
   then it is prepared and its grammar compiled on that lane's thread (the grammar engine releases
@@ -41,6 +42,7 @@ from .tools import ToolCalling, special_tags, template_supports_tools, tool_call
 
 Kind = Literal["chat", "completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PLAIN_BODY_BYTES = 64 << 10  # a larger body is parsed and prepared on the structured lane
 
 
 @dataclass
@@ -337,8 +339,9 @@ class Preparer:
         loop = asyncio.get_running_loop()
         self.pending += 1
         try:
-            body = await loop.run_in_executor(self._pool, self._unchecked, raw)
-            lane = self._pool if body[1] is None else self._grammar_pool
+            heavy = len(raw) > PLAIN_BODY_BYTES  # parsing it alone takes milliseconds: not on the plain lane
+            body = await loop.run_in_executor(self._grammar_pool if heavy else self._pool, self._unchecked, raw)
+            lane = self._grammar_pool if heavy or body[1] is not None else self._pool
             prep = await loop.run_in_executor(lane, self._prepare, kind, body)
             if prep.structure:
                 prep = await loop.run_in_executor(self._grammar_pool, constrain, prep, self.runner,
