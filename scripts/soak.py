@@ -307,11 +307,15 @@ def note(s: dict) -> str:
         f"| figure | value |",
         "|---|---|",
         f"| requests failing their check | {len(s['failures'])} |",
-        f"| resident memory after the {s['warmup_s']:g} s warm-up | {s['rss_after_warmup'] / mib:.0f} MiB |",
-        f"| resident memory after the soak | {s['rss_end'] / mib:.0f} MiB ({s['rss_growth']:+.1%}) |",
+        f"| resident memory in the last minute of the {s['warmup_s']:g} s warm-up (median) | "
+        f"{s['rss_after_warmup'] / mib:.0f} MiB |",
+        f"| resident memory in the last minute of the soak (median) | {s['rss_end'] / mib:.0f} MiB "
+        f"({s['rss_growth']:+.1%}) |",
         f"| highest resident memory | {s['rss_max'] / mib:.0f} MiB |",
         f"| cross-request memory at the end (budget) | {s['memory_bytes'] / mib:.1f} MiB ({s['memory_budget'] / mib:.0f} MiB), "
         f"{s['memory_evictions']:.0f} evictions |",
+        f"| prompt KV in the prefix cache at the end (budget: `--prefix-cache-mib`, 512) | "
+        f"{s['prefix_cache_bytes'] / mib:.0f} MiB |",
         f"| files left in the model cache | {len(s['cache_leftovers'])} |",
         f"| small request alone, p50 / p99 | {hol['alone_p50_s'] * 1000:.0f} / {hol['alone_p99_s'] * 1000:.0f} ms |",
         f"| beside a stream of {hol['large_schema_bytes'] // 1024} KB schemas, p50 / p99 | "
@@ -344,13 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     extra = [*(arg for key in KEYS for arg in ("--api-key", key)), "--memory-budget-mib", str(a.memory_budget_mib)]
     proc, url, log = start_server(a.model, max_queue=16, extra=extra)
     print(f"soak: serving {a.model} at {url} (log {log}); {a.minutes:g} min, {a.clients} clients", flush=True)
-    samples: list[tuple[float, int]] = []
+    samples: list[tuple[float, int, float]] = []  # (seconds since start, resident bytes, prefix-cache bytes)
     stop = threading.Event()
     t0 = time.monotonic()
 
     def sample() -> None:
         while not stop.wait(5.0):
-            samples.append((time.monotonic() - t0, rss_bytes(proc.pid)))
+            try:
+                held = metric(url, "leapdecode_prefix_cache_bytes") or 0
+            except httpx.HTTPError:
+                held = -1
+            samples.append((time.monotonic() - t0, rss_bytes(proc.pid), held))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -358,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         soak.references()
         seconds = a.minutes * 60
+        started = time.monotonic() - t0
         run_clients(soak, a.clients, seconds, a.max_requests)
+        ended = time.monotonic() - t0
         hol = head_of_line(soak, a.latency_requests)
         memory = {k: metric(url, f"leapdecode_proposer_memory_{k}") for k in ("bytes", "budget_bytes", "evictions_total")}
+        memory["prefix_cache_bytes"] = metric(url, "leapdecode_prefix_cache_bytes")
         alive = httpx.get(url + "/health", timeout=30).status_code == 200
     finally:
         stop.set()
@@ -368,15 +379,19 @@ def main(argv: list[str] | None = None) -> int:
         stop_server(proc)
     time.sleep(1.0)
     after = cache_listing(cache)
-    warm = [r for t, r in samples if t <= a.warmup] or [samples[0][1]]
-    soak_end = [r for t, r in samples if t <= a.warmup + a.minutes * 60]
+    # each side is the median of a minute's samples (every 5 s), so one request's momentary cache is not read
+    # as the server's memory
+    warm = [r for t, r, _ in samples if started + a.warmup - 60 <= t <= started + a.warmup] or [samples[0][1]]
+    soak_end = [r for t, r, _ in samples if ended - 60 <= t <= ended] or [samples[-1][1]]
     summary = {
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "model": a.model, "minutes": a.minutes,
         "clients": a.clients, "warmup_s": a.warmup, "counts": dict(soak.counts), "failures": soak.failures,
-        "rss_after_warmup": warm[-1], "rss_end": soak_end[-1], "rss_max": max(r for _, r in samples),
-        "rss_growth": soak_end[-1] / warm[-1] - 1, "rss_samples": samples,
+        "rss_after_warmup": statistics.median(warm), "rss_end": statistics.median(soak_end),
+        "rss_max": max(r for _, r, _ in samples), "rss_growth": statistics.median(soak_end) / statistics.median(warm) - 1,
+        "rss_samples": samples,
         "memory_bytes": memory["bytes"] or 0, "memory_budget": memory["budget_bytes"] or 0,
-        "memory_evictions": memory["evictions_total"] or 0, "head_of_line": hol, "alive": alive,
+        "memory_evictions": memory["evictions_total"] or 0, "prefix_cache_bytes": memory["prefix_cache_bytes"] or 0,
+        "head_of_line": hol, "alive": alive,
         "cache_new_files": sorted(after - before), "cache_leftovers": sorted(p for p in after - before if temporary(p)),
     }
     checks = {"every request passed its check": not soak.failures,

@@ -8,11 +8,15 @@ script by its path, so the package, torch among it, is never imported: a light c
 Protocol: one JSON object a line on stdin, ``{"schema": ...}``; one line back per request:
 ``{"ok": true}``, ``{"error": MESSAGE, "at": PATH}`` (the metaschema's complaint) or
 ``{"deep": true}`` (nested too deeply to check).  The parent owns the time budget: it kills this
-process when a check runs past it.  Keep the check itself in step with ``grammar.check_json_schema``.
+process when a check runs past it.  It runs at a lower priority (``NICE``), so that on a machine of
+few cores a check takes the CPU decoding leaves, not the other way round.  Keep the check itself in step with ``grammar.check_json_schema``.
 """
 
 import json
+import os
 import sys
+
+NICE = 10  # below the server's decoding threads: on a machine of few cores the check yields the CPU to them
 
 
 def check(schema):
@@ -29,6 +33,10 @@ def check(schema):
 
 
 def main():
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
     for line in sys.stdin:
         try:
             reply = check(json.loads(line)["schema"])

@@ -32,6 +32,7 @@ together, at the end of the search (its hypotheses, best first).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import math
 import threading
@@ -128,6 +129,29 @@ class GenSpec:
                                     stop=tuple(self.stop or ()), strategy=self.strategy, kv_policy=self.kv_policy,
                                     constraint=self.constraint, memory_scope=self.memory_scope)
         return start_request(runner, request, prompt_ids=self.prompt_ids)
+
+
+TRIM_EVERY_S = 2.0  # at most one heap trim per this many seconds, after a request ends
+
+
+def trim_heap() -> None:
+    """Give the allocator's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing).  A request's KV cache and activations are freed when it ends, but the memory of
+    tensors below glibc's mmap threshold stays in the process's heap, scattered among live blocks:
+    in a 5-minute soak of mixed request sizes the server's resident memory kept climbing (+11.6%
+    past the warm-up, its caches all within their budgets) until it was trimmed (scripts/soak.py)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):  # not glibc
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: "ctypes.CDLL | bool | None" = None
 
 
 class Job:
@@ -244,6 +268,7 @@ class Engine:
             raise InvalidParameterError(f"a KV-cache budget of {self.kv_budget_bytes / 2**20:.2f} MiB holds no "
                                         f"request: the smallest needs {smallest / 2**20:.2f} MiB "
                                         "(leapdecode serve --kv-budget-mib)")
+        self._trimmed_at = 0.0  # time.monotonic() of the last heap trim (``_retire``)
         self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
         self._running: list[Running] = []
@@ -492,6 +517,9 @@ class Engine:
         for job in ended:
             if not job.failed:
                 self._end(job)
+        if ended and time.monotonic() - self._trimmed_at > TRIM_EVERY_S:
+            self._trimmed_at = time.monotonic()
+            trim_heap()
 
     def _caps(self, running: list[Running]) -> list[int | None] | None:
         """The ``"profile"`` policy (see the class): draft tokens per speculating generation this

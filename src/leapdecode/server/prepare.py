@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
@@ -318,6 +320,19 @@ def prepare(kind: Kind, raw: bytes | dict, cfg: ServerConfig, runner: ModelRunne
                     tools=req.tool_calling if kind == "chat" else None, structure=_structure(req, runner))
 
 
+STRUCTURED_NICE = 10  # the structured lane's thread runs below decoding (Linux: a thread's own nice value)
+
+
+def lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (``STRUCTURED_NICE``): a grammar's compilation,
+    seconds of CPU for a large schema, then takes what the engine thread leaves on a machine of few
+    cores instead of slowing every generation.  Where a thread's priority cannot be set, nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STRUCTURED_NICE)
+    except (OSError, AttributeError):
+        pass
+
+
 class Preparer:
     """Prepares requests off the event loop on two lanes (see the module docstring): plain requests
     on one worker thread; a request with a JSON schema not checked before on the structured lane,
@@ -331,7 +346,8 @@ class Preparer:
         self.pending = 0  # requests in either stage (changed on the event loop only)
         self.checker = SchemaChecker(cfg.grammar_timeout, "leapdecode serve --grammar-timeout")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-prepare")
-        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-grammar")
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leapdecode-grammar",
+                                                initializer=lower_priority)
 
     async def __call__(self, kind: Kind, raw: bytes) -> Prepared:
         if self.pending >= self.limit:
