@@ -143,7 +143,7 @@ def run_pair(server, first_key: str, second_key: str) -> tuple[dict, dict, int]:
     return a, b, server.runner.prefix_cache.stats()["hits"] - hits
 
 
-def test_N_SUF4_N_SUF8_one_tenants_text_never_changes_anothers_drafts(server):
+def test_N_SUF4_N_SUF8_N_SUF9_one_tenants_text_never_changes_anothers_drafts(server):
     """Probes N-SUF4, N-SUF8, N-SUF9 (untestable then: the scheduler did not speculate): with two keys,
     the second tenant's request drafts and accepts exactly as on an empty memory, and restores none of
     the first tenant's prompt from the prefix cache, though the first one's output and prompt are in
