@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
@@ -181,6 +182,40 @@ def test_decoded_blocks_run_on_the_kernel_exactly():
         per = gguf.GGML_QUANT_SIZES[qtype][0]
         w = decode(random_raw(qtype, 16, 2 * per, seed=11), int(qtype), 16, 2 * per)
         assert np.array_equal(QPart.from_block(w).dequantize().numpy(), w.dequantize()), qtype.name
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_tensor_packed_in_chunks_of_rows_is_its_whole_packing(qtype):
+    """Issue 62's first step: a large tensor is packed from the file a chunk of rows at a time (its
+    temporaries stay small), each chunk in the form its whole tensor takes (``scale_mode`` over every
+    chunk's ``scale_forms``), and the chunks laid end to end are byte for byte its whole packing."""
+    from leapdecode.models.qkernel import BlockWeight, pack, scale_forms, scale_mode
+
+    per = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, k = 64, 2 * per
+    raw = random_raw(qtype, n, k, seed=5)
+    chunks = [decode(raw[i : i + 16], int(qtype), 16, k) for i in range(0, n, 16)]
+    # one chunk that cannot keep fp16 scales (nor, for a K-quant, its factors): the whole tensor cannot
+    spoiled = decode(raw[16:32], int(qtype), 16, k)
+    spoiled.scales[0, 0] = np.float32(1 / 3)
+    if spoiled.factors is not None:
+        spoiled.factors[2][0, 0] = np.float32(1 / 3)
+    for parts in (chunks, [chunks[0], spoiled, *chunks[2:]]):
+        whole = BlockWeight(*(np.concatenate([getattr(c, f) for c in parts])
+                              for f in ("codes", "scales", "zeros")), parts[0].bits, parts[0].group,
+                            parts[0].offset, None if parts[0].factors is None else (
+                                *(np.concatenate([c.factors[i] for c in parts]) for i in range(4)), parts[0].factors[4]))
+        ref = pack(whole)
+        mode = scale_mode([scale_forms(c) for c in parts])
+        assert mode == ref["smode"]
+        packed = [pack(c, smode=mode) for c in parts]
+        for key, value in ref.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(torch.cat([p[key] for p in packed]), value), (qtype.name, key)
+            else:
+                assert all(p[key] == value for p in packed), (qtype.name, key)
+    with pytest.raises(ValueError):  # a chunk cannot take a form its scales do not fit
+        pack(spoiled, smode=1)
 
 
 # ------------------------------------------------------------------ tensor_weight

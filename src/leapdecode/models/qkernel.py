@@ -465,13 +465,38 @@ def _fp16_exact(a: np.ndarray) -> bool:
     return bool(np.isfinite(h).all()) and np.array_equal(h.astype(np.float32), a.astype(np.float32))
 
 
-def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
+def scale_forms(w: BlockWeight) -> tuple[bool, bool]:
+    """Which forms of scales ``pack`` can store for ``w`` as they are: (the K-quants' fp16 factors and
+    int8 sub-block scales, fp16 scales and zeros).  For a tensor packed a part at a time (its rows in
+    chunks: a large tensor's temporaries stay small), every part's forms are gathered first and
+    ``scale_mode`` picks the one the whole tensor can take, so each part is packed alike."""
+    f = w.factors
+    k_quant = f is not None and not (w.codes.shape[1] // w.group) % f[4] and _fp16_exact(f[2]) and _fp16_exact(f[3])
+    return k_quant, _fp16_exact(w.scales) and _fp16_exact(w.zeros)
+
+
+def scale_mode(forms: list[tuple[bool, bool]]) -> int:
+    """The ``smode`` of a tensor whose parts can store ``forms`` (``scale_forms`` of each part): 2,
+    the K-quants' factors; 1, fp16 scales and zeros; 0, fp32 ones."""
+    if all(k_quant for k_quant, _ in forms):
+        return 2
+    return 1 if all(half for _, half in forms) else 0
+
+
+def pack(w: BlockWeight, smode: int | None = None) -> dict[str, torch.Tensor]:
     """The kernel's layout of ``w`` (see kernels/qgemm.cpp): ``codes`` uint8, ``scales`` and
-    ``zeros`` fp32 ``[N/16, K/group, 16]``."""
+    ``zeros`` fp32 ``[N/16, K/group, 16]``, or in the form ``smode`` names (``scale_mode``; None: the
+    most compact form ``w`` itself can take).  Rows are packed unit by unit (16 rows), so a tensor
+    packed in chunks of rows (a multiple of 16) with one ``smode`` is the concatenation of its parts."""
     n, k = w.codes.shape
     g = w.group
     if w.bits not in BITS or g not in GROUPS or n % 16 or k % g:
         raise ValueError(f"cannot pack a [{n}, {k}] weight with {w.bits}-bit codes in groups of {g}")
+    k_quant, half = scale_forms(w)
+    if smode is None:
+        smode = scale_mode([(k_quant, half)])
+    elif not (smode == 0 or smode == 1 and half or smode == 2 and k_quant):
+        raise ValueError(f"cannot store this weight's scales in mode {smode!r}")
     ng = k // g
     if w.bits == 8:  # signed values stored as value + 128 (unsigned bytes for vpdpbusd)
         c = (w.codes.astype(np.int16) + 128).astype(np.uint8)
@@ -495,11 +520,11 @@ def pack(w: BlockWeight) -> dict[str, torch.Tensor]:
 
     out = {"codes": torch.from_numpy(np.ascontiguousarray(c).reshape(-1))}
     f = w.factors
-    if f is not None and not ng % f[4] and _fp16_exact(f[2]) and _fp16_exact(f[3]):
+    if smode == 2:
         sc, mc, dsup, zsup, gps = f  # the K-quants: fp16 d, dmin and int8 sub-block scales, as in the file
         out.update(scales=units(sc, np.int8), zeros=units(mc, np.int8), dsup=units(dsup, np.float16),
                    zsup=units(zsup, np.float16), smode=2, gps=gps)
-    elif _fp16_exact(w.scales) and _fp16_exact(w.zeros):
+    elif smode == 1:
         out.update(scales=units(w.scales, np.float16), zeros=units(w.zeros, np.float16), smode=1, gps=1)
     else:
         out.update(scales=units(w.scales, np.float32), zeros=units(w.zeros, np.float32), smode=0, gps=1)
