@@ -915,6 +915,13 @@ def test_serve_default_drafts():
     (["--api-key", " s3cret "], ["--api-key", "spaces"]),
     (["--request-timeout", "nan"], ["--request-timeout", "nan"]),
     (["--request-timeout", "inf"], ["--request-timeout", "inf"]),
+    # issue 61: the tenants' and budgets' settings
+    (["--api-key", "k", "--api-key", "k"], ["--api-key", "twice"]),
+    (["--memory-budget-mib", "-1"], ["--memory-budget-mib"]),
+    (["--request-limit", "suffix.min_prob=1"], ["--request-limit", "suffix.min_prob", "suffix.depth"]),
+    (["--request-limit", "suffix.depth=1"], ["depth", ">= 2"]),
+    (["--max-grammar-bytes", "0"], ["--max-grammar-bytes"]),
+    (["--grammar-timeout", "0"], ["--grammar-timeout"]),
 ])
 def test_serve_cli_bad_options_exit_2(capsys, monkeypatch, argv, words):
     import leapdecode.models.loader as loader
