@@ -236,3 +236,30 @@ def test_atomic_write_and_output(tmp_path):
             raise RuntimeError("interrupted")
     assert path.read_text() == "two"
     assert sorted(p.name for p in path.parent.iterdir()) == ["report.md"]
+
+
+def test_a_local_files_hash_is_remembered_by_its_path_and_stat(tmp_path, monkeypatch):
+    """Issue 62: a local .gguf was hashed in full at every load to find its converted copy; its hash
+    is now remembered until the file changes (size, modification time, inode)."""
+    import hashlib
+    import os
+
+    from leapdecode.models import store
+
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + bytes(1000))
+    hashed = []
+    real = store.file_sha256
+    monkeypatch.setattr(store, "file_sha256", lambda p, show=True: hashed.append(p) or real(p, show=False))
+    first = store.known_sha256(f)
+    assert first == hashlib.sha256(f.read_bytes()).hexdigest() and len(hashed) == 1
+    assert store.known_sha256(f) == first and len(hashed) == 1  # remembered: not read again
+    f.write_bytes(b"GGUF" + bytes(999) + b"x")  # the same size, another content and modification time
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    assert store.known_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest() != first and len(hashed) == 2
+    (tmp_path / "cache" / store.HASHES_FILE).write_text("{not json")  # a damaged record: hashed again, rewritten
+    assert store.known_sha256(f) != first and len(hashed) == 3
+    assert store.known_sha256(f) != first and len(hashed) == 3
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [store.HASHES_FILE]  # nothing else left

@@ -232,14 +232,15 @@ def repair(name: str) -> tuple[bool, str]:
 
 
 def convert_gguf_file(path: str | os.PathLike) -> Path:
-    """Convert any local ``.gguf`` into ``<cache>/gguf/<sha256[:16]>/`` (cached by content)."""
+    """Convert any local ``.gguf`` into ``<cache>/gguf/<sha256[:16]>/`` (cached by content; the file's
+    hash itself is remembered by its path and stat, ``store.known_sha256``)."""
     path = Path(path).expanduser().resolve()
     try:
         if not path.is_file():
             raise ModelFileError(f"model file not found: {path}")
         if not convert.is_gguf(path):
             raise ModelFileError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-        sha = store.file_sha256(path)
+        sha = store.known_sha256(path)
     except OSError as e:
         raise ModelFileError(f"cannot read {path}: {e}") from None
     key = f"gguf-{sha[:16]}"

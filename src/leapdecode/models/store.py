@@ -428,6 +428,36 @@ def file_sha256(path: Path, show: bool = True) -> str:
     return h.hexdigest()
 
 
+HASHES_FILE = "file-hashes.json"  # in the cache root: a local file's sha256 by its path and stat (``known_sha256``)
+HASHES_KEPT = 256  # files remembered, the newest first
+
+
+def known_sha256(path: Path) -> str:
+    """``file_sha256(path)``, remembered in the cache under the file's path, size, modification time
+    (ns), inode and device: a local ``.gguf`` of several GB was hashed again at every load (seconds
+    for a 7B's 4.7 GB) to find its converted copy.  A file written since (another mtime or size) is
+    hashed again; a cache that cannot be written still answers, hashing every time."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}"
+    record = cache_dir() / HASHES_FILE
+    try:
+        known = json.loads(record.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), str):
+        return known[key]
+    sha = file_sha256(path)
+    known = {key: sha, **{k: v for k, v in known.items() if k != key and not k.startswith(f"{path}|")}}
+    try:
+        with atomic_output(record) as tmp:
+            tmp.write_text(json.dumps(dict(list(known.items())[:HASHES_KEPT]), indent=0))
+    except OSError:  # a read-only cache: hashed, not remembered
+        pass
+    return sha
+
+
 # --------------------------------------------------------------------------- integrity of converted files
 # bytes per element of the safetensors dtypes (sub-byte float formats are not size-checked)
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
