@@ -26,7 +26,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -165,13 +165,21 @@ def read_json_schema(schema: Any) -> Any:
     return schema
 
 
-def check_json_schema(schema: Any) -> dict:
+def check_json_schema(schema: Any, against_metaschema: Callable[[dict], None] | None = None) -> dict:
     """A JSON schema (a mapping, or its JSON text) checked against its metaschema (once per content:
-    ``CHECKED``)."""
+    ``CHECKED``), by ``against_metaschema`` (raises a ``GrammarError``; default: jsonschema here,
+    ``metaschema_check``; a server's runs it in a child process, ``isolated.SchemaChecker``)."""
     schema = read_json_schema(schema)
     digest = schema_digest(schema)
     if digest in CHECKED:
         return schema
+    (against_metaschema or metaschema_check)(schema)
+    CHECKED.add(digest)
+    return schema
+
+
+def metaschema_check(schema: dict) -> None:
+    """jsonschema's check of ``schema`` against its metaschema, in this process (a ``GrammarError``)."""
     try:
         import jsonschema
     except ImportError:
@@ -185,8 +193,6 @@ def check_json_schema(schema: Any) -> dict:
         raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
     except RecursionError:  # probes SO016, SO017, PA36: 2,000 nested levels
         raise GrammarError("the JSON schema is nested too deeply to check") from None
-    CHECKED.add(digest)
-    return schema
 
 
 def grammar_text(*, json_schema: Any = None, regex: str | None = None, grammar: str | None = None) -> str:

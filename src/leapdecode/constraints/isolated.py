@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GrammarError
-from .grammar import CHECKED, COMPILE_TIMEOUT_S, read_json_schema, schema_digest
+from .grammar import COMPILE_TIMEOUT_S, check_json_schema
 
 CHILD = Path(__file__).with_name("schema_check.py")
 
@@ -38,12 +38,11 @@ class SchemaChecker:
         self._lock = threading.Lock()
 
     def check(self, schema: Any) -> dict:
-        """``schema`` checked against its metaschema (``grammar.check_json_schema``'s rules and
-        errors), as a mapping; a valid one is remembered (``grammar.CHECKED``)."""
-        schema = read_json_schema(schema)
-        digest = schema_digest(schema)
-        if digest in CHECKED:
-            return schema
+        """``schema`` checked against its metaschema (``grammar.check_json_schema``, its rules and
+        errors, with the check itself in the child), as a mapping; a valid one is remembered."""
+        return check_json_schema(schema, self._in_child)
+
+    def _in_child(self, schema: dict) -> None:
         line = (json.dumps({"schema": schema}) + "\n").encode()
         with self._lock:
             self.checks += 1
@@ -52,8 +51,6 @@ class SchemaChecker:
             raise GrammarError("the JSON schema is nested too deeply to check")
         if "error" in reply:
             raise GrammarError(f"invalid JSON schema at {reply['at']}: {reply['error']}")
-        CHECKED.add(digest)
-        return schema
 
     def _ask(self, line: bytes) -> dict:
         child = self._start()

@@ -9,7 +9,8 @@ Protocol: one JSON object a line on stdin, ``{"schema": ...}``; one line back pe
 ``{"ok": true}``, ``{"error": MESSAGE, "at": PATH}`` (the metaschema's complaint) or
 ``{"deep": true}`` (nested too deeply to check).  The parent owns the time budget: it kills this
 process when a check runs past it.  It runs at a lower priority (``NICE``), so that on a machine of
-few cores a check takes the CPU decoding leaves, not the other way round.  Keep the check itself in step with ``grammar.check_json_schema``.
+few cores a check takes the CPU decoding leaves, not the other way round.  Keep the check itself in
+step with ``grammar.metaschema_check`` (this child cannot import it: that would import leapdecode).
 """
 
 import json
@@ -23,7 +24,7 @@ def check(schema):
     import jsonschema
 
     try:
-        # structure only, as grammar.check_json_schema: no format checks
+        # structure only, as grammar.metaschema_check: no format checks
         jsonschema.validators.validator_for(schema).check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:
         return {"error": e.message, "at": "/".join(str(p) for p in e.absolute_path) or "(root)"}
