@@ -83,7 +83,8 @@ class GenerationRequest:
     kv_policy: KVPolicy | None = None
     structure: Mapping[str, Any] | None = None  # ``compile_constraint``'s keywords (one of them), not compiled
     constraint: Constraint | None = None  # one compiled already (the server's, the API's ``constraint=``)
-    memory_scope: str | None = None  # whose part of the runner's cross-request memory it uses (a server's tenant)
+    # whose part of the runner's cross-request memory it uses: set by the server to the request's tenant
+    memory_scope: str | None = None
 
 
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "UNSET"})()  # a field the request left out
@@ -94,7 +95,7 @@ def validate_request(*, max_new_tokens: Any = 256, temperature: Any = UNSET, top
                      stop: Any = None, method: Any = None, options: Any = None, strategy: Any = None,
                      strategy_options: Any = None, kv_policy: Any = None, json_schema: Any = None,
                      regex: Any = None, grammar: Any = None, constraint: Constraint | None = None,
-                     memory_scope: Any = None, defaults: RequestDefaults = RequestDefaults()) -> GenerationRequest:
+                     defaults: RequestDefaults = RequestDefaults()) -> GenerationRequest:
     """The request, or a ``RequestError`` naming the first field at fault.  ``method`` None: the
     default method (``defaults.method``), or vanilla with a strategy; ``temperature`` left out:
     ``defaults.temperature``, or 0 for a deterministic search."""
@@ -114,11 +115,8 @@ def validate_request(*, max_new_tokens: Any = 256, temperature: Any = UNSET, top
     cfg = _method(method, options, scfg, defaults)
     if scfg is not None:
         _check_search(scfg, cfg, sampling, stops, policy, structure or constraint)
-    if memory_scope is not None and (not isinstance(memory_scope, str) or not memory_scope):
-        raise RequestError("memory_scope", f"memory_scope must be a non-empty string or None, got {memory_scope!r:.80}")
     return GenerationRequest(method=cfg, sampling=sampling, max_new_tokens=max_new_tokens, stop=stops,
-                             strategy=scfg, kv_policy=policy, structure=structure, constraint=constraint,
-                             memory_scope=memory_scope)
+                             strategy=scfg, kv_policy=policy, structure=structure, constraint=constraint)
 
 
 def _field(path: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
