@@ -76,10 +76,11 @@ class SuffixTrie:
         self._free: list[int] = []
         self.docs: dict[Any, list[int]] = {}  # document -> its tokens
         self._active: dict[Any, list[int]] = {}  # document -> nodes where its last suffixes end
+        self._tokens = 0  # tokens stored: kept, not summed, since the memory budget reads it after every generation
 
     def __len__(self) -> int:
         """Tokens stored."""
-        return sum(len(d) for d in self.docs.values())
+        return self._tokens
 
     @property
     def nodes(self) -> int:
@@ -113,6 +114,7 @@ class SuffixTrie:
         for t in tokens:
             t = int(t)
             text.append(t)
+            self._tokens += 1
             nxt = []
             for v in [*active, 0]:
                 c = self._child(v, t)
@@ -127,6 +129,7 @@ class SuffixTrie:
         self._active.pop(doc, None)
         if not text:
             return
+        self._tokens -= len(text)
         for start in range(len(text)):
             v = 0
             for t in text[start:start + self.depth]:
