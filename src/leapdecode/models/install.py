@@ -193,8 +193,9 @@ def stream_parts(entry: ModelEntry, parts: list[tuple[str, str, Path]], out=None
     return total_hash.hexdigest(), digests
 
 
-def assemble(entry: ModelEntry, dest: Path) -> Path:
-    """The verified GGUF: the single file in place, or the parts concatenated into ``dest``.
+def assemble(entry: ModelEntry, dest: Path | None = None) -> Path:
+    """The verified GGUF: the single file in place (``dest`` unused), or the parts concatenated into
+    ``dest``.
 
     On a checksum mismatch ``dest`` is removed and a ``ModelFileError`` names what to reinstall."""
     parts = data_files(entry)
@@ -203,6 +204,8 @@ def assemble(entry: ModelEntry, dest: Path) -> Path:
         if got != entry.sha256:
             raise checksum_error(entry, got, digests)
         return parts[0][2]
+    if dest is None:
+        raise ValueError(f"{entry.name}'s GGUF comes in {len(parts)} parts: assemble needs a dest to write them to")
     try:
         with open(dest, "wb") as out:
             got, digests = stream_parts(entry, parts, out=out, what="assembling")

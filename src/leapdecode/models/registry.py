@@ -140,7 +140,7 @@ def gguf_file(name: str) -> Iterator[Path]:
     entry = get_entry(name)
     install.install_missing(entry)
     if len(entry.files) == 1:
-        yield install.assemble(entry, Path(os.devnull))  # one file: checked in place, ``dest`` unused
+        yield install.assemble(entry)  # one file: checked in place
         return
     with contextlib.ExitStack() as stack:
         try:
