@@ -3,13 +3,12 @@
 Every direct decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) gives, bit for bit, the
 ``gguf`` package's own dequantization of random raw blocks (random bytes, with finite fp16
 scale and min fields); the float fallbacks (``requantize_q8``, ``quantize_q4``) are within half
-a step of the weight; ``tensor_weight`` on a real GGUF (the registered smollm2-135m's, when
-installed) gives gguf's values for its Q4_1 and Q8_0 tensors.
+a step of the weight; on a real GGUF (the registered smollm2-135m's) ``gguf_tensors`` reads each
+tensor's own bytes, gives gguf's values for its Q4_1 and Q8_0 tensors and undoes llama.cpp's q/k
+permutation as transformers does.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -222,26 +221,32 @@ def test_a_tensor_packed_in_chunks_of_rows_is_its_whole_packing(qtype):
 def test_tensor_weight_falls_back_to_8_bits_for_other_types():
     rng = np.random.default_rng(12)
     dense = (rng.standard_normal((4, 64)) * 0.1).astype(np.float16)
-    fake = SimpleNamespace(shape=np.array([64, 4]), tensor_type=T.F16, data=dense)
-    w, how = tensor_weight(fake)
+    raw = dense.view(np.uint8)  # the file's bytes: [rows, bytes per row]
+    w, how = tensor_weight(raw, int(T.F16), 4, 64)
     assert how == "F16->Q8"
     assert w.shape == (4, 64) and w.bits == 8 and w.group == 32
     ref = requantize_q8(dense.astype(np.float32))
     assert np.array_equal(w.codes, ref.codes) and np.array_equal(w.dequantize(), ref.dequantize())
-    w16, _ = tensor_weight(fake, fallback_group=16)
+    w16, _ = tensor_weight(raw, int(T.F16), 4, 64, fallback_group=16)
     assert w16.group == 16 and w16.scales.shape == (4, 4)
-    # a direct type keeps its blocks (a fake Q6_K tensor: ggml shape [columns, rows])
+    # a direct type keeps its blocks
     raw = random_raw(T.Q6_K, 3, 512, seed=13)
-    w, how = tensor_weight(SimpleNamespace(shape=np.array([512, 3]), tensor_type=T.Q6_K, data=raw))
+    w, how = tensor_weight(raw, int(T.Q6_K), 3, 512)
     assert how == "Q6_K" and w.shape == (3, 512)
     assert np.array_equal(w.dequantize(), dequantize(raw, T.Q6_K))
 
 
 @pytest.mark.integration
-def test_tensor_weight_on_a_real_gguf():
+def test_gguf_tensors_on_a_real_gguf():
+    """``GGUFTensors`` reads each tensor's bytes from the file (the reader's own bytes), keeps the
+    file's blocks (``block_weight``'s dequantization is the ``gguf`` package's, bit for bit) and
+    undoes llama.cpp's q/k permutation by the architecture's rule, as transformers' loader does."""
     # installs the model's wheels where no earlier test did (it skipped in a fresh venv whenever it
     # ran before the tests that install them: the order of files varies)
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
     from leapdecode.models import install
+    from leapdecode.models.gguf_tensors import GGUFTensors
     from leapdecode.models.registry import REGISTRY, gguf_path
 
     install.install_missing(REGISTRY["smollm2-135m"])
@@ -249,15 +254,23 @@ def test_tensor_weight_on_a_real_gguf():
     assert path is not None, "registry.gguf_path found no smollm2-135m GGUF after installing its wheels"
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
+    source = GGUFTensors(path, {"attn_q": 9, "attn_k": 3})
+    assert source.architecture == "llama" and source.permuted
+    hf = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
     seen = set()
-    for name in ("blk.0.attn_k.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
         t = tensors[name]
         k, n = (int(v) for v in t.shape[:2])
-        w, how = tensor_weight(t)
+        assert np.array_equal(source.raw(name).reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+        w, how = source.block_weight(name)
         assert how == t.tensor_type.name and how in ("Q4_1", "Q8_0"), (name, how)
-        assert w.shape == (n, k)
-        ref = dequantize(t.data, t.tensor_type).reshape(n, k)
+        assert w.shape == (n, k) == source.shape(name)
+        ref = source.dense(name).numpy()
         assert np.array_equal(w.dequantize(), ref), name
+        plain = dequantize(t.data, t.tensor_type).reshape(n, k)
+        assert np.array_equal(ref, hf.process(plain, name).weights), name  # transformers' rule, for q/k too
+        assert np.array_equal(ref, plain) == (".attn_q." not in name and ".attn_k." not in name), name
         assert np.abs(ref).max() > 0
         seen.add(how)
     assert seen == {"Q4_1", "Q8_0"}
+    assert torch.equal(source.embedding(chunk_rows=1000), source.dense("token_embd.weight").to(torch.bfloat16))

@@ -272,7 +272,7 @@ def test_a_damaged_packed_file_is_packed_again_not_loaded(tmp_path, monkeypatch,
     model = tiny_native(seed=4)
     blockquant.quantize_native(model)
     path = tmp_path / "tiny.safetensors"
-    blockquant.save_packed(model, path)
+    blockquant.save_packed(*blockquant.packed_contents(model), path)
     assert digest_problem(path) is None and digest_problem(path, full=True) is None
     good = path.read_bytes()
     size = len(good)
@@ -358,7 +358,7 @@ def test_packed_weights_that_cannot_be_written_are_used_from_memory(tmp_path, mo
     model_dir.mkdir()
     write_tiny_config(model_dir)
 
-    def disk_full(model, path):
+    def disk_full(tensors, layout, path):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(blockquant.NativeCausalLM, "from_pretrained", lambda *a, **k: tiny_native())

@@ -879,7 +879,7 @@ def test_tiny_int4_model_runs_on_the_kernel_and_trees_match_one_token_forwards(k
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_packed_cache_round_trip_gives_the_same_logits(kernel, tmp_path, qkv_bias):
-    from leapdecode.models.blockquant import load_packed, quantize_native, save_packed
+    from leapdecode.models.blockquant import load_packed, packed_contents, quantize_native, save_packed
     from leapdecode.models.tiny import tiny_native
 
     model = tiny_native(seed=4, qkv_bias=qkv_bias)
@@ -889,7 +889,7 @@ def test_packed_cache_round_trip_gives_the_same_logits(kernel, tmp_path, qkv_bia
     with pytest.raises(ValueError, match="already quantized"):
         quantize_native(model)
     path = tmp_path / "tiny.safetensors"
-    save_packed(model, path)
+    save_packed(*packed_contents(model), path)
     assert path.is_file() and not list(tmp_path.glob(".packed-*"))
     again = load_packed(path, model.cfg, model.max_seq_len)
     again.attention = "invariant"

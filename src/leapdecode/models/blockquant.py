@@ -3,16 +3,16 @@
 From a GGUF (a registered model or a ``.gguf`` file) every linear layer keeps the file's own
 blocks (``gguf_blocks``: Q4_K / Q4_0 / Q4_1 as 4-bit codes, Q5_* / Q6_K as 6-bit codes, Q8_0 as
 8-bit codes, each with its exact fp32 scales and offsets): the weights are bit for bit those
-llama.cpp multiplies by.  Before a GGUF tensor is used, its dequantization is compared with
-the converted checkpoint's weight (the same numbers, from transformers' GGUF loader), which
-also tells whether llama.cpp's row permutation of q/k (Llama-architecture GGUFs) must be
-undone.  From a plain float checkpoint, linear layers are quantized to 4-bit codes in groups
-of 32 (``gguf_blocks.quantize_q4``).
+llama.cpp multiplies by.  They are packed tensor by tensor straight from the file
+(``pack_gguf``, reading through ``gguf_tensors``: llama.cpp's q/k permutation undone by the
+architecture's rule), without a float copy of the model.  From a plain float checkpoint, linear
+layers are quantized to 4-bit codes in groups of 32 (``gguf_blocks.quantize_q4``).
 
-The embedding and the norms run in bf16 (the kernel's activation dtype); the output head runs
-on the kernel with fp32 logits.  The packed model is cached as one safetensors file per model,
-format and CPU instruction set (written to a temporary file and renamed), so a warm load reads
-it back in seconds.
+The embedding and the norms run in bf16 (the kernel's activation dtype; the embedding is the
+``gguf`` package's dequantization of the file's rows, rounded to bf16); the output head runs on
+the kernel with fp32 logits.  The packed model is cached as one safetensors file per model,
+format and CPU instruction set (written to a temporary file and renamed), so a warm load maps it
+back in about a second.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import torch
 
 from ..errors import ModelFileError
 from .native import NativeCausalLM
-from .qkernel import BlockWeight, QLinear, QPart, isa_key
-from .quant import BLOCK_LINEARS, to_activation_dtype
-from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale, writable,
-                    write_digest)
+from .gguf_tensors import GGUFTensors
+from .qkernel import QLinear, QPart, isa_key
+from .quant import ACT_DTYPE, BLOCK_LINEARS, to_activation_dtype
+from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, progress, say, sweep_stale,
+                    writable, write_digest)
 
 LAYOUT_VERSION = 4
 # HF-side pieces of each fused native linear, with their GGUF names
@@ -44,98 +45,43 @@ GGUF_PARTS = {
 }
 
 
-def _permutation(rows: int, heads: int) -> np.ndarray:
-    """Row order that undoes llama.cpp's q/k permutation for ``heads`` heads (as transformers'
-    GGUF loader does: ``w.reshape(heads, dim, 2, -1).swapaxes(2, 1)``)."""
-    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(-1)
-
-
-def _matches(w: BlockWeight, reference: torch.Tensor) -> bool:
-    got = torch.from_numpy(w.dequantize())
-    ref = reference.detach().float().cpu()
-    if got.shape != ref.shape:
-        return False
-    return bool(torch.equal(got, ref)) or bool(torch.allclose(got, ref, rtol=1e-6, atol=1e-7))
-
-
-class _GGUFSource:
-    """The GGUF's tensors by name, decoded on request and checked against the checkpoint."""
-
-    def __init__(self, path: Path) -> None:
-        import gguf
-
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the gguf package raises several kinds for a corrupt file
-            raise ModelFileError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.path = path
-        self.kinds: dict[str, int] = {}
-
-    def weight(self, name: str, reference: torch.Tensor, heads: int | None = None) -> BlockWeight:
-        from .gguf_blocks import tensor_weight
-
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ModelFileError(f"{self.path.name}: no tensor {name!r}")
-        w, how = tensor_weight(tensor)
-        self.kinds[how] = self.kinds.get(how, 0) + w.codes.size
-        if _matches(w, reference):
-            return w
-        if heads is not None:
-            permuted = w.rows(_permutation(w.shape[0], heads))
-            if _matches(permuted, reference):
-                return permuted
-        raise ModelFileError(f"{self.path.name}: tensor {name!r} does not match the converted checkpoint "
-                             "(convert the model again: leapdecode models fetch NAME --repair)")
-
-
-def _heads_for(cfg, gguf_name: str) -> int | None:
-    return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(gguf_name)
-
-
-def quantize_native(model: NativeCausalLM, gguf_path: Path | None = None) -> dict[str, int]:
-    """Replace every block linear and the head of a float ``model`` with ``QLinear`` layers (from
-    the GGUF's blocks, else 4-bit group-32 quantization); the rest becomes bf16.  In place;
-    returns the number of weights per source format (e.g. ``{"Q4_K": ..., "Q6_K": ...}``)."""
+def quantize_native(model: NativeCausalLM) -> dict[str, int]:
+    """Replace every block linear and the head of a float ``model`` with ``QLinear`` layers of
+    4-bit codes in groups of 32 (a checkpoint without GGUF blocks); the rest becomes bf16.  In
+    place; returns the number of weights per format (``{"int4-g32": ...}``)."""
     from .gguf_blocks import quantize_q4
 
     if getattr(model, "quantization", None):
         raise ValueError(f"model is already quantized ({model.quantization})")
     cfg = model.cfg
-    source = _GGUFSource(gguf_path) if gguf_path is not None else None
-    kinds: dict[str, int] = {}
+    kinds = {"int4-g32": 0}
 
-    def block_weight(gguf_name: str, ref: torch.Tensor) -> BlockWeight:
-        if source is not None:
-            return source.weight(gguf_name, ref, _heads_for(cfg, gguf_name.rsplit(".", 2)[-2]))
+    def part(ref: torch.Tensor) -> QPart:
         w = quantize_q4(ref.detach().float().cpu().numpy())
-        kinds["int4-g32"] = kinds.get("int4-g32", 0) + w.codes.size
-        return w
+        kinds["int4-g32"] += w.codes.size
+        return QPart.from_block(w)
 
     with torch.no_grad():
-        for i, block in enumerate(model.layers):
+        for block in model.layers:
             for name in BLOCK_LINEARS:
                 lin = getattr(block, name)
-                weight = lin.weight
-                pieces = _split(cfg, name, weight)
-                parts = [QPart.from_block(block_weight(f"blk.{i}.{g}.weight", ref))
-                         for g, ref in zip(GGUF_PARTS[name], pieces)]
-                if any(p.out_features != ref.shape[0] for p, ref in zip(parts[:-1], pieces[:-1])):
-                    raise ModelFileError(f"layer {i} {name}: a part's rows are not a multiple of 16")
-                setattr(block, name, QLinear(parts, lin.bias, out_features=weight.shape[0]))
-        head_name = "token_embd.weight" if cfg.tie_word_embeddings or (
-            source is not None and "output.weight" not in source.tensors) else "output.weight"
+                pieces = _split(cfg, name, lin.weight)
+                setattr(block, name, _fused(name, [part(ref) for ref in pieces], lin.bias,
+                                            [ref.shape[0] for ref in pieces]))
         head_ref = model.head_weight
-        head = QLinear([QPart.from_block(block_weight(head_name, head_ref))], out_fp32=True,
-                       out_features=head_ref.shape[0])
-        model.replace_head(head)  # head_weight: dequantized from the kernel's head on demand
-        to_activation_dtype(model)
-    if source is not None:
-        kinds.update(source.kinds)
+        model.replace_head(_fused("lm_head", [part(head_ref)], None, [head_ref.shape[0]], out_fp32=True))
+        to_activation_dtype(model)  # head_weight: dequantized from the kernel's head on demand
     model.quantization = "int4"
     model.quant_fallbacks = {}
     return kinds
+
+
+def _fused(name: str, parts: list[QPart], bias: torch.Tensor | None, rows: list[int], out_fp32: bool = False) -> QLinear:
+    """One ``QLinear`` of ``parts`` side by side; ``rows``: each part's rows before padding (every
+    part but the last must fill its 16-row units: the kernel's outputs follow each other)."""
+    if any(p.out_features != r for p, r in zip(parts[:-1], rows[:-1])):
+        raise ModelFileError(f"{name}: a part's rows are not a multiple of 16")
+    return QLinear(parts, bias, out_fp32=out_fp32, out_features=sum(rows))
 
 
 def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
@@ -146,6 +92,49 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
         return list(weight.chunk(2))
     return [weight]
 
+
+def gguf_heads(cfg) -> dict[str, int]:
+    """The heads of q and k, for undoing llama.cpp's q/k permutation (``gguf_tensors``)."""
+    return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+
+
+def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, int]]:
+    """The packed model straight from a GGUF's blocks, one tensor at a time: (``save_packed``'s
+    tensors and layouts, the number of weights per block type).  Nothing of the model is ever in
+    float but the bf16 embedding and norms; the largest temporary is one tensor's decoded blocks."""
+    tensors: dict[str, torch.Tensor] = {}
+    layout: dict[str, dict] = {}
+    kinds: dict[str, int] = {}
+
+    def linear(name: str, gguf_names: list[str], bias: torch.Tensor | None = None, out_fp32: bool = False) -> None:
+        parts, rows = [], []
+        for g in gguf_names:
+            w, how = source.block_weight(g)
+            kinds[how] = kinds.get(how, 0) + w.codes.size
+            rows.append(w.shape[0])
+            parts.append(QPart.from_block(w))
+            del w
+        _record(tensors, layout, name, _fused(name, parts, bias, rows, out_fp32))
+
+    # the head first: its decoded blocks are the largest temporary, best met before the rest is held
+    tied = cfg.tie_word_embeddings or "output.weight" not in source
+    linear("lm_head", ["token_embd.weight" if tied else "output.weight"], out_fp32=True)
+    tensors["embed.weight"] = source.embedding("token_embd.weight", ACT_DTYPE)
+    tensors["norm"] = source.dense("output_norm.weight", ACT_DTYPE)
+    with progress(f"packing {source.path.name} for the int4 kernel", source.size) as advance:
+        advance(source.bytes_read)
+        for i in range(cfg.n_layers):
+            read = source.bytes_read
+            blk = f"blk.{i}."
+            for name, gguf_parts in GGUF_PARTS.items():
+                bias = None
+                if name == "wqkv" and cfg.attention_bias:
+                    bias = torch.cat([source.dense(f"{blk}{g}.bias") for g in gguf_parts])
+                linear(f"layers.{i}.{name}", [f"{blk}{g}.weight" for g in gguf_parts], bias)
+            tensors[f"layers.{i}.attn_norm"] = source.dense(f"{blk}attn_norm.weight", ACT_DTYPE)
+            tensors[f"layers.{i}.mlp_norm"] = source.dense(f"{blk}ffn_norm.weight", ACT_DTYPE)
+            advance(source.bytes_read - read)
+    return tensors, layout, kinds
 
 
 # --------------------------------------------------------------------------- the packed cache
@@ -183,25 +172,35 @@ def prune_packed(path: Path) -> list[Path]:
     return removed
 
 
-def save_packed(model: NativeCausalLM, path: Path) -> None:
-    """Write the quantized ``model``'s tensors and part layouts to ``path`` atomically."""
-    from safetensors.torch import save_file
+def _record(tensors: dict[str, torch.Tensor], layout: dict[str, dict], name: str, module: QLinear) -> None:
+    """Add a ``QLinear``'s tensors and part layouts to a packed file's contents."""
+    layout[name] = {"out_features": module.out_features, "out_fp32": module.out_fp32,
+                    "parts": [p.spec() for p in module.parts]}
+    for j, p in enumerate(module.parts):
+        for t in ("codes", "scales", "zeros", "dsup", "zsup"):
+            if getattr(p, t) is not None:
+                tensors[f"{name}.parts.{j}.{t}"] = getattr(p, t)
+    if module.bias is not None:
+        tensors[f"{name}.bias"] = module.bias
 
+
+def packed_contents(model: NativeCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """A quantized ``model``'s tensors and part layouts, as ``save_packed`` writes them."""
     tensors: dict[str, torch.Tensor] = {}
     layout: dict[str, dict] = {}
     for name, module in model.named_modules():
         if isinstance(module, QLinear):
-            layout[name] = {"out_features": module.out_features, "out_fp32": module.out_fp32,
-                            "parts": [p.spec() for p in module.parts]}
-            for j, p in enumerate(module.parts):
-                for t in ("codes", "scales", "zeros", "dsup", "zsup"):
-                    if getattr(p, t) is not None:
-                        tensors[f"{name}.parts.{j}.{t}"] = getattr(p, t)
-            if module.bias is not None:
-                tensors[f"{name}.bias"] = module.bias
+            _record(tensors, layout, name, module)
     for name, p in model.named_parameters():
         if ".parts." not in name:
             tensors[name] = p.detach()
+    return tensors, layout
+
+
+def save_packed(tensors: dict[str, torch.Tensor], layout: dict[str, dict], path: Path) -> None:
+    """Write a packed model's tensors and part layouts to ``path`` atomically."""
+    from safetensors.torch import save_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
     # an owned folder, not a file: save_file writes its own .tmpXXXXXX beside its target and renames it,
     # so a packing killed mid-write leaves one folder, which the next load removes (issue 61, probe F14)
@@ -215,7 +214,8 @@ def save_packed(model: NativeCausalLM, path: Path) -> None:
 
 
 def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
-    """A model from ``save_packed``'s file; a ``ModelFileError`` if it is unreadable."""
+    """A model from ``save_packed``'s file (its tensors mapped from the file, not copied); a
+    ``ModelFileError`` if it is unreadable."""
     from safetensors import safe_open
 
     try:
@@ -224,6 +224,12 @@ def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # corrupt or truncated cache file
         raise ModelFileError(f"cannot read the packed weights {path}: {type(e).__name__}: {e}") from None
+    return packed_model(tensors, layout, cfg, max_seq_len, f"the packed weights {path}")
+
+
+def packed_model(tensors: dict[str, torch.Tensor], layout: dict[str, dict], cfg, max_seq_len: int | None,
+                 what: str = "the packed weights") -> NativeCausalLM:
+    """The quantized model made of a packed file's contents (``ModelFileError``: some are missing)."""
     with torch.device("meta"):
         model = NativeCausalLM(cfg, max_seq_len=max_seq_len)
     try:
@@ -243,11 +249,11 @@ def load_packed(path: Path, cfg, max_seq_len: int | None) -> NativeCausalLM:
         own = {k: v for k, v in tensors.items() if ".parts." not in k and not k.endswith(".bias")}
         model.load_state_dict(own, strict=False, assign=True)
     except (KeyError, ValueError, RuntimeError) as e:
-        raise ModelFileError(f"the packed weights {path} are incomplete ({type(e).__name__}: {e})") from None
+        raise ModelFileError(f"{what} are incomplete ({type(e).__name__}: {e})") from None
     try:
         model.materialized()
     except ValueError as e:
-        raise ModelFileError(f"the packed weights {path} are incomplete ({e})") from None
+        raise ModelFileError(f"{what} are incomplete ({e})") from None
     model.quantization = "int4"
     model.quant_fallbacks = {}
     return model
@@ -279,23 +285,27 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
     else:  # probe F10e: a read-only cache without this model's packed weights
         say(f"the cache {path.parent} is not writable: packing {model_dir.name} for the int4 kernel in memory "
             "(again at every load)")
-    model = NativeCausalLM.from_pretrained(model_dir, dtype=torch.float32, max_seq_len=max_seq_len)
-    try:
-        with (gguf() if gguf is not None else contextlib.nullcontext(None)) as gguf_path:
-            kinds = quantize_native(model, gguf_path)
-    except OSError as e:  # probe F10e: a multi-part GGUF is assembled first (in the cache or the temporary folder)
-        raise ModelFileError(f"cannot read {model_dir.name}'s GGUF blocks to pack them ({e.strerror or e}); "
-                             f"point LEAPDECODE_CACHE at a writable directory") from None
+    if gguf is None:  # a float checkpoint: quantized to 4-bit codes
+        model = NativeCausalLM.from_pretrained(model_dir, dtype=torch.float32, max_seq_len=max_seq_len)
+        kinds = quantize_native(model)
+        tensors, layout = packed_contents(model)
+    else:
+        try:
+            with gguf() as gguf_path:
+                tensors, layout, kinds = pack_gguf(GGUFTensors(gguf_path, gguf_heads(cfg)), cfg)
+        except OSError as e:  # probe F10e: a multi-part GGUF is assembled first (in the cache or the temporary folder)
+            raise ModelFileError(f"cannot read {model_dir.name}'s GGUF blocks to pack them ({e.strerror or e}); "
+                                 f"point LEAPDECODE_CACHE at a writable directory") from None
+        model = packed_model(tensors, layout, cfg, max_seq_len)
     total = sum(kinds.values()) or 1
     say("weights: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(kinds.items())))
     if not keep:
         return model
     try:
-        save_packed(model, path)
+        save_packed(tensors, layout, path)
     except Exception as e:  # noqa: BLE001  (probes F10e, F12b: read-only cache, disk full: OSError, SafetensorError)
         say(f"warning: cannot keep the packed weights in {path.parent} ({type(e).__name__}: {e}); using them "
             "from memory, and they are packed again at the next load")
         return model
     prune_packed(path)
     return model
-

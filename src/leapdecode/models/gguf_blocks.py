@@ -146,15 +146,15 @@ def quantize_q4(w: np.ndarray, group: int = 32) -> BlockWeight:
     return BlockWeight(q.reshape(n, k), s.astype(np.float32), lo.astype(np.float32), 4, group)
 
 
-def tensor_weight(tensor, fallback_group: int = 32) -> tuple[BlockWeight, str]:
-    """A ``gguf.ReaderTensor`` of a 2-D weight -> (``BlockWeight`` ``[rows, cols]``, how): the
-    direct mapping where there is one, else the ``gguf`` package's dequantization re-quantized
-    to 8 bits (``requantize_q8``)."""
-    k, n = (int(v) for v in tensor.shape[:2])  # ggml order: ne0 = columns
-    qtype = int(tensor.tensor_type)
+def tensor_weight(raw: np.ndarray, qtype: int, n: int, k: int, fallback_group: int = 32) -> tuple[BlockWeight, str]:
+    """A 2-D weight ``[n, k]`` from its raw bytes in the file (``raw``: ``[n, bytes per row]`` uint8)
+    -> (``BlockWeight``, how): the direct mapping where there is one, else the ``gguf`` package's
+    dequantization re-quantized to 8 bits (``requantize_q8``)."""
     if qtype in BLOCK_BYTES:
-        return decode(np.asarray(tensor.data).reshape(-1), qtype, n, k), NATIVE_TYPES[qtype]
+        return decode(raw.reshape(-1), qtype, n, k), NATIVE_TYPES[qtype]
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    dense = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(n, k)
-    return requantize_q8(dense, fallback_group), f"{getattr(tensor.tensor_type, 'name', qtype)}->Q8"
+    kind = GGMLQuantizationType(qtype)
+    dense = np.asarray(dequantize(np.ascontiguousarray(raw).reshape(n, -1), kind), dtype=np.float32).reshape(n, k)
+    return requantize_q8(dense, fallback_group), f"{kind.name}->Q8"

@@ -1,0 +1,171 @@
+"""A GGUF file's tensors, read straight from the file for the native decoder (issue 62).
+
+The GGUF is the model: its weights go tensor by tensor from the file into the kernel's layout
+(``blockquant.pack_gguf``) or, where float weights are asked for, into a state dict in the target
+dtype (``float_state``), never the whole model in float32 at once.  A tensor's bytes are read with
+``np.fromfile`` at its offset, not through the ``gguf`` reader's memory map: pages touched through
+the map stay resident for as long as the reader lives.
+
+llama.cpp's converter permutes the rows of q and k of a model of GGUF architecture ``llama``
+(Llama, Mistral, SmolLM: ``LlamaModel.permute`` in ``convert_hf_to_gguf.py``) for its rope, which
+pairs neighbouring columns; the permutation is undone here by rule from the file's architecture,
+for weights and biases alike, as transformers' GGUF loader does (``LlamaTensorProcessor``).
+Qwen2's converter does not permute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import ModelFileError
+
+PERMUTED_ARCHITECTURES = frozenset({"llama"})  # GGUF architectures whose q/k rows llama.cpp permuted
+
+# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Mistral)
+MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+class TensorInfo(NamedTuple):
+    """Where a tensor lies in the file and what it is (ggml's shape: columns first)."""
+
+    shape: tuple[int, ...]
+    tensor_type: object  # gguf.GGMLQuantizationType
+    n_bytes: int
+    data_offset: int
+
+
+def permutation(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation for ``heads`` heads (as transformers' GGUF
+    loader does: ``w.reshape(heads, dim, 2, -1).swapaxes(2, 1)``)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(-1)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor of the native decoder (None: not one of them)."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in MODEL_NAMES:
+        return f"{MODEL_NAMES[stem]}.{kind}"
+    blk, _, rest = stem.partition(".")
+    layer, _, part = rest.partition(".")
+    if blk == "blk" and layer.isdigit() and part in LAYER_NAMES:
+        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+class GGUFTensors:
+    """The tensors of one GGUF file by name, each read from the file when asked for.
+
+    ``heads``: the number of heads of q and of k (``{"attn_q": n, "attn_k": n_kv}``), for undoing
+    llama.cpp's permutation where the file's architecture has it.  Only the tensors' places are
+    kept of the ``gguf`` reader: its parsed metadata (a 150k-token vocabulary field by field) holds
+    half a gigabyte."""
+
+    def __init__(self, path: str | Path, heads: dict[str, int] | None = None) -> None:
+        import gguf
+
+        self.path = Path(path)
+        try:
+            reader = gguf.GGUFReader(str(self.path))
+            self.architecture = str(reader.fields["general.architecture"].contents())
+            self.tensors = {t.name: TensorInfo(tuple(int(v) for v in t.shape), t.tensor_type, int(t.n_bytes),
+                                               int(t.data_offset)) for t in reader.tensors}
+        except Exception as e:  # the gguf package raises several kinds for a corrupt file
+            raise ModelFileError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        del reader
+        self.heads = dict(heads or {})
+        self.permuted = self.architecture in PERMUTED_ARCHITECTURES
+        self.size = self.path.stat().st_size
+        self.bytes_read = 0  # of tensor data, for progress
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def _tensor(self, name: str):
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelFileError(f"{self.path.name}: no tensor {name!r}")
+        return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Rows first (``[out, in]`` for a weight), as torch orders it; ggml stores columns first."""
+        return tuple(reversed(self._tensor(name).shape))
+
+    def qtype(self, name: str) -> int:
+        return int(self._tensor(name).tensor_type)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, ``[rows, bytes per row]`` uint8 (one row for a vector), read from the file."""
+        tensor = self._tensor(name)
+        try:
+            data = np.fromfile(self.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+        except OSError as e:
+            raise ModelFileError(f"cannot read tensor {name!r} of {self.path}: {e.strerror or e}") from None
+        self.bytes_read += data.size
+        if data.size != tensor.n_bytes:
+            raise ModelFileError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
+        shape = self.shape(name)
+        return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+
+    def _row_order(self, name: str, rows: int) -> np.ndarray | None:
+        """The rows' order that undoes llama.cpp's permutation of ``name`` (None: none to undo)."""
+        part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if not self.permuted or part not in ("attn_q", "attn_k"):
+            return None
+        heads = self.heads.get(part)
+        if not heads:
+            raise ValueError(f"undoing the q/k permutation of {name!r} needs its number of heads")
+        return permutation(rows, heads)
+
+    def block_weight(self, name: str, fallback_group: int = 32):
+        """(``BlockWeight`` ``[rows, cols]`` in the file's own blocks, how it was read: the block
+        type, or ``"TYPE->Q8"`` for a type the kernel re-quantizes), rows in Hugging Face's order."""
+        from .gguf_blocks import tensor_weight
+
+        rows, cols = self.shape(name)
+        w, how = tensor_weight(self.raw(name), self.qtype(name), rows, cols, fallback_group)
+        order = self._row_order(name, rows)
+        return (w if order is None else w.rows(order)), how
+
+    def dense(self, name: str, dtype: torch.dtype = torch.float32, rows: slice | None = None) -> torch.Tensor:
+        """The tensor dequantized by the ``gguf`` package (fp32, the bits transformers' loader gets),
+        then in ``dtype``; rows in Hugging Face's order; ``rows``: those rows only (of a matrix the
+        file does not permute), read a slice at a time."""
+        from gguf.quants import dequantize
+
+        raw = self.raw(name)
+        if rows is not None:
+            raw = raw[rows]
+        values = dequantize(raw, self._tensor(name).tensor_type).reshape(raw.shape[0], -1)
+        order = self._row_order(name, values.shape[0]) if rows is None else None
+        if order is not None:
+            values = values[order]
+        out = torch.from_numpy(np.ascontiguousarray(values))
+        shape = self.shape(name)
+        return (out if len(shape) > 1 else out.reshape(shape)).to(dtype)
+
+    def embedding(self, name: str = "token_embd.weight", dtype: torch.dtype = torch.bfloat16,
+                  chunk_rows: int = 8192) -> torch.Tensor:
+        """A large matrix in ``dtype``, dequantized a slice of rows at a time (the float32 copy of a
+        7B's embedding alone is 2 GB)."""
+        n, k = self.shape(name)
+        out = torch.empty(n, k, dtype=dtype)
+        for start in range(0, n, chunk_rows):
+            out[start:start + chunk_rows] = self.dense(name, dtype, rows=slice(start, start + chunk_rows))
+        return out
+
+    def float_state(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The native decoder's tensors under their Hugging Face names, in ``dtype``, one at a time."""
+        for name in self.tensors:
+            hf = hf_name(name)
+            if hf is not None:
+                yield hf, (self.embedding(name, dtype) if name == "token_embd.weight" else self.dense(name, dtype))

@@ -1,0 +1,72 @@
+"""The GGUF is the model (issue 62): packed straight from the file's blocks, no float copy.
+
+``blockquant.pack_gguf`` reads a GGUF tensor by tensor (``gguf_tensors``) into the kernel's
+layout.  On the registered smollm2-135m (Llama architecture: llama.cpp permuted its q/k rows)
+every fused linear layer of the packed model multiplies by exactly the weights transformers'
+GGUF loader gets from the file (the ``gguf`` package's dequantization, q/k un-permuted by
+transformers' own rule), and the embedding and norms are their bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from leapdecode.models import qkernel
+
+pytestmark = pytest.mark.skipif(qkernel.kernel_problem() is not None, reason="the block kernel cannot run here")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from leapdecode.models import install
+    from leapdecode.models.registry import REGISTRY, gguf_path
+
+    install.install_missing(REGISTRY["smollm2-135m"])
+    return gguf_path("smollm2-135m")
+
+
+def _transformers_weights(path, names, heads):
+    """What transformers' GGUF loader makes of ``names``: gguf's dequantization, then its
+    ``LlamaTensorProcessor`` (the q/k permutation undone)."""
+    import gguf
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    processor = LlamaTensorProcessor(config={"num_attention_heads": heads[0], "num_key_value_heads": heads[1]})
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    out = []
+    for name in names:
+        t = tensors[name]
+        k, n = (int(v) for v in t.shape[:2]) if len(t.shape) > 1 else (int(t.shape[0]), 1)
+        w = dequantize(t.data, t.tensor_type).reshape(n, k) if len(t.shape) > 1 else dequantize(t.data, t.tensor_type)
+        out.append(torch.from_numpy(np.array(processor.process(w, name).weights)))
+    return out
+
+
+@pytest.mark.integration
+def test_pack_gguf_multiplies_by_the_files_weights(smollm2):
+    from leapdecode.models.blockquant import GGUF_PARTS, gguf_heads, pack_gguf, packed_model
+    from leapdecode.models.gguf_tensors import GGUFTensors
+    from leapdecode.models.native import ModelConfig
+    from leapdecode.models.registry import ensure_converted
+
+    cfg = ModelConfig.from_hf(json.loads((ensure_converted("smollm2-135m") / "config.json").read_text()))
+    tensors, layout, kinds = pack_gguf(GGUFTensors(smollm2, gguf_heads(cfg)), cfg)
+    assert set(kinds) == {"Q4_1", "Q8_0"} and sum(kinds.values()) > 100_000_000
+    model = packed_model(tensors, layout, cfg, 256)
+    heads = (cfg.n_heads, cfg.n_kv_heads)
+    for i in (0, cfg.n_layers - 1):
+        block = model.layers[i]
+        for name, parts in GGUF_PARTS.items():
+            want = torch.cat(_transformers_weights(smollm2, [f"blk.{i}.{p}.weight" for p in parts], heads))
+            assert torch.equal(getattr(block, name).dequantize(), want), (i, name)
+        norms = _transformers_weights(smollm2, [f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"], heads)
+        assert torch.equal(block.attn_norm, norms[0].to(torch.bfloat16))
+        assert torch.equal(block.mlp_norm, norms[1].to(torch.bfloat16))
+    embedding = _transformers_weights(smollm2, ["token_embd.weight"], heads)[0]
+    assert torch.equal(model.embed.weight, embedding.to(torch.bfloat16))
+    assert torch.equal(model.lm_head.dequantize(), embedding)  # tied: the head is the embedding's blocks
