@@ -92,6 +92,29 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def cache_with_kernel():
+    """``cache_with_kernel(path)``: make ``path`` a model cache holding this machine's verified kernel
+    library (a copy: a subprocess on that cache runs no compiler); skips where the kernel cannot run."""
+    import shutil
+    from pathlib import Path
+
+    from leapdecode.models import qkernel, store
+
+    problem = qkernel.kernel_problem()
+    if problem is not None:
+        pytest.skip(f"no kernel here: {problem}")
+    real = Path(qkernel.kernel_status()["library"])
+
+    def make(cache: Path) -> Path:
+        (cache / "kernels").mkdir(parents=True)
+        for f in (real, store.digest_path(real)):
+            shutil.copy2(f, cache / "kernels" / f.name)
+        return cache
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def q4_tiny():
     """``tiny-random`` on the int4 block kernel with the invariant attention: batch-invariant, so
     a sequence's greedy output in a batch is its solo output bit for bit (skipped where the kernel

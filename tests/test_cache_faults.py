@@ -72,15 +72,6 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 # --------------------------------------------------------------------------- a cache and a model on disk
-def cache_with_kernel(cache: Path) -> Path:
-    """A cache holding this machine's verified kernel library (a copy: no compiler run)."""
-    real = _real_library()
-    (cache / "kernels").mkdir(parents=True)
-    for f in (real, store.digest_path(real)):
-        shutil.copy2(f, cache / "kernels" / f.name)
-    return cache
-
-
 def _real_library() -> Path:
     kernel_needed()
     status = qkernel.kernel_status()
@@ -124,7 +115,7 @@ def read_only_mount(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def warm_cache(model_dir, tmp_path_factory):
+def warm_cache(model_dir, tmp_path_factory, cache_with_kernel):
     """A cache that ran the tiny model once (the kernel library, its packed weights and digests),
     with that run's output."""
     cache = cache_with_kernel(tmp_path_factory.mktemp("warm") / "cache")
@@ -205,7 +196,7 @@ def test_F10e_read_only_cache_without_a_converted_model_is_one_line(read_only_mo
 
 
 # --------------------------------------------------------------------------- kill -9 at each stage
-def test_F14_kill_while_packing_leaves_nothing_after_the_next_run(model_dir, tmp_path):
+def test_F14_kill_while_packing_leaves_nothing_after_the_next_run(model_dir, tmp_path, cache_with_kernel):
     kernel_needed()
     cache = cache_with_kernel(tmp_path / "cache")
     args = generate(model_dir)

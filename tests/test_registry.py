@@ -51,8 +51,7 @@ def _fake_converter(calls: list | None = None, delay: float = 0.0):
         (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
         for fname, text in SMALL_FILES.items():
             (out / fname).write_text(text)
-        _write_weights(out / registry.WEIGHTS_FILE, data[:16])
-        return {"architecture": "LlamaForCausalLM", "parameters": 1, "chat_template": True, "dtype": "float32"}
+        return {"architecture": "LlamaForCausalLM", "parameters": 1, "chat_template": True}
 
     return convert
 
@@ -115,7 +114,7 @@ def test_assembles_parts_in_order_and_converts_once(fake, cache):
     meta = json.loads((path / "leapdecode.json").read_text())
     assert meta["source_sha256"] == fake["entry"].sha256
     assert meta["name"] == "fake" and meta["leapdecode_version"]
-    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    assert (path / "config.json").is_file() and not (path / registry.WEIGHTS_FILE).exists()  # no float copy
     assert _leftovers(cache) == []  # the assembled GGUF is gone
     # later loads read the cache
     assert registry.ensure_converted("fake") == path
@@ -239,7 +238,7 @@ def test_crash_during_conversion_leaves_no_target(fake, cache, monkeypatch):
     def crashing(gguf_path, out):
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
-        (out / "model.safetensors").write_bytes(b"half")
+        (out / "tokenizer.json").write_bytes(b"half")
         raise RuntimeError("boom")
 
     monkeypatch.setattr(convert, "gguf_to_hf", crashing)
@@ -270,9 +269,9 @@ def test_stale_staging_from_a_killed_process_is_cleaned(fake, cache):
 def test_incomplete_or_outdated_target_is_replaced(fake, cache):
     target = cache / "models" / "fake"
     target.mkdir(parents=True)
-    (target / "config.json").write_text("{}")  # no weights, no leapdecode.json
+    (target / "config.json").write_text("{}")  # no tokenizer, no leapdecode.json
     registry.ensure_converted("fake")
-    assert (target / "model.safetensors").is_file()
+    assert (target / "tokenizer.json").is_file()
     meta = json.loads((target / "leapdecode.json").read_text())
     meta["source_sha256"] = "0" * 64  # converted from other data: convert again
     (target / "leapdecode.json").write_text(json.dumps(meta))
@@ -282,45 +281,33 @@ def test_incomplete_or_outdated_target_is_replaced(fake, cache):
     assert _leftovers(cache) == []
 
 
-@pytest.mark.parametrize("damage", ["truncate", "pad", "garbage", "empty"])
-def test_corrupt_converted_weights_are_converted_again(fake, cache, capsys, damage):
+def test_a_copy_holding_float_weights_is_converted_again_without_them(fake, cache, capsys):
+    """Issue 62: a converted directory of format 1 held a float32 copy of the weights (6.7 GB for the
+    1.5B's 1.1 GB GGUF); the weights are read from the GGUF now, so that copy is removed, with one
+    message saying so, as the configuration and tokenizer are read again."""
     path = registry.ensure_converted("fake")
-    weights = path / registry.WEIGHTS_FILE
-    good = weights.read_bytes()
-    bad = {"truncate": good[: len(good) // 2], "pad": good + b"\0", "garbage": b"\xff" * len(good),
-           "empty": b""}[damage]
-    weights.write_bytes(bad)
+    meta = json.loads((path / "leapdecode.json").read_text())
+    (path / "leapdecode.json").write_text(json.dumps({**meta, "format": 1}))
+    _write_weights(path / registry.WEIGHTS_FILE, b"w" * 3000)
     assert [r["converted"] for r in registry.list_models() if r["name"] == "fake"] == [False]
     capsys.readouterr()
     assert registry.ensure_converted("fake") == path
-    assert len(fake["calls"]) == 2  # converted again, not loaded as it was
-    assert weights.read_bytes() == good
-    assert str(weights) in capsys.readouterr().err  # says why
+    err = capsys.readouterr().err
+    assert "float32 copy of its weights (3.1 KB)" in err and err.count("float32 copy") == 1, err
+    assert not (path / registry.WEIGHTS_FILE).exists() and len(fake["calls"]) == 2
+    assert json.loads((path / "leapdecode.json").read_text())["format"] == registry.FORMAT_VERSION
+    assert registry.ensure_converted("fake") == path and len(fake["calls"]) == 2
     assert _leftovers(cache) == []
 
 
-def test_corrupt_local_gguf_conversion_is_redone(cache, tmp_path, monkeypatch):
+def test_incomplete_local_gguf_conversion_is_redone(cache, tmp_path, monkeypatch):
     calls: list[bytes] = []
     monkeypatch.setattr(convert, "gguf_to_hf", _fake_converter(calls))
     f = tmp_path / "a.gguf"
     f.write_bytes(b"GGUF" + b"\1" * 50)
     out = registry.convert_gguf_file(f)
-    (out / registry.WEIGHTS_FILE).write_bytes((out / registry.WEIGHTS_FILE).read_bytes()[:-1])
+    (out / "config.json").unlink()
     assert registry.convert_gguf_file(f) == out and len(calls) == 2
-
-
-def test_converter_writing_bad_weights_publishes_nothing(fake, cache, monkeypatch):
-    def bad_converter(gguf_path, out):
-        _fake_converter()(gguf_path, out)
-        w = out / registry.WEIGHTS_FILE
-        w.write_bytes(w.read_bytes()[:-1])
-        return {}
-
-    monkeypatch.setattr(convert, "gguf_to_hf", bad_converter)
-    with pytest.raises(ModelFileError, match="truncated"):
-        registry.ensure_converted("fake")
-    assert not (cache / "models" / "fake").exists()
-    assert _leftovers(cache) == []
 
 
 def test_concurrent_conversions_convert_once(fake, cache, monkeypatch):
@@ -418,11 +405,11 @@ def test_verify(fake, cache):
     assert not ok and "not converted" in msg
     path = registry.ensure_converted("fake")
     ok, msg = registry.verify("fake")
-    assert ok and "1 tensors" in msg, msg
-    weights = path / registry.WEIGHTS_FILE
-    weights.write_bytes(weights.read_bytes()[:-3])  # truncated
+    assert ok and str(path) in msg, msg
+    (path / "config.json").unlink()
     ok, msg = registry.verify("fake")
-    assert not ok and str(weights) in msg and "truncated" in msg and "models fetch fake" in msg
+    assert not ok and str(path / "config.json") in msg and "missing" in msg and "models fetch fake" in msg
+    registry.ensure_converted("fake")
     fake["files"][0].write_bytes(b"GGUF" + b"A" * 1000)
     ok, msg = registry.verify("fake")
     assert not ok and str(fake["files"][0]) in msg
@@ -539,7 +526,6 @@ def test_a_first_load_compiles_the_kernel_beside_the_conversion(cache, monkeypat
 # ----------------------------------------------------------------------- the real thing
 @pytest.mark.integration
 def test_convert_smollm2_for_real(cache):
-    from safetensors import safe_open
     from transformers import AutoTokenizer
 
     path = registry.ensure_converted("smollm2-135m")
@@ -547,11 +533,8 @@ def test_convert_smollm2_for_real(cache):
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["tie_word_embeddings"] is True and "quantization_config" not in config
-    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        keys = set(f.keys())
-        assert f.get_tensor("model.embed_tokens.weight").shape == (49152, 576)
-    assert "lm_head.weight" not in keys and len(keys) == 272
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576 and config["rms_norm_eps"] == 1e-05
+    assert not list(path.glob("*.safetensors"))  # the weights stay in the GGUF (issue 62)
     tok = AutoTokenizer.from_pretrained(str(path))
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
@@ -560,6 +543,7 @@ def test_convert_smollm2_for_real(cache):
     assert (path / "generation_config.json").is_file()
     meta = json.loads((path / "leapdecode.json").read_text())
     assert meta["source_sha256"] == registry.REGISTRY["smollm2-135m"].sha256
+    assert meta["parameters"] == 134_515_008  # the GGUF's tensors (the tied head once)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(meta["files"])
     ok, msg = registry.verify("smollm2-135m")
     assert ok, msg
@@ -606,8 +590,7 @@ def test_fetch_repair_mends_every_damaged_piece(fake, cache, monkeypatch, capsys
     from leapdecode.cli import main
 
     path = registry.ensure_converted("fake")
-    weights = path / registry.WEIGHTS_FILE
-    weights.write_bytes(weights.read_bytes()[:-3])  # a truncated converted copy
+    (path / "tokenizer.json").write_text("not a tokenizer")  # a damaged converted copy
     packed = cache / "packed" / "fake-0123-int4-v1-isa.safetensors"
     packed.parent.mkdir(parents=True)
     packed.write_bytes(b"packed weights")

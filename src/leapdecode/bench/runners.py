@@ -264,14 +264,14 @@ def _strip_eos(ids: list[int], eos: set[int]) -> tuple[list[int], str]:
     return ids, "length"
 
 
-def model_dir(name_or_path: str) -> Path | None:
-    """The HF-format directory of a model argument (registry name, directory, .gguf); None for
-    the in-process tiny models."""
+def model_files(name_or_path: str):
+    """(The HF-format directory of a model argument (registry name, directory, .gguf), the callable
+    yielding the GGUF its weights are read from, or None); None for the in-process tiny models."""
     if name_or_path.startswith("tiny-random"):
         return None
-    from ..models.loader import local_model_dir
+    from ..models.loader import model_files as files
 
-    return local_model_dir(name_or_path)[1]
+    return files(name_or_path)
 
 
 @contextlib.contextmanager
@@ -324,11 +324,13 @@ class _HFShared:
             self._grammar_runner = ModelRunner(self.loaded, prefix_cache_bytes=0)
         return compile_constraint(self._grammar_runner, **structure)
 
-    def _load(self, path: Path):
-        from transformers import AutoModelForCausalLM, GenerationConfig
+    def _load(self, path: Path, gguf):
+        from transformers import GenerationConfig
+
+        from ..models.hf_backend import transformers_model
 
         with _quiet_transformers():
-            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=hf_dtype(self.loaded))
+            m = transformers_model(path, gguf, hf_dtype(self.loaded))
         # plain defaults: no sampling or penalties a checkpoint's generation_config might carry
         old = m.generation_config
         m.generation_config = GenerationConfig(bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
@@ -338,7 +340,7 @@ class _HFShared:
     @property
     def model(self):
         if self._model is None:
-            self._model = self._load(self.loaded.path)
+            self._model = self._load(self.loaded.path, self.loaded.gguf)
 
             def count(*_args, **_kwargs):
                 self.forwards += 1
@@ -351,10 +353,10 @@ class _HFShared:
         if self._assistant is None:
             if self.draft_arg is None:
                 raise SkipPeer(f"hf-assisted: {self.loaded.name} has no registered draft; pass --draft NAME")
-            path = model_dir(self.draft_arg)
-            if path is None:
+            files = model_files(self.draft_arg)
+            if files is None:
                 raise SkipPeer(f"hf-assisted: the draft {self.draft_arg} has no model directory for transformers")
-            self._assistant = self._load(path)
+            self._assistant = self._load(*files)
         return self._assistant
 
 

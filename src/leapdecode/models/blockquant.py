@@ -24,12 +24,11 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..errors import ModelFileError
 from .native import NativeCausalLM
-from .gguf_tensors import GGUFTensors
+from .gguf_tensors import GGUFTensors, heads_of
 from .qkernel import QLinear, QPart, isa_key
 from .quant import ACT_DTYPE, BLOCK_LINEARS, to_activation_dtype
 from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, progress, say, sweep_stale,
@@ -91,11 +90,6 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
     if name == "w_gate_up":
         return list(weight.chunk(2))
     return [weight]
-
-
-def gguf_heads(cfg) -> dict[str, int]:
-    """The heads of q and k, for undoing llama.cpp's q/k permutation (``gguf_tensors``)."""
-    return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
 
 
 def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, int]]:
@@ -292,7 +286,7 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
     else:
         try:
             with gguf() as gguf_path:
-                tensors, layout, kinds = pack_gguf(GGUFTensors(gguf_path, gguf_heads(cfg)), cfg)
+                tensors, layout, kinds = pack_gguf(GGUFTensors(gguf_path, heads_of(cfg)), cfg)
         except OSError as e:  # probe F10e: a multi-part GGUF is assembled first (in the cache or the temporary folder)
             raise ModelFileError(f"cannot read {model_dir.name}'s GGUF blocks to pack them ({e.strerror or e}); "
                                  f"point LEAPDECODE_CACHE at a writable directory") from None

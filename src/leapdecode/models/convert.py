@@ -1,7 +1,8 @@
-"""GGUF -> Hugging Face-format conversion (float32 ``model.safetensors``, ``config.json``,
-tokenizer files with the chat template, ``generation_config.json``, ``leapdecode.json``),
-done once with transformers' GGUF loader into a staging directory and then published
-atomically into the cache (see ``store``)."""
+"""A GGUF's configuration and tokenizer in Hugging Face's format (``config.json``, tokenizer files
+with the chat template, ``generation_config.json``, ``leapdecode.json``), read once from the file's
+metadata with transformers' GGUF support into a staging directory and then published atomically
+into the cache (see ``store``).  The weights are not copied: they are read from the GGUF itself
+(``gguf_tensors``; issue 62: the float32 copy this module once wrote was 6.7 GB for a 1.1 GB file)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import ModelFileError
-from .store import (FORMAT_VERSION, META_FILE, WEIGHTS_FILE, fault_point, publish, safetensors_problem, say,
+from .store import (FORMAT_VERSION, META_FILE, fault_point, publish, say,
                     share_permissions, small_file_digests)
 
 
@@ -43,16 +44,17 @@ def inspect_gguf(gguf_path: Path) -> dict:
         fields = reader.fields
         arch = fields["general.architecture"].contents()
         template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+        parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
-    return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors)}
+    return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters}
 
 
 _PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _parse_once():
+def parse_once():
     """While transformers converts one GGUF, parse its header once and build each tensor-name
     map once.  transformers' loader reads the file anew for the config, the tokenizer and the
     weights, and builds gguf's tensor-name map once per module of the model: measured on
@@ -88,84 +90,57 @@ def _short_float(v: float) -> float:
     return float(str(f32)) if float(f32) == v and np.isfinite(f32) else v
 
 
-def _load_with_transformers(gguf_path: Path, header: dict):
-    """transformers' model (float32) and tokenizer from a GGUF, its architecture checked first."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
+def supported_architecture(gguf_path: Path, header: dict) -> None:
+    """A ``ModelFileError`` unless transformers' GGUF support reads the file's architecture."""
     try:
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     except ImportError:  # pragma: no cover - other transformers versions
-        GGUF_SUPPORTED_ARCHITECTURES = None
-    if GGUF_SUPPORTED_ARCHITECTURES is not None and header["architecture"] not in GGUF_SUPPORTED_ARCHITECTURES:
+        return
+    if header["architecture"] not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ModelFileError(
             f"{gguf_path}: architecture {header['architecture']!r} is not supported by transformers' GGUF "
             f"loader (supported: {', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a != 'general'))})"
         )
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No "converting GGUF is slow" warnings: they are expected here."""
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "converting GGUF is slow" warnings are expected here
+    hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model, tokenizer
 
 
 def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
-    """Dequantize a GGUF into ``out`` (float32 safetensors + config + tokenizer); returns info."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    """Write a GGUF's configuration and tokenizer into ``out`` (no weights); returns info."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    with _parse_once():
+    with parse_once(), quiet_transformers():
         header = inspect_gguf(gguf_path)
-        model, tokenizer = _load_with_transformers(gguf_path, header)
+        supported_architecture(gguf_path, header)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     out.mkdir(parents=True, exist_ok=True)
 
-    # weights: drop the tied head, make every tensor contiguous and unshared
-    config = model.config
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if hasattr(config, "get_text_config"):
-        tied = tied or bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    state = model.state_dict()
-    if tied and "lm_head.weight" in state:
-        del state["lm_head.weight"]
-    seen: set[int] = set()
-    tensors = {}
-    for k, v in state.items():
-        v = v.detach().to(torch.float32).contiguous()
-        ptr = v.untyped_storage().data_ptr()
-        if ptr in seen:
-            v = v.clone()
-        seen.add(ptr)
-        tensors[k] = v
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    n_params = sum(t.numel() for t in tensors.values())
-    del tensors, state
-
-    # config: a plain float32 checkpoint (no GGUF quantization_config), with architectures
-    if getattr(config, "quantization_config", None) is not None:
-        with contextlib.suppress(AttributeError):
-            delattr(config, "quantization_config")
+    # config: a plain checkpoint's (no GGUF quantization_config), with the causal LM's class
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if architecture is None:
+        raise ModelFileError(f"{gguf_path}: transformers has no causal language model for {config.model_type!r}")
     cfg = json.loads(config.to_json_string(use_diff=False))
-    for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "_commit_hash"):
+    for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype"):
         cfg.pop(k, None)
-    cfg["architectures"] = [type(model).__name__]
-    cfg["dtype"] = "float32"
-    cfg.pop("torch_dtype", None)
+    cfg["architectures"] = [architecture]
     for k, v in cfg.items():  # GGUF stores float32: 9.999999747378752e-06 -> 1e-05
         if isinstance(v, float):
             cfg[k] = _short_float(v)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(str(out))
-    architecture = cfg["architectures"][0]
-    del model
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
 
     # tokenizer, with the chat template from the GGUF metadata
     if not getattr(tokenizer, "chat_template", None) and header["chat_template"]:
@@ -177,16 +152,15 @@ def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
         raise ModelFileError(f"tokenizer of {gguf_path} does not survive conversion")
     return {
         "architecture": architecture,
-        "parameters": n_params,
+        "parameters": header["parameters"],
         "chat_template": bool(reloaded.chat_template),
-        "dtype": "float32",
     }
 
 
 def convert_into_cache(gguf_path: Path, target: Path, staging_dir: Path, meta: dict, label: str) -> Path:
     """Convert into ``staging_dir/out``, check it, and rename that to ``target``: all or nothing."""
     out = staging_dir / "out"
-    say(f"converting {label} to safetensors (once) ...")
+    say(f"reading {label}'s configuration and tokenizer (once) ...")
     t0 = time.perf_counter()
     try:
         info = gguf_to_hf(gguf_path, out)
@@ -194,10 +168,7 @@ def convert_into_cache(gguf_path: Path, target: Path, staging_dir: Path, meta: d
         raise
     except Exception as e:
         raise ModelFileError(f"cannot convert {gguf_path}: {type(e).__name__}: {e}") from None
-    fault_point("convert")  # tests: a conversion killed with its weights written (issue 61)
-    problem = safetensors_problem(out / WEIGHTS_FILE)
-    if problem is not None:
-        raise ModelFileError(f"converting {gguf_path} wrote a bad {WEIGHTS_FILE}: it {problem}")
+    fault_point("convert")  # tests: a conversion killed with its files written (issue 61)
     meta = {**meta, **info, "files": small_file_digests(out), "format": FORMAT_VERSION, "leapdecode_version": leapdecode_version(),
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "convert_seconds": round(time.perf_counter() - t0, 1)}

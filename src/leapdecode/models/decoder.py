@@ -7,9 +7,10 @@ decoder) and ``hf_backend.HFCausalLM`` (any transformers causal LM on the same K
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -68,6 +69,9 @@ class LoadedModel:
     path: Path | None = None
     eos_token_ids: set[int] = field(default_factory=set)
     draft_name: str | None = None  # registered same-tokenizer draft, if any
+    # where ``path`` holds no weights: a callable giving a context manager that yields the GGUF they are
+    # read from (issue 62; e.g. for a transformers copy of the model: ``hf_backend.transformers_model``)
+    gguf: Callable[[], AbstractContextManager[Path]] | None = None
 
     @property
     def backend(self) -> str:

@@ -50,6 +50,11 @@ def permutation(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(-1)
 
 
+def heads_of(cfg) -> dict[str, int]:
+    """The heads of q and of k of a model configuration (``ModelConfig``), as ``GGUFTensors`` takes them."""
+    return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+
+
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor of the native decoder (None: not one of them)."""
     stem, _, kind = gguf_name.rpartition(".")

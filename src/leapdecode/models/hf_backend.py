@@ -37,7 +37,9 @@ layer types.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -305,14 +307,29 @@ class HFCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_seq_len: int | None = None,
+        gguf: Callable[[], AbstractContextManager[Path]] | None = None,
     ) -> "HFCausalLM":
-        from transformers import AutoConfig, AutoModelForCausalLM
+        """``path``'s model; ``gguf``: the weights are read from the GGUF it yields (``path`` holds
+        the configuration only)."""
+        from transformers import AutoConfig
 
-        path = str(path)
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(str(path))
         impl = "eager" if getattr(_text_config(config), "attn_logit_softcapping", None) is not None else "sdpa"
         device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=impl, device_map=str(device)
-        )
+        model = transformers_model(path, gguf, dtype, attn_implementation=impl, device_map=str(device))
         return cls(model, max_seq_len=max_seq_len)
+
+
+def transformers_model(path: str | Path, gguf: Callable[[], AbstractContextManager[Path]] | None,
+                       dtype: torch.dtype, **kwargs):
+    """transformers' ``AutoModelForCausalLM`` of the model in ``path``, or, with ``gguf``, of the GGUF
+    it yields (transformers' GGUF loader: a float copy in memory, made for this model only)."""
+    from transformers import AutoModelForCausalLM
+
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
+    from .convert import parse_once, quiet_transformers
+
+    with gguf() as gguf_path, parse_once(), quiet_transformers():
+        return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype,
+                                                    **kwargs)

@@ -151,6 +151,9 @@ def local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
         if not (p / "config.json").exists():
             raise ModelFileError(f"{p} is not a Hugging Face model directory (no config.json)")
         check_weights(p, "replace it (download or save the model again)")
+        if not _has_weights(p) and _gguf_of(str(p), p.name) is None:
+            raise ModelFileError(f"{p} holds no weights (*.safetensors), nor is it a converted GGUF whose file "
+                                 "is still there")
         return p.name, p, None
     looks_like_path = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
     if looks_like_path or name_or_path.count("/") != 1:
@@ -286,7 +289,8 @@ def block_kernel(device: torch.device, simd: bool = False) -> bool:
 
 def _gguf_of(name_or_path: str, name: str):
     """A callable giving a context manager that yields the model's GGUF path (registered
-    models, ``.gguf`` files), or None for checkpoints without one."""
+    models, ``.gguf`` files, and a converted directory of either, named by its path), or None for
+    checkpoints without one."""
     from . import registry
 
     if name_or_path in registry.REGISTRY:
@@ -294,6 +298,17 @@ def _gguf_of(name_or_path: str, name: str):
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return lambda: contextlib.nullcontext(p.resolve())
+    if p.is_dir() and not _has_weights(p):  # a converted directory: the GGUF it was read from
+        try:
+            meta = json.loads((p / "leapdecode.json").read_text())
+            source_name, source, sha = meta.get("name"), meta.get("source"), meta.get("source_sha256")
+        except (OSError, ValueError, AttributeError):
+            return None
+        entry = registry.REGISTRY.get(source_name)
+        if entry is not None and entry.sha256 == sha:
+            return lambda: registry.gguf_file(source_name)
+        if isinstance(source, str) and Path(source).is_file():
+            return lambda: contextlib.nullcontext(Path(source))
     return None
 
 
@@ -347,7 +362,7 @@ def load(
     quantized, dt = resolve_weights(weights, dtype, dev)
     from transformers import AutoTokenizer
 
-    from .native import ModelConfig, NativeCausalLM
+    from .native import ModelConfig
 
     if name_or_path == "tiny-random" or name_or_path.startswith("tiny-random:"):
         from .tiny import tiny_loaded
@@ -409,7 +424,7 @@ def load(
 
                 model = load_int4(path, _source_key(path), gguf, max_seq_len)
             else:
-                model = NativeCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
+                model = _float_native(path, gguf, dt, dev, max_seq_len)
         except NotImplementedError as e:
             raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
         if quantized and not getattr(model, "quantization", None):
@@ -420,9 +435,40 @@ def load(
     else:
         from .hf_backend import HFCausalLM
 
-        model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len)
+        model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len,
+                                           gguf=None if _has_weights(path) else gguf)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path,
-                       eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft)
+                       eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft,
+                       gguf=None if _has_weights(path) else gguf)
+
+
+def model_files(name_or_path: str):
+    """(The Hugging Face-format directory of a model argument, the callable yielding the GGUF its
+    weights are read from, or None where the directory holds them), converting it where needed."""
+    name, path, _ = local_model_dir(name_or_path)
+    return path, (None if _has_weights(path) else _gguf_of(name_or_path, name))
+
+
+def _has_weights(path: Path) -> bool:
+    """The directory holds its weights (a Hugging Face checkpoint), not only a GGUF's configuration."""
+    return any(path.glob("*.safetensors"))
+
+
+def _float_native(path: Path, gguf, dtype: torch.dtype, device: torch.device, max_seq_len: int | None):
+    """The native decoder with float weights in ``dtype``: from the directory's checkpoint, or read
+    tensor by tensor from the GGUF (``gguf_tensors``; the model in ``dtype`` is all that is held)."""
+    from .native import ModelConfig, NativeCausalLM
+
+    if gguf is None or _has_weights(path):
+        return NativeCausalLM.from_pretrained(path, dtype=dtype, device=device, max_seq_len=max_seq_len)
+    from .gguf_tensors import GGUFTensors, heads_of
+
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with gguf() as gguf_path:
+        say(f"reading {gguf_path.name}'s weights into {str(dtype).removeprefix('torch.')} (float weights: "
+            "the default int4 keeps the file's blocks)")
+        state = dict(GGUFTensors(gguf_path, heads_of(cfg)).float_state(dtype))
+    return NativeCausalLM.from_state_dict(cfg, state, dtype=dtype, device=device, max_seq_len=max_seq_len)
 
 
 def _check_exact(native: bool, device: torch.device, quantized: str | None, attention: str) -> None:

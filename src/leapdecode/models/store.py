@@ -35,8 +35,10 @@ from ..errors import ModelFileError
 CACHE_ENV = "LEAPDECODE_CACHE"
 DEFAULT_CACHE = "~/.cache/leapdecode"
 CHUNK = 8 << 20  # 8 MiB streaming chunks
-FORMAT_VERSION = 1  # of the converted directory; bump to force reconversion
-WEIGHTS_FILE = "model.safetensors"
+# of the converted directory; bump to force reconversion.  2 (issue 62): configuration and tokenizer
+# only, the weights read from the GGUF; 1 also held a float32 copy of the weights (WEIGHTS_FILE)
+FORMAT_VERSION = 2
+WEIGHTS_FILE = "model.safetensors"  # a Hugging Face directory's weights (and format 1's float copy)
 META_FILE = "leapdecode.json"
 
 
@@ -577,15 +579,16 @@ def converted_problem(path: Path, sha256: str | None = None) -> str | None:
     """Why ``path`` is not a complete, current converted model (None: it is one)."""
     if not path.is_dir():
         return "not converted yet"
+    float_copy = path / WEIGHTS_FILE
+    if float_copy.is_file():  # format 1 (issue 62)
+        with contextlib.suppress(OSError):
+            return (f"the cache holds a float32 copy of its weights ({human_size(float_copy.stat().st_size)}) from an "
+                    "earlier version, no longer needed (the GGUF is read directly now): removing it")
     if not has_current_meta(path, sha256):
         return f"{path / META_FILE} is missing or outdated"
     if not (path / "config.json").is_file():
         return f"{path / 'config.json'} is missing"
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        return f"{weights} is missing"
-    problem = safetensors_problem(weights)
-    return None if problem is None else f"{weights} {problem}"
+    return None
 
 
 def is_complete(path: Path, sha256: str | None = None) -> bool:
