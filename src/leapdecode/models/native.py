@@ -729,10 +729,12 @@ class NativeCausalLM(nn.Module):
         device: str | torch.device = "cpu",
         max_seq_len: int | None = None,
     ) -> "NativeCausalLM":
-        """Build from a Hugging Face-format (Llama/Qwen2 naming) state dict."""
+        """Build from a Hugging Face-format (Llama/Qwen2 naming) state dict, emptied as it is read:
+        each weight is dropped from ``state`` as it is taken, so that a large model is not held
+        twice while its q/k/v and gate/up weights are joined."""
         with torch.device("meta"):
             model = cls(cfg, max_seq_len=max_seq_len)
-        get = state.__getitem__
+        get = state.pop
         own: dict[str, torch.Tensor] = {"embed.weight": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
         if not cfg.tie_word_embeddings:
             own["lm_head.weight"] = get("lm_head.weight")
