@@ -24,7 +24,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
+from torch import nn
 
 from ..errors import ModelFileError
 from .native import NativeCausalLM
@@ -34,7 +36,7 @@ from .quant import ACT_DTYPE, BLOCK_LINEARS, to_activation_dtype
 from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, progress, say, sweep_stale,
                     writable, write_digest)
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5  # 5: a GGUF's embedding in its own blocks (BlockEmbedding), not in bf16
 # HF-side pieces of each fused native linear, with their GGUF names
 GGUF_PARTS = {
     "wqkv": ("attn_q", "attn_k", "attn_v"),
@@ -42,6 +44,53 @@ GGUF_PARTS = {
     "w_gate_up": ("ffn_gate", "ffn_up"),
     "w_down": ("ffn_down",),
 }
+
+
+class BlockEmbedding(nn.Module):
+    """A GGUF's token embedding kept in the file's own blocks: a token's row is dequantized by the
+    ``gguf`` package when it is looked up, so its values are bit for bit those of a dequantized
+    table (what transformers' loader gives, rounded to bf16), while the table stays the file's size
+    (a 1.5B's 152k x 1536 table: 191 MB of Q4_K rows for 467 MB of bf16)."""
+
+    CHUNK_ROWS = 8192
+
+    def __init__(self, rows: torch.Tensor, qtype: int, hidden: int) -> None:
+        super().__init__()
+        self.qtype, self.hidden = int(qtype), int(hidden)
+        self.register_buffer("rows", rows.contiguous())  # uint8 [vocab, bytes per row]
+        self.num_embeddings = rows.shape[0]
+        self._weight: torch.Tensor | None = None
+
+    def _values(self, raw: np.ndarray) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(raw, GGMLQuantizationType(self.qtype)).reshape(raw.shape[0], self.hidden)
+        return torch.from_numpy(np.ascontiguousarray(values)).to(ACT_DTYPE)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu().numpy()
+        return self._values(self.rows.numpy()[flat]).reshape(*ids.shape, self.hidden)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in bf16, dequantized once when first asked for (a head's fingerprint, a
+        tied head's float weight); decoding never asks."""
+        if self._weight is None:
+            rows = self.rows.numpy()
+            self._weight = torch.cat([self._values(rows[i:i + self.CHUNK_ROWS])
+                                      for i in range(0, rows.shape[0], self.CHUNK_ROWS)])
+        return self._weight
+
+    def strided(self, step: int) -> torch.Tensor:
+        """``weight.reshape(-1)[::step]`` from the rows it touches only."""
+        index = torch.arange(0, self.num_embeddings * self.hidden, step)
+        needed, where = torch.unique(index // self.hidden, return_inverse=True)
+        values = torch.cat([self(needed[i:i + self.CHUNK_ROWS]) for i in range(0, needed.numel(), self.CHUNK_ROWS)])
+        return values[where, index % self.hidden]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.hidden}, GGML type {self.qtype}"
 
 
 def quantize_native(model: NativeCausalLM) -> dict[str, int]:
@@ -113,7 +162,8 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
     # the head first: its decoded blocks are the largest temporary, best met before the rest is held
     tied = cfg.tie_word_embeddings or "output.weight" not in source
     linear("lm_head", ["token_embd.weight" if tied else "output.weight"], out_fp32=True)
-    tensors["embed.weight"] = source.embedding("token_embd.weight", ACT_DTYPE)
+    tensors["embed.rows"] = torch.from_numpy(source.raw("token_embd.weight"))
+    layout["embed"] = {"qtype": source.qtype("token_embd.weight"), "hidden": cfg.hidden_size}
     tensors["norm"] = source.dense("output_norm.weight", ACT_DTYPE)
     with progress(f"packing {source.path.name} for the int4 kernel", source.size) as advance:
         advance(source.bytes_read)
@@ -228,6 +278,9 @@ def packed_model(tensors: dict[str, torch.Tensor], layout: dict[str, dict], cfg,
         model = NativeCausalLM(cfg, max_seq_len=max_seq_len)
     try:
         for name, spec in layout.items():
+            if name == "embed":
+                model.embed = BlockEmbedding(tensors["embed.rows"], spec["qtype"], spec["hidden"])
+                continue
             parts = [QPart(tensors[f"{name}.parts.{j}.codes"], tensors[f"{name}.parts.{j}.scales"],
                            tensors[f"{name}.parts.{j}.zeros"], dsup=tensors.get(f"{name}.parts.{j}.dsup"),
                            zsup=tensors.get(f"{name}.parts.{j}.zsup"), **ps) for j, ps in enumerate(spec["parts"])]
@@ -240,7 +293,7 @@ def packed_model(tensors: dict[str, torch.Tensor], layout: dict[str, dict], cfg,
             else:
                 _, i, attr = name.split(".")
                 setattr(model.layers[int(i)], attr, layer)
-        own = {k: v for k, v in tensors.items() if ".parts." not in k and not k.endswith(".bias")}
+        own = {k: v for k, v in tensors.items() if ".parts." not in k and not k.endswith(".bias") and k != "embed.rows"}
         model.load_state_dict(own, strict=False, assign=True)
     except (KeyError, ValueError, RuntimeError) as e:
         raise ModelFileError(f"{what} are incomplete ({type(e).__name__}: {e})") from None

@@ -477,11 +477,11 @@ class NativeCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.dtype
 
     @property
     def n_layers(self) -> int:
@@ -602,9 +602,15 @@ class NativeCausalLM(nn.Module):
 
     norm_rows = staticmethod(rms_norm)  # the decoder's RMSNorm, for the static step's body
 
+    def embedding_sample(self, step: int) -> torch.Tensor:
+        """Every ``step``-th value of the flattened embedding table (a table kept in the GGUF's blocks
+        dequantizes only the rows this touches)."""
+        strided = getattr(self.embed, "strided", None)
+        return strided(step) if strided is not None else self.embed.weight.detach().reshape(-1)[::step]
+
     def weights_signature(self) -> tuple:
         """The decoder's modules and weights (compared by identity): what a captured forward reads."""
-        return (self.embed.weight, self.lm_head, self.norm, *self._layer_parts())
+        return (self.embed, self.lm_head, self.norm, *self._layer_parts())
 
     def _layer_parts(self):
         """Every decoder layer's modules and parameters, in order (what a layer's computation reads)."""

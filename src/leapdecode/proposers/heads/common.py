@@ -53,7 +53,7 @@ def target_features(model, last_hidden: torch.Tensor) -> torch.Tensor:
     return rms_norm(last_hidden, model.norm, model.cfg.rms_norm_eps)
 
 
-# id(embedding weight) -> (a weak reference to it, the stamp its fingerprint was computed for, the
+# id(embedding module) -> (a weak reference to it, the stamp its fingerprint was computed for, the
 # fingerprint): finding a head asks for it several times, and the strided sample of a large
 # embedding table costs ~60 ms (one cache line per sampled value)
 _FINGERPRINTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
@@ -62,14 +62,15 @@ _FINGERPRINTS: dict[int, tuple[weakref.ref, tuple, str]] = {}
 def fingerprint(target) -> str:
     """A hash that identifies a target's weights: its shape and a strided sample of its embedding
     table and final norm, rounded to bf16 (so the same checkpoint loaded in fp32, bf16 or with
-    quantized linear layers has one fingerprint; the embedding is never quantized).  Remembered
-    per embedding tensor until it or the norm changes (their version counters)."""
+    quantized linear layers has one fingerprint; the embedding's values are the checkpoint's, or
+    the GGUF's dequantized).  Remembered per embedding module until its tables or the norm change
+    (their version counters)."""
     model = target.model
     cfg = model.cfg
-    emb, norm = model.embed.weight, model.norm
+    emb, norm = model.embed, model.norm  # the embedding: a table, or the GGUF's blocks (BlockEmbedding)
     shape = (cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads)
     try:
-        stamp = (id(norm), norm._version, emb._version, shape)
+        stamp = (id(norm), norm._version, tuple(t._version for t in emb.state_dict(keep_vars=True).values()), shape)
     except RuntimeError:  # inference tensors have no version counter: not remembered
         stamp = None
     kept = _FINGERPRINTS.get(id(emb))
@@ -78,10 +79,9 @@ def fingerprint(target) -> str:
     h = hashlib.sha256()
     h.update(repr(shape).encode())
     with torch.no_grad():
-        for t in (model.embed.weight, model.norm):
-            flat = t.detach().reshape(-1)
-            step = max(1, flat.numel() // 65536)
-            sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16)
+        for numel, sampled in ((cfg.vocab_size * cfg.hidden_size, model.embedding_sample),
+                               (norm.numel(), lambda step: norm.detach().reshape(-1)[::step])):
+            sample = sampled(max(1, numel // 65536)).to("cpu", torch.bfloat16).view(torch.int16)
             h.update(sample.numpy().tobytes())
     digest = h.hexdigest()
     if stamp is not None:
