@@ -954,6 +954,34 @@ def test_prefill_path_follows_the_measured_ratios(kernel, monkeypatch):
         assert qkernel.prefill_on_dense([fast4]) is (forced == "dense")
 
 
+def test_bf16_prefill_copies_stay_within_their_memory_budget(kernel, monkeypatch, capsys):
+    """Issue 62: the bf16 copies a prefill runs on where AMX makes them faster cost 2 bytes a weight (a
+    7B's: 14 GB beside its 4 GB of blocks). They are kept while all of them fit ``DENSE_BUDGET``; past
+    it a layer prefills on the kernel, said once; a layer's bytes come back when it is collected."""
+    import gc
+
+    monkeypatch.setenv(qkernel.PREFILL_ENV, "dense")
+    budget = qkernel.DenseBudget()
+    monkeypatch.setattr(qkernel, "DENSE_BUDGET", budget)
+    one = 2 * 64 * 96  # one layer's bf16 copy
+    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, str(2.5 * one / 2**20))  # room for two
+    x = random_x(qkernel.DENSE_MIN_ROWS + 6, 96, seed=53)
+    layers = [QLinear([QPart.from_block(random_block(64, 96, 4, 32, seed=60 + i))]) for i in range(3)]
+    outs = [layer(x) for layer in layers]
+    assert [layer._dense is not None for layer in layers] == [True, True, False]
+    assert budget.used == 2 * one and budget.refused == one
+    rows = torch.cat([layers[2](x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(outs[2], rows)  # the refused layer prefilled on the kernel: each row its 1-row bits
+    err = capsys.readouterr().err
+    assert err.count("prefill runs on the int4 kernel") == 1 and qkernel.DENSE_BUDGET_ENV in err
+    del layers, outs
+    gc.collect()
+    assert budget.used == 0
+    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match=qkernel.DENSE_BUDGET_ENV):
+        assert qkernel.DenseBudget().limit
+
+
 def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path):
     calls = []
 

@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,12 @@ MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
 # tiles beat int8 dot products; on a Zen 4 (AVX512-VNNI, no AMX) the kernel wins for 4-bit groups of
 # 32 and loses for 6-bit groups of 16.
 DENSE_MIN_ROWS = 64
+# The bf16 copies cost 2 bytes a weight beside the kernel's ~0.6 (a 7B's: 14 GB), so they are kept only
+# while all of them together stay within this share of the machine's memory (``DenseBudget``): past it, a
+# layer prefills on the kernel (slower on AMX, no copy).  A quarter of 24 GB holds a 1.5B's 3 GB of
+# copies but not a 3B's 6 GB; ``LEAPDECODE_DENSE_BUDGET_MB`` sets the budget in MiB.
+DENSE_MEMORY_SHARE = 0.25
+DENSE_BUDGET_ENV = "LEAPDECODE_DENSE_BUDGET_MB"
 BITS = (4, 6, 8)
 GROUPS = (16, 32)
 
@@ -609,6 +616,60 @@ def prefill_on_dense(parts) -> bool:
     return sum(p.out_features * p.in_features * ratios.get((p.bits, p.group), 1.0) for p in parts) > size
 
 
+class DenseBudget:
+    """The bytes of bf16 prefill copies this process may keep (``DENSE_MEMORY_SHARE`` of its machine's
+    memory), handed out layer by layer as each first needs its copy and given back when a layer goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.used = 0
+        self.refused = 0  # bytes of copies refused
+        self._limit: int | None = None
+
+    @property
+    def limit(self) -> int:
+        if self._limit is None:
+            forced = os.environ.get(DENSE_BUDGET_ENV, "").strip()
+            try:
+                self._limit = int(float(forced) * 2**20) if forced else int(DENSE_MEMORY_SHARE * _memory_bytes())
+            except ValueError:
+                raise ValueError(f"{DENSE_BUDGET_ENV}={forced!r} is not a number of MiB") from None
+        return self._limit
+
+    def take(self, owner: object, nbytes: int) -> bool:
+        """Reserve ``nbytes`` for ``owner`` (given back when it is collected); False where they do not fit."""
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                first = not self.refused
+                self.refused += nbytes
+            else:
+                self.used += nbytes
+                weakref.finalize(owner, self._give, nbytes)
+                return True
+        if first:
+            say(f"prefill runs on the int4 kernel for the layers whose bf16 copies would pass "
+                f"{self.limit / 2**30:.1f} GiB ({DENSE_MEMORY_SHARE:.0%} of memory; {DENSE_BUDGET_ENV} sets it)")
+        return False
+
+    def _give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
+def _memory_bytes() -> int:
+    """The machine's physical memory (``MemTotal``), or 16 GiB where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 16 << 30
+
+
+DENSE_BUDGET = DenseBudget()
+
+
 # --------------------------------------------------------------------------- the layer
 _THREAD = threading.local()  # each thread's work buffer for the kernel (reused across calls)
 
@@ -755,9 +816,10 @@ class QLinear(nn.Module):
 
     def prefills_on_dense(self) -> bool:
         """Whether a forward of more than ``DENSE_MIN_ROWS`` rows runs on the bf16 copy
-        (``prefill_on_dense``, decided once and kept)."""
+        (``prefill_on_dense``, and its bytes fit ``DENSE_BUDGET``: decided once and kept)."""
         if self._on_dense is None:
-            self._on_dense = prefill_on_dense(self.parts)
+            self._on_dense = prefill_on_dense(self.parts) and DENSE_BUDGET.take(self, 2 * self.out_features
+                                                                                * self.in_features)
         return self._on_dense
 
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
