@@ -21,8 +21,11 @@ Per shape, each in a fresh process:
     python scripts/scale_bench.py --out bench_out/scale                    # every shape
     python scripts/scale_bench.py --shapes qwen2.5-1.5b --out /tmp/scale    # one
 
-Writes ``scale.json`` into ``--out`` (one record per shape) and prints a table.  The GGUFs are written
-into ``--work`` (default: ``--out``/gguf) and removed after each shape unless ``--keep``.
+Writes ``scale.json`` into ``--out`` (a report: one record per shape, a shape run again replaces its
+record) and prints each figure as it comes; ``--save`` also copies the report to
+``docs/results/scale/DATE-MACHINE.json``, from which ``leapdecode results`` draws the results page's
+scale table and its projection of speculation at these sizes.  The GGUFs and caches are written into
+``--work`` (default: ``--out``/work) and removed after each shape unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,6 +45,7 @@ import numpy as np
 # the shapes of the issue: (architecture, hidden, layers, heads, kv heads, head dim, ffn, rope theta,
 # attention biases); the vocabulary is the tokenizer's
 SHAPES = {
+    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, 1e6, True),  # a draft model's cost, for the projection
     "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 128, 8960, 1e6, True),
     "qwen2.5-3b": ("qwen2", 2048, 36, 16, 2, 128, 11008, 1e6, True),
     "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 128, 18944, 1e6, True),
@@ -50,7 +53,7 @@ SHAPES = {
     "qwen3-8b-shape": ("qwen2", 4096, 36, 32, 8, 128, 12288, 1e6, True),  # Qwen3-8B's layer shapes
     "qwen2.5-14b": ("qwen2", 5120, 48, 40, 8, 128, 13824, 1e6, True),
 }
-DEFAULT_SHAPES = "qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b,llama-3.1-8b,qwen3-8b-shape"
+DEFAULT_SHAPES = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b,llama-3.1-8b,qwen3-8b-shape"
 TOKENIZER_MODEL = "qwen2.5-coder-1.5b"  # whose GGUF lends its tokenizer and chat template
 ROWS = (1, 4, 8, 16)
 
@@ -73,6 +76,8 @@ def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.n
         fields, scale = (0, 2), 2e-4
     elif qtype == T.Q6_K:  # d fp16 at 208: w = d sc (q - 32), sc int8, q 6-bit
         fields, scale = (208,), 1e-5
+    elif qtype == T.Q8_0:  # d fp16 at 0: w = d q, q int8
+        fields, scale = (0,), 3e-4
     else:
         raise ValueError(f"no random blocks for {qtype!r}")
     for at in fields:
@@ -82,7 +87,9 @@ def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.n
 
 
 def tensor_plan(shape: tuple, vocab: int) -> list[tuple[str, tuple[int, ...], object]]:
-    """(name, torch-order shape, ggml type or None for F32) of every tensor, in llama.cpp's order."""
+    """(name, torch-order shape, ggml type or None for F32) of every tensor, in llama.cpp's order; a
+    K-quant tensor whose rows are not whole 256-weight super-blocks is Q8_0 (llama.cpp falls back too:
+    Qwen2.5-0.5B's hidden size is 896)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
@@ -99,7 +106,8 @@ def tensor_plan(shape: tuple, vocab: int) -> list[tuple[str, tuple[int, ...], ob
                  (b + "ffn_down.weight", (hidden, ffn), more)]
         if bias:
             plan += [(b + f"attn_{p}.bias", (n,), None) for p, n in (("q", q), ("k", kv), ("v", kv))]
-    return plan + [("output_norm.weight", (hidden,), None), ("output.weight", (vocab, hidden), T.Q6_K)]
+    plan += [("output_norm.weight", (hidden,), None), ("output.weight", (vocab, hidden), T.Q6_K)]
+    return [(n, s, T.Q8_0 if q is not None and s[1] % 256 else q) for n, s, q in plan]
 
 
 def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0) -> None:
@@ -252,11 +260,14 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true", help="leapdecode only")
     ap.add_argument("--keep", action="store_true", help="keep each shape's GGUF and caches")
+    ap.add_argument("--save", action="store_true", help="copy the report to docs/results/scale/ for the results page")
     args = ap.parse_args()
     import torch
 
     from leapdecode.core.cost_model import machine_description
     from leapdecode.models import registry
+    from leapdecode.models.qkernel import isa_flags
+    from leapdecode.models.store import atomic_write
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
@@ -268,7 +279,13 @@ def main() -> int:
     tokenizer = registry.assembled_gguf(TOKENIZER_MODEL)
     machine = machine_description(torch.device("cpu"))
     results_path = args.out / "scale.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    report = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if report.get("report") != "scale" or report.get("machine") != machine:
+        report = {"report": "scale", "shapes": {}}
+    report.update(machine=machine, cpu_flags=isa_flags(), threads=torch.get_num_threads(),
+                  prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                  command="python scripts/scale_bench.py " + " ".join(sys.argv[1:]))
+    results = report["shapes"]
     for name in shapes:
         gguf = work / f"random-{name}.gguf"
         print(f"== {name}: writing {gguf.name} ...", flush=True)
@@ -292,13 +309,20 @@ def main() -> int:
         results[name] = {"shape": dict(zip(("architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
                                             "rope_theta", "attention_bias"), SHAPES[name])),
                          "gguf_bytes": size, "first": first, "cache_bytes": disk, "warm": warm, "llama_server": peer,
-                         "machine": machine, "threads": torch.get_num_threads(), "prompt_tokens": args.prompt_tokens,
-                         "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d"), "python": platform.python_version()}
-        results_path.write_text(json.dumps(results, indent=1) + "\n")
+                         "date": time.strftime("%Y-%m-%d")}
+        report["date"] = time.strftime("%Y-%m-%d")
+        atomic_write(results_path, json.dumps(report, indent=1) + "\n")
         if not args.keep:
             gguf.unlink()
             shutil.rmtree(cache, ignore_errors=True)
     print(f"wrote {results_path}")
+    if args.save:
+        from leapdecode.bench.results_page import RESULTS_DIR, slug
+
+        saved = RESULTS_DIR / "scale" / f"{report['date']}-{slug(machine.split(',')[0])}.json"
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(saved, json.dumps(report, indent=1) + "\n")
+        print(f"saved {saved} (run `leapdecode results` to redraw the page)")
     return 0
 
 

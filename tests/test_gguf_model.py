@@ -120,3 +120,22 @@ def test_a_first_load_holds_about_the_files_size(smollm2, tmp_path, cache_with_k
     assert list((cache / "packed").glob("smollm2-135m-*.safetensors"))
     limit = FIRST_LOAD_LIMIT_BYTES + 1.3 * smollm2.stat().st_size
     assert int(peak_kb) * 1024 <= limit, (int(peak_kb) >> 10, limit / 2**20, proc.stderr[-3000:])
+
+
+@pytest.mark.integration
+def test_a_tensor_the_configuration_does_not_fit_is_named(smollm2):
+    """A file whose metadata and tensors disagree is refused before anything is packed or read into
+    floats, naming the tensor (it was a reshape error deep in the first forward)."""
+    import dataclasses
+
+    from leapdecode.errors import ModelFileError
+    from leapdecode.models.blockquant import pack_gguf
+    from leapdecode.models.gguf_tensors import GGUFTensors, heads_of
+    from leapdecode.models.native import ModelConfig
+    from leapdecode.models.registry import ensure_converted
+
+    cfg = ModelConfig.from_hf(json.loads((ensure_converted("smollm2-135m") / "config.json").read_text()))
+    GGUFTensors(smollm2, heads_of(cfg)).check_against(cfg)  # the file as it is fits
+    wrong = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 256)
+    with pytest.raises(ModelFileError, match=r"'blk\.0\.ffn_down\.weight' is \[576, 1536\].*\[576, 1792\]"):
+        pack_gguf(GGUFTensors(smollm2, heads_of(wrong)), wrong)

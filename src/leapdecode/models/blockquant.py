@@ -145,6 +145,7 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
     """The packed model straight from a GGUF's blocks, one tensor at a time: (``save_packed``'s
     tensors and layouts, the number of weights per block type).  Nothing of the model is ever in
     float but the bf16 embedding and norms; the largest temporary is one tensor's decoded blocks."""
+    source.check_against(cfg)
     tensors: dict[str, torch.Tensor] = {}
     layout: dict[str, dict] = {}
     kinds: dict[str, int] = {}

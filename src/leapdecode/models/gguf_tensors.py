@@ -55,6 +55,20 @@ def heads_of(cfg) -> dict[str, int]:
     return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
 
 
+def expected_shape(cfg, gguf_name: str) -> tuple[int, ...] | None:
+    """The shape (rows first) a configuration (``ModelConfig``) gives a native decoder's GGUF tensor."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    stem, _, kind = gguf_name.rpartition(".")
+    part = stem.rsplit(".", 1)[-1]
+    shapes = {"token_embd": (cfg.vocab_size, hidden), "output": (cfg.vocab_size, hidden), "output_norm": (hidden,),
+              "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (q, hidden), "attn_k": (kv, hidden),
+              "attn_v": (kv, hidden), "attn_output": (hidden, q), "ffn_gate": (inter, hidden),
+              "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    shape = shapes.get(part)
+    return shape[:1] if shape is not None and kind == "bias" else shape
+
+
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor of the native decoder (None: not one of them)."""
     stem, _, kind = gguf_name.rpartition(".")
@@ -100,6 +114,17 @@ class GGUFTensors:
         if tensor is None:
             raise ModelFileError(f"{self.path.name}: no tensor {name!r}")
         return tensor
+
+    def check_against(self, cfg) -> "GGUFTensors":
+        """A ``ModelFileError`` naming the first tensor of the native decoder whose shape is not the one
+        the configuration ``cfg`` gives it (a file whose metadata and tensors disagree)."""
+        for name, info in self.tensors.items():
+            want = expected_shape(cfg, name) if hf_name(name) is not None else None
+            got = tuple(reversed(info.shape))
+            if want is not None and got != want:
+                raise ModelFileError(f"{self.path.name}: tensor {name!r} is {list(got)}, but the file's configuration "
+                                     f"makes it {list(want)}")
+        return self
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Rows first (``[out, in]`` for a weight), as torch orders it; ggml stores columns first."""

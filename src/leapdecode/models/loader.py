@@ -467,7 +467,7 @@ def _float_native(path: Path, gguf, dtype: torch.dtype, device: torch.device, ma
     with gguf() as gguf_path:
         say(f"reading {gguf_path.name}'s weights into {str(dtype).removeprefix('torch.')} (float weights: "
             "the default int4 keeps the file's blocks)")
-        state = dict(GGUFTensors(gguf_path, heads_of(cfg)).float_state(dtype))
+        state = dict(GGUFTensors(gguf_path, heads_of(cfg)).check_against(cfg).float_state(dtype))
     return NativeCausalLM.from_state_dict(cfg, state, dtype=dtype, device=device, max_seq_len=max_seq_len)
 
 
