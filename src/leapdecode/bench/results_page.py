@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import InvalidParameterError
 from ..models.store import atomic_write, check_output
+from .scale_report import scale_section
 from .workloads import DEFAULT_WORKLOAD_REL
 
 RESULTS_DIR = Path("docs") / "results"
@@ -232,6 +233,24 @@ def read_head_reports(directory: Path) -> list[dict]:
     return _read_reports(directory, "head-accuracy", "sets", "leapdecode heads accuracy --save")
 
 
+SCALE_DIR = "scale"  # docs/results/scale/: `scripts/scale_bench.py --save` reports
+
+
+def read_scale_reports(directory: Path) -> list[dict]:
+    """Every ``scripts/scale_bench.py --save`` report (``*.json``) in ``directory`` (none: [])."""
+    return _read_reports(directory, "scale", "shapes", "scripts/scale_bench.py --save")
+
+
+def latest_scale_reports(reports: list[dict]) -> dict[str, dict]:
+    """Machine -> its latest scale report."""
+    latest: dict[str, dict] = {}
+    for r in reports:
+        cpu = cpu_of(r)
+        if cpu not in latest or str(r.get("date")) > str(latest[cpu].get("date")):
+            latest[cpu] = r
+    return latest
+
+
 def read_ceiling_reports(directory: Path) -> list[dict]:
     """Every ``scripts/draft_ceiling.py --save`` report (``*.json``) in ``directory`` (none: [])."""
     return _read_reports(directory, "draft-ceiling", "ceilings", "scripts/draft_ceiling.py --save")
@@ -391,7 +410,7 @@ def targets_section(runs: list[dict], head_report: dict | None, ceilings: dict[s
 
 def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
            head_reports: list[dict] | None = None, ceiling_reports: list[dict] | None = None,
-           drawn: frozenset[str] = frozenset()) -> str:
+           drawn: frozenset[str] = frozenset(), scale_reports: list[dict] | None = None) -> str:
     """The page. A run's plot is linked where ``plots`` (they are being drawn) or where its file name is
     in ``drawn`` (the plots already in the page's ``img/``: see ``cmd_results``)."""
     parts = ["# Results: what holds now",
@@ -419,6 +438,9 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
                         if (r := for_machine(latest_ceils, cpu, name, str(model), w)) is not None}
             parts += targets_section([s for s in runs if s.get("model") == model], head, ceilings) + [""]
     parts += heads_section(head_reports or [])
+    dev_runs = {cpu: s for cpu, runs in latest_runs(summaries).items() for s in runs
+                if workload_name(s) == DEFAULT_WORKLOAD_NAME}
+    parts += scale_section(latest_scale_reports(scale_reports or []), dev_runs)
     for name, text in notes:
         parts += [text.strip(), ""]
     return "\n".join(parts).rstrip() + "\n"
@@ -507,7 +529,8 @@ def cmd_results(a: argparse.Namespace) -> int:
     # --check looks inside the images.
     drawn = frozenset(p.name for p in (out.parent / "img").glob("results-*.png")) if a.no_plots else frozenset()
     page = render(summaries, notes, plots=not a.no_plots, head_reports=read_head_reports(directory / HEADS_DIR),
-                  ceiling_reports=read_ceiling_reports(directory / CEILINGS_DIR), drawn=drawn)
+                  ceiling_reports=read_ceiling_reports(directory / CEILINGS_DIR), drawn=drawn,
+                  scale_reports=read_scale_reports(directory / SCALE_DIR))
     readme_path = Path(a.readme) if a.readme else None
     readme_old = readme_path.read_text() if readme_path and readme_path.is_file() else None
     readme_new = replace_headline(readme_old, headline(summaries)) if readme_old is not None else None
