@@ -940,6 +940,8 @@ def test_prefill_path_follows_the_measured_ratios(kernel, monkeypatch):
     slow6 = QPart.from_block(random_block(32, 96, 6, 16, 32, seed=51))  # 3072 weights
     x = random_x(qkernel.DENSE_MIN_ROWS + 6, 96, seed=52)
     monkeypatch.delenv(qkernel.PREFILL_ENV, raising=False)
+    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "64")  # copies allowed (none by default)
+    monkeypatch.setattr(qkernel, "DENSE_BUDGET", qkernel.DenseBudget())
     for r4, r6, dense in ((0.8, 1.3, False), (0.8, 1.5, True), (1.1, 0.5, False), (1.2, 1.01, True)):
         monkeypatch.setattr(qkernel, "prefill_ratios", lambda r4=r4, r6=r6: {(4, 32): r4, (6, 16): r6})
         assert qkernel.prefill_on_dense([fast4, slow6]) is (6144 * r4 + 3072 * r6 > 9216)
@@ -955,9 +957,10 @@ def test_prefill_path_follows_the_measured_ratios(kernel, monkeypatch):
 
 
 def test_bf16_prefill_copies_stay_within_their_memory_budget(kernel, monkeypatch, capsys):
-    """Issue 62: the bf16 copies a prefill runs on where AMX makes them faster cost 2 bytes a weight (a
-    7B's: 14 GB beside its 4 GB of blocks). They are kept while all of them fit ``DENSE_BUDGET``; past
-    it a layer prefills on the kernel, said once; a layer's bytes come back when it is collected."""
+    """Issue 62: the bf16 copies a prefill may run on cost 2 bytes a weight (a 7B's: 14 GB beside its
+    4 GB of blocks). None is kept by default; with ``LEAPDECODE_DENSE_BUDGET_MB`` they are kept while all
+    of them fit; past it a layer prefills on the kernel, said once; a layer's bytes come back when it
+    is collected."""
     import gc
 
     monkeypatch.setenv(qkernel.PREFILL_ENV, "dense")
@@ -977,6 +980,12 @@ def test_bf16_prefill_copies_stay_within_their_memory_budget(kernel, monkeypatch
     del layers, outs
     gc.collect()
     assert budget.used == 0
+    monkeypatch.delenv(qkernel.DENSE_BUDGET_ENV)
+    default = qkernel.DenseBudget()
+    monkeypatch.setattr(qkernel, "DENSE_BUDGET", default)
+    layer = QLinear([QPart.from_block(random_block(64, 96, 4, 32, seed=70))])
+    assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])]))  # on the kernel
+    assert layer._dense is None and default.limit == 0 and "prefill runs" not in capsys.readouterr().err
     monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match=qkernel.DENSE_BUDGET_ENV):
         assert qkernel.DenseBudget().limit

@@ -67,11 +67,12 @@ MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
 # tiles beat int8 dot products; on a Zen 4 (AVX512-VNNI, no AMX) the kernel wins for 4-bit groups of
 # 32 and loses for 6-bit groups of 16.
 DENSE_MIN_ROWS = 64
-# The bf16 copies cost 2 bytes a weight beside the kernel's ~0.6 (a 7B's: 14 GB), so they are kept only
-# while all of them together stay within this share of the machine's memory (``DenseBudget``): past it, a
-# layer prefills on the kernel (slower on AMX, no copy).  A quarter of 24 GB holds a 1.5B's 3 GB of
-# copies but not a 3B's 6 GB; ``LEAPDECODE_DENSE_BUDGET_MB`` sets the budget in MiB.
-DENSE_MEMORY_SHARE = 0.25
+# The bf16 copies cost 2 bytes a weight beside the kernel's ~0.6 (a 1.5B's: 3.1 GB; a 7B's: 14 GB), and
+# measured end to end they bought nothing: qwen2.5-coder-1.5b prefilled a 512-token prompt at 268
+# tokens/s on its copies and 272 on the kernel alone (Xeon with AMX, 2 cores, 2026-12-06; lab notes
+# section 52), where the microbenchmark's ratios had chosen the copies for some layers.  So no copy is
+# kept unless ``LEAPDECODE_DENSE_BUDGET_MB`` grants them memory (``DenseBudget``); a layer whose copy does
+# not fit prefills on the kernel.
 DENSE_BUDGET_ENV = "LEAPDECODE_DENSE_BUDGET_MB"
 BITS = (4, 6, 8)
 GROUPS = (16, 32)
@@ -617,8 +618,8 @@ def prefill_on_dense(parts) -> bool:
 
 
 class DenseBudget:
-    """The bytes of bf16 prefill copies this process may keep (``DENSE_MEMORY_SHARE`` of its machine's
-    memory), handed out layer by layer as each first needs its copy and given back when a layer goes."""
+    """The bytes of bf16 prefill copies this process may keep (``LEAPDECODE_DENSE_BUDGET_MB``, none by
+    default), handed out layer by layer as each first needs its copy and given back when a layer goes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -631,7 +632,7 @@ class DenseBudget:
         if self._limit is None:
             forced = os.environ.get(DENSE_BUDGET_ENV, "").strip()
             try:
-                self._limit = int(float(forced) * 2**20) if forced else int(DENSE_MEMORY_SHARE * _memory_bytes())
+                self._limit = int(float(forced) * 2**20) if forced else 0
             except ValueError:
                 raise ValueError(f"{DENSE_BUDGET_ENV}={forced!r} is not a number of MiB") from None
         return self._limit
@@ -646,25 +647,14 @@ class DenseBudget:
                 self.used += nbytes
                 weakref.finalize(owner, self._give, nbytes)
                 return True
-        if first:
+        if first and self.limit:
             say(f"prefill runs on the int4 kernel for the layers whose bf16 copies would pass "
-                f"{self.limit / 2**30:.1f} GiB ({DENSE_MEMORY_SHARE:.0%} of memory; {DENSE_BUDGET_ENV} sets it)")
+                f"{self.limit / 2**30:.1f} GiB ({DENSE_BUDGET_ENV})")
         return False
 
     def _give(self, nbytes: int) -> None:
         with self._lock:
             self.used -= nbytes
-
-
-def _memory_bytes() -> int:
-    """The machine's physical memory (``MemTotal``), or 16 GiB where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) << 10
-    except (OSError, ValueError, IndexError):
-        pass
-    return 16 << 30
 
 
 DENSE_BUDGET = DenseBudget()
