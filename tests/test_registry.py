@@ -566,7 +566,7 @@ def test_convert_local_gguf_for_real(cache, monkeypatch):
 
     monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
     path = registry.convert_gguf_file(gguf_file)
-    # the header is parsed once for the config, the tokenizer and the weights (convert._parse_once),
+    # the header is parsed once for the config and the tokenizer (convert.parse_once),
     # and the module's own reader is back afterwards
     assert len(parses) == 1 and gguf.GGUFReader is counting_reader
     assert path == cache / "gguf" / registry.REGISTRY["smollm2-135m"].sha256[:16]

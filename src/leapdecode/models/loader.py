@@ -413,6 +413,7 @@ def load(
         raise InvalidParameterError(f"attention {attention!r}: {name} runs on the transformers backend; "
                                     "only the native one has it")
     gguf = _gguf_of(name_or_path, name)
+    float_source = None if _has_weights(path) else gguf  # where float weights are read from, if not ``path``
     if weights == "auto" and auto_weights(dev, backend, gguf, dtype) == "int4":
         quantized = "int4"  # the GGUF's own blocks on the batch-invariant kernel
     if require_exact:
@@ -424,7 +425,7 @@ def load(
 
                 model = load_int4(path, _source_key(path), gguf, max_seq_len)
             else:
-                model = _float_native(path, gguf, dt, dev, max_seq_len)
+                model = _float_native(path, float_source, dt, dev, max_seq_len)
         except NotImplementedError as e:
             raise InvalidParameterError(f"{name}: {e}; use --backend hf") from None
         if quantized and not getattr(model, "quantization", None):
@@ -435,11 +436,9 @@ def load(
     else:
         from .hf_backend import HFCausalLM
 
-        model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len,
-                                           gguf=None if _has_weights(path) else gguf)
+        model = HFCausalLM.from_pretrained(path, dtype=dt, device=dev, max_seq_len=max_seq_len, gguf=float_source)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, path=path,
-                       eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft,
-                       gguf=None if _has_weights(path) else gguf)
+                       eos_token_ids=_eos_ids(path, tokenizer), draft_name=draft, gguf=float_source)
 
 
 def model_files(name_or_path: str):
@@ -455,11 +454,12 @@ def _has_weights(path: Path) -> bool:
 
 
 def _float_native(path: Path, gguf, dtype: torch.dtype, device: torch.device, max_seq_len: int | None):
-    """The native decoder with float weights in ``dtype``: from the directory's checkpoint, or read
-    tensor by tensor from the GGUF (``gguf_tensors``; the model in ``dtype`` is all that is held)."""
+    """The native decoder with float weights in ``dtype``: from the directory's checkpoint (``gguf``
+    None), or read tensor by tensor from the GGUF ``gguf()`` yields (``gguf_tensors``; the model in
+    ``dtype`` is all that is held)."""
     from .native import ModelConfig, NativeCausalLM
 
-    if gguf is None or _has_weights(path):
+    if gguf is None:
         return NativeCausalLM.from_pretrained(path, dtype=dtype, device=device, max_seq_len=max_seq_len)
     from .gguf_tensors import GGUFTensors, heads_of
 

@@ -68,11 +68,12 @@ MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
 # 32 and loses for 6-bit groups of 16.
 DENSE_MIN_ROWS = 64
 # The bf16 copies cost 2 bytes a weight beside the kernel's ~0.6 (a 1.5B's: 3.1 GB; a 7B's: 14 GB), and
-# measured end to end they bought nothing: qwen2.5-coder-1.5b prefilled a 512-token prompt at 268
-# tokens/s on its copies and 272 on the kernel alone (Xeon with AMX, 2 cores, 2026-12-06; lab notes
-# section 52), where the microbenchmark's ratios had chosen the copies for some layers.  So no copy is
-# kept unless ``LEAPDECODE_DENSE_BUDGET_MB`` grants them memory (``DenseBudget``); a layer whose copy does
-# not fit prefills on the kernel.
+# which layers get one follows a noisy microbenchmark (``prefill_ratios``).  Measured end to end, they
+# bought qwen2.5-coder-1.5b 12% on a 512-token prefill (180 -> 203 tokens/s) for 0.6 GB more at its
+# peak (1.55 -> 2.13 GB), and a fresh cache's ratios once chose copies that held 2.8 GB for it and 5.8
+# GB for a 3B (Xeon with AMX, 2 cores, 2026-12-06; lab notes section 52).  So no copy is kept unless
+# ``LEAPDECODE_DENSE_BUDGET_MB`` grants them memory (``DenseBudget``): the memory a model takes is then
+# its blocks' and its caches', predictably; a layer whose copy does not fit prefills on the kernel.
 DENSE_BUDGET_ENV = "LEAPDECODE_DENSE_BUDGET_MB"
 BITS = (4, 6, 8)
 GROUPS = (16, 32)
