@@ -566,10 +566,10 @@ def test_long_prompts_prefilled_in_chunks():
 
 @pytest.mark.integration
 def test_contrastive_search_on_smollm2_equals_the_reference():
-    import transformers
+    from leapdecode.models.hf_backend import transformers_model
 
     lm = leapdecode.load("smollm2-135m", dtype="fp32", device="cpu", weights="fp32")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=torch.float32).eval()
+    hf = transformers_model(lm.path, lm.gguf, torch.float32).eval()  # transformers' own copy, from the GGUF
     ids = lm.tokenizer.encode("The capital of France is")
     res = leapdecode.generate(lm, prompt_ids=ids, strategy="contrastive-search", max_new_tokens=8,
                               strategy_options={"top_k": 4, "penalty_alpha": 0.6})

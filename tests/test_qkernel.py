@@ -73,9 +73,11 @@ def force_kernel(kernel, monkeypatch):
 
 @pytest.fixture(params=["dense", "kernel"])
 def prefill_path(kernel, monkeypatch, request):
-    """Forwards of more than ``DENSE_MIN_ROWS`` rows on the bf16 copy ("dense") or on the kernel,
-    whatever ``prefill_ratios`` measured here."""
+    """Forwards of more than ``DENSE_MIN_ROWS`` rows on the bf16 copy ("dense": kept, memory granted)
+    or on the kernel, whatever ``prefill_ratios`` measured here."""
     monkeypatch.setattr(qkernel, "prefill_on_dense", lambda parts: request.param == "dense")
+    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "1024")
+    monkeypatch.setattr(qkernel, "DENSE_BUDGET", qkernel.DenseBudget())
     return request.param
 
 

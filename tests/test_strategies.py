@@ -823,10 +823,10 @@ def test_server_refuses_bad_strategy_requests_naming_the_field(server, extra, pa
 # ---------------------------------------------------------------------------- a real model
 @pytest.mark.integration
 def test_beam_on_smollm2_equals_transformers():
-    import transformers
+    from leapdecode.models.hf_backend import transformers_model
 
     lm = leapdecode.load("smollm2-135m", dtype="fp32", device="cpu", weights="fp32")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=torch.float32).eval()
+    hf = transformers_model(lm.path, lm.gguf, torch.float32).eval()  # transformers' own copy, from the GGUF
     ids = lm.tokenizer.encode("The capital of France is")
     eos = sorted(lm.eos_token_ids)
     out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), num_beams=3,
