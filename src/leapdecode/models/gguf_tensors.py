@@ -133,18 +133,23 @@ class GGUFTensors:
     def qtype(self, name: str) -> int:
         return int(self._tensor(name).tensor_type)
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes, ``[rows, bytes per row]`` uint8 (one row for a vector), read from the file."""
+    def raw(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """The tensor's bytes, ``[rows, bytes per row]`` uint8 (one row for a vector), read from the
+        file; ``rows``: a contiguous range of rows only (``slice(start, stop)``)."""
         tensor = self._tensor(name)
+        shape = self.shape(name)
+        n = shape[0] if len(shape) > 1 else 1
+        start, stop, _ = (rows or slice(None)).indices(n)
+        row_bytes = tensor.n_bytes // n
+        count = max(stop - start, 0) * row_bytes
         try:
-            data = np.fromfile(self.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+            data = np.fromfile(self.path, dtype=np.uint8, count=count, offset=tensor.data_offset + start * row_bytes)
         except OSError as e:
             raise ModelFileError(f"cannot read tensor {name!r} of {self.path}: {e.strerror or e}") from None
         self.bytes_read += data.size
-        if data.size != tensor.n_bytes:
+        if data.size != count:
             raise ModelFileError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
-        shape = self.shape(name)
-        return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+        return data.reshape(-1, row_bytes)
 
     def _row_order(self, name: str, rows: int) -> np.ndarray | None:
         """The rows' order that undoes llama.cpp's permutation of ``name`` (None: none to undo)."""
@@ -172,9 +177,7 @@ class GGUFTensors:
         file does not permute), read a slice at a time."""
         from gguf.quants import dequantize
 
-        raw = self.raw(name)
-        if rows is not None:
-            raw = raw[rows]
+        raw = self.raw(name, rows)
         values = dequantize(raw, self._tensor(name).tensor_type).reshape(raw.shape[0], -1)
         order = self._row_order(name, values.shape[0]) if rows is None else None
         if order is not None:
