@@ -83,11 +83,14 @@ class BlockEmbedding(nn.Module):
         return self._weight
 
     def strided(self, step: int) -> torch.Tensor:
-        """``weight.reshape(-1)[::step]`` from the rows it touches only."""
+        """``weight.reshape(-1)[::step]`` from the rows it touches only, a chunk of rows at a time."""
         index = torch.arange(0, self.num_embeddings * self.hidden, step)
         needed, where = torch.unique(index // self.hidden, return_inverse=True)
-        values = torch.cat([self(needed[i:i + self.CHUNK_ROWS]) for i in range(0, needed.numel(), self.CHUNK_ROWS)])
-        return values[where, index % self.hidden]
+        cols, out = index % self.hidden, torch.empty(index.numel(), dtype=ACT_DTYPE)
+        for i in range(0, needed.numel(), self.CHUNK_ROWS):
+            here = (where >= i) & (where < i + self.CHUNK_ROWS)
+            out[here] = self(needed[i:i + self.CHUNK_ROWS])[where[here] - i, cols[here]]
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.hidden}, GGML type {self.qtype}"
