@@ -99,7 +99,7 @@ def scale_section(latest: dict[str, dict], dev_runs: dict[str, dict]) -> list[st
     summary) where there is one."""
     if not latest:
         return []
-    parts = ["## Scale: straight from the GGUF, 0.5B to 8B, beside llama.cpp", "",
+    parts = ["## Scale: model sizes straight from the GGUF, beside llama.cpp", "",
              "GGUFs of real model shapes in Q4_K_M's mixture with **random** blocks and qwen2.5-coder-1.5b's "
              "tokenizer (`scripts/scale_bench.py`): random weights make random text, so nothing compares outputs. "
              "leapdecode loads each straight from the file (first load on an empty cache; the warm load maps the "
