@@ -243,11 +243,16 @@ def read_scale_reports(directory: Path) -> list[dict]:
 
 def latest_scale_reports(reports: list[dict]) -> dict[str, dict]:
     """Machine -> its latest scale report."""
-    latest: dict[str, dict] = {}
+    return _latest(reports, cpu_of)
+
+
+def _latest(reports: list[dict], key) -> dict:
+    """``key(report)`` -> the latest (by date) of the reports with that key."""
+    latest: dict = {}
     for r in reports:
-        cpu = cpu_of(r)
-        if cpu not in latest or str(r.get("date")) > str(latest[cpu].get("date")):
-            latest[cpu] = r
+        k = key(r)
+        if k not in latest or str(r.get("date")) > str(latest[k].get("date")):
+            latest[k] = r
     return latest
 
 
@@ -258,12 +263,7 @@ def read_ceiling_reports(directory: Path) -> list[dict]:
 
 def latest_ceilings(reports: list[dict]) -> dict[tuple[str, str, str], dict]:
     """(processor, model, workload name) -> its latest ceiling report."""
-    latest: dict[tuple[str, str, str], dict] = {}
-    for r in reports:
-        key = (cpu_of(r), str(r.get("model")), workload_name(r))
-        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
-            latest[key] = r
-    return latest
+    return _latest(reports, lambda r: (cpu_of(r), str(r.get("model")), workload_name(r)))
 
 
 def head_table(results: dict[str, dict]) -> list[str]:
@@ -288,12 +288,7 @@ def head_table(results: dict[str, dict]) -> list[str]:
 
 def latest_head_reports(reports: list[dict]) -> dict[tuple[str, str], dict]:
     """(processor, model) -> its latest head-accuracy report."""
-    latest: dict[tuple[str, str], dict] = {}
-    for r in reports:
-        key = (cpu_of(r), str(r.get("model")))
-        if key not in latest or str(r.get("date")) > str(latest[key].get("date")):
-            latest[key] = r
-    return latest
+    return _latest(reports, lambda r: (cpu_of(r), str(r.get("model"))))
 
 
 def heads_section(reports: list[dict]) -> list[str]:
