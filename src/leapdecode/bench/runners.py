@@ -276,19 +276,19 @@ def model_files(name_or_path: str):
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """No weight-loading progress bars or deprecation chatter inside the bench's progress bar."""
+    """No weight-loading progress bars or deprecation chatter inside the bench's progress bar (transformers'
+    messages below errors off, as ``convert.quiet_transformers``, and its progress bars and warnings too)."""
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    from ..models.convert import quiet_transformers
+
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        with warnings.catch_warnings():
+        with quiet_transformers(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
 
