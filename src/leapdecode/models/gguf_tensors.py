@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ModelFileError
 
+VOCAB_MATRICES = ("token_embd.weight", "output.weight")  # [vocab, hidden]: read into floats a slice at a time
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # GGUF architectures whose q/k rows llama.cpp permuted
 
 # the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Mistral)
@@ -188,8 +189,8 @@ class GGUFTensors:
 
     def embedding(self, name: str = "token_embd.weight", dtype: torch.dtype = torch.bfloat16,
                   chunk_rows: int = 8192) -> torch.Tensor:
-        """A large matrix in ``dtype``, dequantized a slice of rows at a time (the float32 copy of a
-        7B's embedding alone is 2 GB)."""
+        """A large matrix the file does not permute (the embedding, the output head) in ``dtype``,
+        dequantized a slice of rows at a time (the float32 copy of a 7B's embedding alone is 2 GB)."""
         n, k = self.shape(name)
         out = torch.empty(n, k, dtype=dtype)
         for start in range(0, n, chunk_rows):
@@ -201,4 +202,4 @@ class GGUFTensors:
         for name in self.tensors:
             hf = hf_name(name)
             if hf is not None:
-                yield hf, (self.embedding(name, dtype) if name == "token_embd.weight" else self.dense(name, dtype))
+                yield hf, (self.embedding(name, dtype) if name in VOCAB_MATRICES else self.dense(name, dtype))
