@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ModelFileError
+from ..errors import InvalidParameterError, ModelFileError
 from .linear import make_linear
 from .store import (atomic_write, cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale,
                     writable, write_digest)
@@ -635,7 +635,7 @@ class DenseBudget:
             try:
                 self._limit = int(float(forced) * 2**20) if forced else 0
             except ValueError:
-                raise ValueError(f"{DENSE_BUDGET_ENV}={forced!r} is not a number of MiB") from None
+                raise InvalidParameterError(f"{DENSE_BUDGET_ENV}={forced!r} is not a number of MiB") from None
         return self._limit
 
     def take(self, owner: object, nbytes: int) -> bool:
