@@ -1,6 +1,6 @@
 """GGUF block formats as ``BlockWeight``s (``models/gguf_blocks.py``).
 
-Every direct decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) gives, bit for bit, the
+Every direct decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) gives, bit for bit, the
 ``gguf`` package's own dequantization of random raw blocks (random bytes, with finite fp16
 scale and min fields); the float fallbacks (``requantize_q8``, ``quantize_q4``) are within half
 a step of the weight; on a real GGUF (the registered smollm2-135m's) ``gguf_tensors`` reads each
@@ -23,12 +23,14 @@ from leapdecode.models.gguf_blocks import BLOCK_BYTES, decode, quantize_q4, requ
 # type -> byte offsets of its fp16 fields in a block (d, and m / dmin where it has one)
 FP16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
 }
 # type -> (bits, group, offset) of the BlockWeight
 FORMAT = {
     T.Q4_0: (4, 32, 0), T.Q4_1: (4, 32, 0), T.Q5_0: (6, 32, 16), T.Q5_1: (6, 32, 0), T.Q8_0: (8, 32, 0),
-    T.Q4_K: (4, 32, 0), T.Q5_K: (6, 32, 0), T.Q6_K: (6, 16, 32),
+    T.Q4_K: (4, 32, 0), T.Q5_K: (6, 32, 0), T.Q6_K: (6, 16, 32), T.Q2_K: (4, 16, 0), T.Q3_K: (4, 16, 0),
+    T.IQ4_NL: (8, 32, 0), T.IQ4_XS: (8, 32, 0),
 }
 TYPES = list(FP16_FIELDS)
 
@@ -111,7 +113,7 @@ def test_blocks_from_ggufs_own_quantizer():
 def test_decode_refuses_unknown_types_and_partial_blocks():
     raw = random_raw(T.Q4_0, 2, 64, seed=3)
     with pytest.raises(ValueError, match="no direct block mapping"):
-        decode(raw, int(T.Q2_K), 2, 64)
+        decode(raw, int(T.IQ2_XXS), 2, 64)
     with pytest.raises(ValueError, match="no direct block mapping"):
         decode(raw, int(T.F16), 2, 64)
     with pytest.raises(ValueError, match="multiple of the block size"):
@@ -274,3 +276,15 @@ def test_gguf_tensors_on_a_real_gguf():
         seen.add(how)
     assert seen == {"Q4_1", "Q8_0"}
     assert torch.equal(source.embedding(chunk_rows=1000), source.dense("token_embd.weight").to(torch.bfloat16))
+
+
+def test_one_warning_names_the_types_that_are_re_quantized():
+    from leapdecode.models.gguf_blocks import file_bits, requantized_warning
+
+    assert requantized_warning({"Q4_K": 90, "Q6_K": 10, "IQ4_XS": 5, "Q3_K": 3}) is None
+    note = requantized_warning({"Q4_K": 60, "IQ2_XXS->Q8": 30, "F16->Q8": 10})
+    assert note.startswith("warning: ") and note.count("warning") == 1
+    assert "F16 (10% of the weights, 16 bits" in note and "IQ2_XXS (30% of the weights, 2.1 bits" in note
+    assert "not the file's numbers" in note and "8.5 bits" in note
+    assert "Q4_K" not in note.split(": re-quantized")[0]  # only the re-quantized types are named as such
+    assert file_bits(int(T.Q4_K)) == 4.5 and file_bits(int(T.IQ4_XS)) == 4.25 and file_bits(int(T.Q2_K)) == 2.625

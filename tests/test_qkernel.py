@@ -384,7 +384,9 @@ def test_forwards_are_invariant_up_to_the_limit_and_right_beyond(prefill_path, f
                 assert not ((bad.double() - ref).abs() <= bf16_bound(x[:m], w, ref, bias)).all()
 
 
-GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+FACTORED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # a super-block's fp16 d (and dmin) times int8 scales
+NO_OFFSETS = ("Q6_K", "IQ4_XS")  # factored, with every zsup +0: scale mode 3 for the kernel
 
 
 def gguf_block(name: str, n: int, blocks: int, seed: int) -> BlockWeight:
@@ -406,9 +408,9 @@ def test_gguf_blocks_on_the_kernel(force_kernel, name):
     w = gguf_block(name, 48, 2, seed=50)
     k = w.shape[1]
     part = QPart.from_block(w)
-    assert part.smode == (2 if name.endswith("_K") else 1)  # the file's fp16 scales are exact
-    # Q6_K has no offsets: the kernel gets scale mode 3 (its few-row path skips their bytes)
-    assert part.pointers()[5] == (3 if name == "Q6_K" else part.smode)
+    assert part.smode == (2 if name in FACTORED else 1)  # the file's fp16 scales are exact
+    # Q6_K and IQ4_XS have no offsets: the kernel gets scale mode 3 (its few-row path skips their bytes)
+    assert part.pointers()[5] == (3 if name in NO_OFFSETS else part.smode)
     assert np.array_equal(part.dequantize().numpy(), w.dequantize())
     x = random_x(70, k, seed=51)
     for out_fp32 in (False, True):
@@ -474,10 +476,10 @@ def call_qgemm(lib, part: QPart, x: torch.Tensor, bias: torch.Tensor | None, out
     return y
 
 
-PORTABLE_CASES = FORMATS + [("Q4_K",), ("Q6_K",)]
+PORTABLE_CASES = FORMATS + [("Q4_K",), ("Q6_K",), ("Q3_K",), ("IQ4_XS",)]
 
 
-@pytest.mark.parametrize("case", PORTABLE_CASES, ids=FORMAT_IDS + ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("case", PORTABLE_CASES, ids=FORMAT_IDS + ["Q4_K", "Q6_K", "Q3_K", "IQ4_XS"])
 def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
     # (where the library QLinear runs takes the same path, two builds of it are compared)
     if len(case) == 1:

@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import ModelFileError
 from .native import NativeCausalLM
 from .gguf_tensors import GGUFTensors, heads_of
+from .gguf_blocks import requantized_warning
 from .qkernel import QLinear, QPart, isa_key
 from .quant import ACT_DTYPE, BLOCK_LINEARS, to_activation_dtype
 from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, progress, say, sweep_stale,
@@ -350,6 +351,9 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
         model = packed_model(tensors, layout, cfg, max_seq_len)
     total = sum(kinds.values()) or 1
     say("weights: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(kinds.items())))
+    warning = requantized_warning(kinds)
+    if warning is not None:
+        say(warning)
     if not keep:
         return model
     try:

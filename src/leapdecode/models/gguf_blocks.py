@@ -14,12 +14,19 @@ a 6- or 8-bit integer are exact in fp32):
 * Q4_K  ``d sc q - dmin m``    -> 4-bit, s = d sc, z = -dmin m             (group 32)
 * Q5_K  ``d sc q - dmin m``    -> 6-bit storage, s = d sc, z = -dmin m     (group 32)
 * Q6_K  ``d sc (q - 32)``      -> 6-bit storage, value q - 32, s = d sc    (group 16)
+* Q2_K  ``d sc q - dmin m``    -> 4-bit storage (q = 0..3), s = d sc, z = -dmin m        (group 16)
+* Q3_K  ``d sc (q - 4)``       -> 4-bit storage (q = 0..7), s = d sc, z = -4 d sc        (group 16)
+* IQ4_NL ``d kv[q]``           -> 8-bit codes kv[q] (the type's 16 signed values), s = d (group 32)
+* IQ4_XS ``d sc kv[q]``        -> 8-bit codes kv[q], s = d sc                           (group 32)
 
-Any other type (F32, F16, BF16, Q2_K, Q3_K, IQ*) is dequantized with the ``gguf`` package and
-re-quantized to symmetric 8-bit codes in groups of 32 (``requantize_q8``): a near-lossless
-choice that costs 8.5 bits a weight (docs/lab-notes/benchmarks.md).  The block layouts follow ggml's
-``ggml-quants.c`` (``dequantize_row_*``); tests/test_gguf_blocks.py checks every decoder
-against the ``gguf`` package's own dequantization.
+The last four keep the file's numbers but not its size: the kernel has no 2- or 3-bit code
+layout and no table lookup, so Q2_K and Q3_K take 4-bit codes (4.5-5.5 bits a weight to read
+where the file has 2.6 and 3.4) and the IQ4 types 8-bit codes (8.5-9 bits where it has 4.25-4.5).
+Any other type (F32, F16, BF16, the other IQ types, TQ*, MXFP4) is dequantized with the ``gguf``
+package and re-quantized to symmetric 8-bit codes in groups of 32 (``requantize_q8``): near-lossless,
+but not the file's numbers, and 8.5 bits a weight (docs/lab-notes/benchmarks.md).  The block layouts
+follow ggml's ``ggml-quants.c`` (``dequantize_row_*``); tests/test_gguf_blocks.py checks every
+decoder against the ``gguf`` package's own dequantization.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ from .qkernel import BlockWeight
 
 # GGMLQuantizationType values (gguf.constants)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q4_K, Q5_K, Q6_K, BF16 = 12, 13, 14, 30
-NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K",
-                Q5_K: "Q5_K", Q6_K: "Q6_K"}
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
+                Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
 BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+               Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+               IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
+# the 16 signed values of IQ4_NL's and IQ4_XS's 4-bit indices (ggml's kvalues_iq4nl)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -73,6 +83,8 @@ def decode(raw: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
     if k % per:
         raise ValueError(f"row length {k} is not a multiple of the block size {per}")
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per, nbytes)
+    if qtype in (Q2_K, Q3_K, IQ4_NL, IQ4_XS):
+        return _decode_low(b, qtype, n, k)
     if qtype in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
         d = _f16(b[..., 0:2])  # [n, k / 32]
         if qtype == Q8_0:
@@ -123,6 +135,49 @@ def decode(raw: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
     return BlockWeight(q, s, np.zeros_like(s), 6, 16, offset=32, factors=factors)
 
 
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's [..., 64] bytes of 2-bit codes -> [..., 256]: per 32 bytes, four runs of 32
+    codes (bits 0-1 of every byte, then bits 2-3, 4-5, 6-7)."""
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 256)
+
+
+def _decode_low(b: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
+    """Q2_K, Q3_K, IQ4_NL and IQ4_XS blocks (``b``: ``[n, blocks, bytes]``) in the kernel's 4- and
+    8-bit forms, with the file's numbers (see the module's docstring)."""
+    if qtype == IQ4_NL:  # d (fp16), 16 bytes: element j < 16 the low nibble of byte j, j >= 16 the high one of j - 16
+        d = _f16(b[..., 0:2])
+        codes = IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, k)
+        return BlockWeight(codes, d, np.zeros_like(d), 8, 32)
+    if qtype == IQ4_XS:  # d, 2 bytes of the scales' high bits, 4 of their low nibbles, 8 x 16 bytes as IQ4_NL's
+        d = _f16(b[..., 0:2])  # [n, blocks]
+        high = (b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, blocks, 8]
+        low = np.stack([b[..., 4:8] & 15, b[..., 4:8] >> 4], axis=-1).reshape(n, -1, 8)
+        sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+        codes = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(n, -1, 8, 16))].reshape(n, k)
+        s = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
+        factors = (sc.reshape(n, k // 32), np.zeros((n, k // 32), np.int8), d, np.zeros_like(d), 8)
+        return BlockWeight(codes, s, np.zeros_like(s), 8, 32, factors=factors)
+    if qtype == Q2_K:  # 16 bytes of scales (low nibble sc, high nibble m), 64 of 2-bit codes, d, dmin
+        sc, m = (b[..., 0:16] & 15).astype(np.int8), (b[..., 0:16] >> 4).astype(np.int8)
+        d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])  # [n, blocks]
+        s = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 16)
+        z = -(dmin[..., None] * m.astype(np.float32)).reshape(n, k // 16)
+        factors = (sc.reshape(n, -1), m.reshape(n, -1), d, -dmin, 16)
+        return BlockWeight(_crumbs(b[..., 16:80]).reshape(n, k), s, z, 4, 16, factors=factors)
+    # Q3_K: 32 bytes of third bits (bit j of byte l: element 32 j + l), 64 of 2-bit codes, 12 of
+    # 6-bit scales (16 low nibbles, then 16 pairs of high bits), d; value (q | third << 2) - 4
+    hmask, scales, d = b[..., 0:32], b[..., 96:108], _f16(b[..., 108:110])
+    third = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [n, blocks, 8, 32]
+    codes = _crumbs(b[..., 32:96]) | (third.reshape(n, -1, 256) << 2)
+    low = np.stack([scales[..., 0:8] & 15, scales[..., 0:8] >> 4], axis=-2).reshape(n, -1, 16)
+    high = (scales[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [n, blocks, 4, 4]
+    sc = (low | (high.reshape(n, -1, 16) << 4)).astype(np.int8) - np.int8(32)
+    s = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 16)
+    factors = (sc.reshape(n, -1), sc.reshape(n, -1), d, np.float32(-4) * d, 16)
+    return BlockWeight(codes.reshape(n, k), s, np.float32(-4) * s, 4, 16, factors=factors)
+
+
 def requantize_q8(w: np.ndarray, group: int = 32) -> BlockWeight:
     """Symmetric 8-bit codes in groups of ``group`` (``s = max|w| / 127``, z = 0) for a float
     weight: the format for block types without a direct mapping."""
@@ -158,3 +213,28 @@ def tensor_weight(raw: np.ndarray, qtype: int, n: int, k: int, fallback_group: i
     kind = GGMLQuantizationType(qtype)
     dense = np.asarray(dequantize(np.ascontiguousarray(raw).reshape(n, -1), kind), dtype=np.float32).reshape(n, k)
     return requantize_q8(dense, fallback_group), f"{kind.name}->Q8"
+
+
+def file_bits(qtype: int) -> float:
+    """Bits a weight of a GGML type takes in the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    per, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return 8 * nbytes / per
+
+
+def requantized_warning(kinds: dict[str, int]) -> str | None:
+    """One warning naming the block types of a packed model that are not run in their own blocks
+    (``kinds``: weights per ``tensor_weight`` "how", e.g. ``"IQ2_XXS->Q8"``) and what that costs;
+    None when every type is."""
+    from gguf import GGMLQuantizationType
+
+    total = sum(kinds.values()) or 1
+    others = sorted((k.removesuffix("->Q8"), n) for k, n in kinds.items() if k.endswith("->Q8"))
+    if not others:
+        return None
+    names = ", ".join(f"{name} ({100 * n / total:.0f}% of the weights, {file_bits(GGMLQuantizationType[name]):.2g} "
+                      f"bits a weight in the file)" for name, n in others)
+    return (f"warning: {names} not run in the file's own blocks: re-quantized to 8-bit codes, 8.5 bits a weight "
+            "to read and near-lossless but not the file's numbers (llama.cpp's output on this file is then not "
+            "matched exactly); the types run as they are: " + ", ".join(NATIVE_TYPES.values()))
