@@ -1,4 +1,4 @@
-"""Native PyTorch decoder for the Llama / Qwen2 family (SmolLM2, Qwen2.5, Llama 2/3, Mistral).
+"""Native PyTorch decoder for the Llama / Qwen family (SmolLM2, Qwen2.5, Qwen3, Llama 2/3, Mistral).
 
 In the spirit of gpt-fast: one file, plain modules, a static KV cache
 (``kv_cache.KVCache``).  Differences that matter for speed on CPU: the q/k/v
@@ -28,7 +28,8 @@ from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attentio
                       rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
 from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}  # an RMSNorm over each head of q and of k, before rope
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: dict | None = None
+    qk_norm: bool = False  # Qwen3: q and k normalized per head (``Block.q_norm``, ``k_norm``) before rope
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -61,7 +63,8 @@ class ModelConfig:
             None,
         ):
             raise NotImplementedError(f"native backend does not implement rope_scaling {rope_scaling}")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
+        if (cfg.get("sliding_window") and cfg.get("use_sliding_window")
+                or any(t != "full_attention" for t in cfg.get("layer_types") or ())):
             raise NotImplementedError("native backend does not implement sliding-window attention")
         n_heads = cfg["num_attention_heads"]
         model_type = cfg.get("model_type", "")
@@ -80,6 +83,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "llama3" else None,
+            qk_norm=bool(set(archs) & QK_NORM_ARCHITECTURES) or model_type == "qwen3",
         )
 
 
@@ -138,6 +142,8 @@ class Block(nn.Module):
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -154,7 +160,7 @@ class Block(nn.Module):
         then computed one query at a time over those keys gathered into contiguous tensors, and
         ``mask`` is ignored."""
         h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        x = x + self.wo(self.attend(self.wqkv(h), cos, sin, cache, layer, mask, rows))
+        x = x + self.wo(self.attend(self.normed_qk(self.wqkv(h)), cos, sin, cache, layer, mask, rows))
         return x + self.mlp(x, self.w_gate_up, self.w_down)
 
     def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int, cos: torch.Tensor,
@@ -167,7 +173,7 @@ class Block(nn.Module):
         segment takes the kernels' route (``FusedSegments``): rope, cache stores and attention of
         all segments in one kernel call, with the bits of each segment's own ``attend``."""
         h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        qkv = rowwise_linear(self.wqkv, h)
+        qkv = self.normed_qk(rowwise_linear(self.wqkv, h))
         if fused is not None:
             attn = fused.attend(qkv, cos, sin, layer, self.cfg)
         else:
@@ -179,6 +185,19 @@ class Block(nn.Module):
                               for s in segments], dim=1)
         x = x + rowwise_linear(self.wo, attn)
         return x + self.mlp(x, lambda t: rowwise_linear(self.w_gate_up, t), lambda t: rowwise_linear(self.w_down, t))
+
+    def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The q/k/v projections as attention takes them (``[B, T, q+2kv]``): with Qwen3's ``q_norm``
+        and ``k_norm``, each head of q and of k RMS-normalized (``rms_norm``: the bf16 kernel's bits
+        where it runs, as ``LayerStack`` computes them), v as it is; else ``qkv`` itself."""
+        if self.q_norm is None:
+            return qkv
+        cfg = self.cfg
+        b, t, _ = qkv.shape
+        q, k, v = qkv.split((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim), -1)
+        q = rms_norm(q.reshape(b, t, cfg.n_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
+        return torch.cat((q.reshape(b, t, -1), k.reshape(b, t, -1), v), dim=-1)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                mask: torch.Tensor | None, rows: "QueryRows | None") -> torch.Tensor:
@@ -633,7 +652,8 @@ class NativeCausalLM(nn.Module):
         signature = tuple(id(m) for m in self._layer_parts())
         if self._stack is None or self._stack[0] != signature:
             cfg = self.cfg
-            layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm) for b in self.layers]
+            layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm, b.q_norm, b.k_norm)
+                      for b in self.layers]
             stack = LayerStack.of(layers, hidden=cfg.hidden_size, inter=cfg.intermediate_size, n_heads=cfg.n_heads,
                                   n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
             self._stack = (signature, stack)
@@ -755,6 +775,9 @@ class NativeCausalLM(nn.Module):
             own[f"layers.{i}.w_down.weight"] = get(p + "mlp.down_proj.weight")
             own[f"layers.{i}.attn_norm"] = get(p + "input_layernorm.weight")
             own[f"layers.{i}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
+            if cfg.qk_norm:
+                own[f"layers.{i}.q_norm"] = get(a + "q_norm.weight")
+                own[f"layers.{i}.k_norm"] = get(a + "k_norm.weight")
         own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
         model.load_state_dict(own, strict=False, assign=True)
         if cfg.tie_word_embeddings:

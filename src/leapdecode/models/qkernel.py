@@ -1042,7 +1042,8 @@ class LdLinear(ctypes.Structure):
 
 class LdLayer(ctypes.Structure):
     _fields_ = [("qkv", LdLinear), ("o", LdLinear), ("gate_up", LdLinear), ("down", LdLinear),
-                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p)]
+                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p)]
 
 
 class LdStack(ctypes.Structure):
@@ -1100,23 +1101,30 @@ def _ld_linear(layer: QLinear, keep: list) -> LdLinear:
     return LdLinear(parts, len(layer.parts), layer.in_features, layer.padded_features)
 
 
+def _with_qk_norms(layers: list[tuple]) -> list[tuple]:
+    """``LayerStack``'s layer tuples with their q and k norms (None where a tuple leaves them out)."""
+    return [(*layer, None, None)[:8] for layer in layers]
+
+
 class LayerStack:
-    """A Llama/Qwen2 decoder's layers in one kernel call per forward (``kernels/layers.cpp``
+    """A Llama/Qwen decoder's layers in one kernel call per forward (``kernels/layers.cpp``
     ``ld_decoder_layers``): for each layer the calls ``Block.forward`` makes on the kernels' route
-    (RMSNorm, the packed projections, rope and cache store, the attention kernel, the residual adds,
-    SiLU times up), with the same bits, without the ~130 us of Python and torch dispatch per layer
-    around them.  ``layers``: per layer ``(wqkv, wo, w_gate_up, w_down, attn_norm, mlp_norm)`` with
-    ``QLinear`` projections (bf16 outputs) and bf16 norm weights; ``of`` returns None otherwise."""
+    (RMSNorm, the packed projections, Qwen3's per-head norms of q and k, rope and cache store, the
+    attention kernel, the residual adds, SiLU times up), with the same bits, without the ~130 us of
+    Python and torch dispatch per layer around them.  ``layers``: per layer ``(wqkv, wo, w_gate_up,
+    w_down, attn_norm, mlp_norm[, q_norm, k_norm])`` with ``QLinear`` projections (bf16 outputs) and
+    bf16 norm weights (``q_norm``, ``k_norm`` left out or None where the model has none); ``of``
+    returns None otherwise."""
 
     def __init__(self, layers: list[tuple], hidden: int, inter: int, n_heads: int, n_kv_heads: int,
                  head_dim: int, eps: float) -> None:
         self._keep: list = [silu_table()]
         arr = (LdLayer * len(layers))()
-        for i, (wqkv, wo, gate_up, down, attn_norm, mlp_norm) in enumerate(layers):
-            self._keep += [wqkv, wo, gate_up, down, attn_norm, mlp_norm]  # alive while their addresses are used
+        for i, (wqkv, wo, gate_up, down, *norms) in enumerate(_with_qk_norms(layers)):
+            self._keep += [wqkv, wo, gate_up, down, *norms]  # alive while their addresses are used
             arr[i] = LdLayer(_ld_linear(wqkv, self._keep), _ld_linear(wo, self._keep),
                              _ld_linear(gate_up, self._keep), _ld_linear(down, self._keep),
-                             attn_norm.data_ptr(), mlp_norm.data_ptr())
+                             *(None if w is None else w.data_ptr() for w in norms))
         self.layers = arr
         self.n_layers = len(layers)
         self.shape = dict(hidden=hidden, inter=inter, hq=n_heads, hkv=n_kv_heads, d=head_dim, eps=eps,
@@ -1135,11 +1143,13 @@ class LayerStack:
         is not available."""
         if kernel_problem() is not None or shape["hidden"] % 16:  # (ld_rmsnorm_bf16 takes rows of 16k values)
             return None
-        for *linears, attn_norm, mlp_norm in layers:
-            if not all(type(m) is QLinear and not m.out_fp32 for m in linears):
+        for wqkv, wo, gate_up, down, attn_norm, mlp_norm, q_norm, k_norm in _with_qk_norms(layers):
+            if not all(type(m) is QLinear and not m.out_fp32 for m in (wqkv, wo, gate_up, down)):
+                return None
+            if (q_norm is None) != (k_norm is None) or q_norm is not None and shape["head_dim"] % 16:
                 return None
             if not all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                       for w in (attn_norm, mlp_norm)):
+                       for w in (attn_norm, mlp_norm, q_norm, k_norm) if w is not None):
                 return None
         return cls(layers, **shape)
 

@@ -172,7 +172,7 @@ def padded_forward(model, cache, ins: StepInputs, states: bool, logits: bool):
     mask = grouped_mask(ins.mask, cfg.n_heads // cfg.n_kv_heads)  # once for every layer
     for i, block in enumerate(model.layers):
         h = rms_norm(x, block.attn_norm, cfg.rms_norm_eps)
-        q, k, v = block.rotary_qkv(block.wqkv(h), cos, sin)
+        q, k, v = block.rotary_qkv(block.normed_qk(block.wqkv(h)), cos, sin)
         cache.k[i].index_copy_(2, ins.slots, k)
         cache.v[i].index_copy_(2, ins.slots, v)
         attn = grouped_attention(q, cache.k[i, :, :, :span], cache.v[i, :, :, :span], mask)

@@ -1,4 +1,4 @@
-// A Llama/Qwen2 decoder's layers over the new tokens of one sequence (or of several side by side),
+// A Llama/Qwen decoder's layers over the new tokens of one sequence (or of several side by side),
 // in one call.
 //
 // Per layer, exactly what NativeCausalLM runs op by op on the kernels' route (models/native.py
@@ -6,6 +6,7 @@
 // the same functions and roundings, so the same bits:
 //   h    = rmsnorm(x, attn_norm)                        ld_rmsnorm_bf16
 //   qkv  = h @ Wqkv.T (+ bias)                          ld_qgemm, per packed part
+//   q, k = rmsnorm per head (q_norm, k_norm: Qwen3)       ld_rmsnorm_bf16, in place
 //   q    = rope(q); k, v -> cache slots slot0..         ld_rope_store
 //   a    = attention of each row over its slots         ld_attend_rows
 //   x    = bf16(x + a @ Wo.T)                           ld_qgemm, then one fp32 add rounded to bf16
@@ -66,6 +67,8 @@ struct LdLayer {
     LdLinear qkv, o, gate_up, down;
     const uint16_t* attn_norm;
     const uint16_t* mlp_norm;
+    const uint16_t* q_norm;  // [d] each, or null: no per-head norm of q and k
+    const uint16_t* k_norm;
 };
 
 // What every layer shares, and this call's cache: layer l's keys of head h, slot i at
@@ -189,6 +192,11 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
         uint16_t* x = xs + j * T * H;
         int rc = ld_rmsnorm_bf16(x_in, T, H, H, L.attn_norm, s->eps, h, H);
         if (!rc) rc = linear(L.qkv, h, T, qkv, nthreads, work);
+        for (int64_t t = 0; !rc && L.q_norm && t < T; ++t) {
+            uint16_t* row = qkv + t * L.qkv.padded;
+            rc = ld_rmsnorm_bf16(row, s->hq, s->d, s->d, L.q_norm, s->eps, row, s->d);
+            if (!rc) rc = ld_rmsnorm_bf16(row + QD, s->hkv, s->d, s->d, L.k_norm, s->eps, row + QD, s->d);
+        }
         if (!rc && s->nseg > 0) {
             for (size_t e = 0; e < kv.size(); ++e) kv[e] = s->seg_kv[e] + li * s->seg_kv_step[e];
             rc = ld_rope_attend_segments(qkv, T, L.qkv.padded, cos, sin, (int)s->nseg, s->seg_start, kv.data(), idx,
