@@ -44,10 +44,13 @@ def inspect_gguf(gguf_path: Path) -> dict:
         fields = reader.fields
         arch = fields["general.architecture"].contents()
         template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+        key = fields.get(f"{arch}.attention.key_length")
+        head_dim = int(key.contents()) if key is not None else None
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
-    return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters}
+    return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters,
+            "head_dim": head_dim}
 
 
 _PATCH_LOCK = threading.Lock()
@@ -136,6 +139,10 @@ def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
     for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype"):
         cfg.pop(k, None)
     cfg["architectures"] = [architecture]
+    # the heads' width as the file gives it: transformers' GGUF reader does not map ``key_length`` for every
+    # architecture (Qwen3's configuration then keeps its default of 128)
+    if header["head_dim"] and header["head_dim"] != (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]):
+        cfg["head_dim"] = header["head_dim"]
     for k, v in cfg.items():  # GGUF stores float32: 9.999999747378752e-06 -> 1e-05
         if isinstance(v, float):
             cfg[k] = _short_float(v)

@@ -26,12 +26,12 @@ from ..errors import ModelFileError
 VOCAB_MATRICES = ("token_embd.weight", "output.weight")  # [vocab, hidden]: read into floats a slice at a time
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # GGUF architectures whose q/k rows llama.cpp permuted
 
-# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Mistral)
+# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Qwen3/Mistral)
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
@@ -65,7 +65,8 @@ def expected_shape(cfg, gguf_name: str) -> tuple[int, ...] | None:
     shapes = {"token_embd": (cfg.vocab_size, hidden), "output": (cfg.vocab_size, hidden), "output_norm": (hidden,),
               "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (q, hidden), "attn_k": (kv, hidden),
               "attn_v": (kv, hidden), "attn_output": (hidden, q), "ffn_gate": (inter, hidden),
-              "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+              "ffn_up": (inter, hidden), "ffn_down": (hidden, inter), "attn_q_norm": (cfg.head_dim,),
+              "attn_k_norm": (cfg.head_dim,)}
     shape = shapes.get(part)
     return shape[:1] if shape is not None and kind == "bias" else shape
 

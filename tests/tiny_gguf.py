@@ -1,0 +1,96 @@
+"""Tiny transformers models written as GGUF files, as llama.cpp's converter names and lays them out
+(``convert_hf_to_gguf.py``): for tests of the GGUF route of each architecture (issue 63).  Not a
+test module: the test files import ``write_gguf`` from here.
+
+The tokenizer is a byte-level BPE over the 256 byte symbols, two merges and ChatML's specials, with a ChatML chat template in the file; 2-D weights are quantized by the
+``gguf`` package (Q8_0 by default), norms and biases kept in F32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Hugging Face name (after "model.layers.N.") -> GGUF name (after "blk.N.")
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def gguf_name(hf: str) -> str:
+    stem, _, kind = hf.rpartition(".")
+    if stem in TOP:
+        return f"{TOP[stem]}.{kind}"
+    _, _, i, rest = stem.split(".", 3)
+    return f"blk.{i}.{LAYER[rest]}.{kind}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` of q/k rows (its rope pairs neighbouring columns)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    T = gguf.GGMLQuantizationType
+    qtype = T.Q8_0 if qtype is None else qtype
+    cfg = model.config
+    arch = ARCH[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    # the tokenizer: byte symbols first (ids 0..255), then the specials, padded to the model's vocabulary
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["h e", "Ġ t"]  # two merges (transformers' GGUF tokenizer reader wants some)
+    words = [m.replace(" ", "") for m in merges]
+    tokens = symbols + words + specials
+    tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+    types = [1] * (len(symbols) + len(words)) + [3] * (len(tokens) - len(symbols) - len(words))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|endoftext|>"))
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template(CHATML)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        g = gguf_name(name)
+        a = tensor.detach().float().numpy()
+        if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
+            a = permute(a, heads if g.split(".")[-2] == "attn_q" else kv_heads)
+        if a.ndim == 2:
+            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(g, a.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
