@@ -103,3 +103,38 @@ def test_no_compiler_on_an_empty_cache_is_said_and_enforced(tmp_path):
         "leapdecode: error: exactness is not guaranteed: float weights: their matrix products are not "
         "batch-invariant (the exact path is int4 on leapdecode's kernel); the exact int4 kernel cannot run "
         "here: no C++ compiler found (set CXX or install g++)")
+
+
+def test_doctor_says_whether_a_model_runs_natively_and_in_its_files_blocks(tmp_path, monkeypatch, capsys,
+                                                                          cache_with_kernel):
+    """Issue 63: ``doctor MODEL`` answers before loading: the architecture on the native decoder or
+    not (and why), every block type of the GGUF in its own blocks or re-quantized, exact here or not."""
+    import gguf
+    import transformers
+
+    from leapdecode.models.support import support_of
+    from tiny_gguf import write_gguf
+
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(cache_with_kernel(tmp_path / "cache")))
+    cfg = dict(vocab_size=288, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, num_hidden_layers=1, max_position_embeddings=64)
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg)).eval()
+    good = write_gguf(qwen3, tmp_path / "q8.gguf")
+    s = support_of(str(good))
+    assert (s.architecture, s.native, s.requantized, s.types) == ("Qwen3ForCausalLM", None, [], {"Q8_0": 1.0})
+    assert s.exact == (qkernel.kernel_problem() is None)
+    half = support_of(str(write_gguf(qwen3, tmp_path / "f16.gguf", gguf.GGMLQuantizationType.F16)))
+    assert half.native is None and half.requantized == ["F16"]
+    assert any(label == "weights" and "F16 re-quantized" in text and not fine for label, text, fine in half.lines())
+    # an architecture the native decoder does not run: the transformers backend, not exact, and why
+    gemma = tmp_path / "gemma"
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg, query_pre_attn_scalar=16)).save_pretrained(gemma)
+    g = support_of(str(gemma))
+    assert g.architecture == "Gemma3ForCausalLM" and "Gemma3ForCausalLM" in g.native and not g.exact
+    # the command: the model's lines under the machine's, --json with the same answer, --strict fails for gemma
+    assert main(["doctor", str(good), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"]["exact"] == s.exact and r["model"]["architecture"] == "Qwen3ForCausalLM"
+    assert main(["doctor", str(gemma), "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert f"model {gemma}" in out and "✗ architecture" in out and "transformers backend" in out

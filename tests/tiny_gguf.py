@@ -3,7 +3,7 @@
 test module: the test files import ``write_gguf`` from here.
 
 The tokenizer is a byte-level BPE over the 256 byte symbols, two merges and ChatML's specials, with a ChatML chat template in the file; 2-D weights are quantized by the
-``gguf`` package (Q8_0 by default), norms and biases kept in F32.
+``gguf`` package (Q8_0 by default; or kept in F16), norms and biases kept in F32.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
         a = tensor.detach().float().numpy()
         if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
             a = permute(a, heads if g.split(".")[-2] == "attn_q" else kv_heads)
-        if a.ndim == 2:
+        if a.ndim == 2 and qtype == T.F16:
+            w.add_tensor(g, a.astype(np.float16))
+        elif a.ndim == 2:
             w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(g, a.astype(np.float32))

@@ -8,7 +8,12 @@ Then it loads a tiny random model in the configuration ``weights="auto"`` gives 
 and measures whether a token's logits in a tree forward are the same bits as decoding it alone
 (``models/invariance.py``): the property every exact speculative method rests on.
 
-``--json`` prints the report as JSON; ``--strict`` exits 1 when exactness is not guaranteed here.
+With a MODEL (a registered name, a GGUF file or a model directory) it also says whether that
+model runs on the native decoder and the exact kernel here, and whether every block type of its
+GGUF runs in the file's own blocks (``models/support.py``).
+
+``--json`` prints the report as JSON; ``--strict`` exits 1 when exactness is not guaranteed here
+(for MODEL too, when one is given).
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "extras) and check on a tiny model that the default configuration is batch-invariant "
                     "(a token's logits in a tree forward equal decoding it alone), so that speculative "
                     "methods give vanilla's tokens exactly.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="also check this model (a registered name, a .gguf file or a model directory): does it "
+                        "run on the native decoder and the exact kernel here, in its GGUF's own blocks?")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when exactness is not guaranteed on this machine")
     p.set_defaults(func=cmd_doctor)
@@ -85,8 +93,8 @@ def invariance_check() -> dict:
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def collect() -> dict:
-    """The whole report (a JSON-able dict)."""
+def collect(model: str | None = None) -> dict:
+    """The whole report (a JSON-able dict); ``model``: also whether it runs natively and exactly here."""
     import torch
 
     from .bench.llama_server import ServerUnavailable, server_binary
@@ -114,6 +122,11 @@ def collect() -> dict:
     }
     report["default"] = invariance_check()
     report["exact"] = report["default"]["problem"] is None and report["default"]["rows_differing"] == 0
+    if model is not None:
+        from .models.support import support_of
+
+        report["model"] = support_of(model).to_dict()
+        report["exact"] = report["exact"] and report["model"]["exact"]
     return report
 
 
@@ -157,15 +170,24 @@ def print_report(r: dict, out=None) -> None:
     config = f"weights {d['weights']}, attention {d['attention']}"
     measured = (f"{d['rows_differing']} of {d['rows_checked']} tree rows differ from decoding alone "
                 f"(tiny model, {d['seconds']} s)")
-    if r["exact"]:
+    machine_exact = d["problem"] is None and d["rows_differing"] == 0
+    if machine_exact:
         line("exact speculation", f"guaranteed: {config}; measured: {measured}", ok)
     else:
         why = d["problem"] or "the batch-invariance check failed"
         line("exact speculation", f"NOT guaranteed: {why} ({config}; measured: {measured})", bad)
+    m = r.get("model")
+    if m is not None:
+        from .models.support import Support
+
+        support = Support(**{k: v for k, v in m.items() if k != "exact"})
+        print(f"\nmodel {support.model}", file=out)
+        for label, text, good in support.lines():
+            line(label, text, ok if good else bad)
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    report = collect()
+    report = collect(a.model)
     if a.json:
         print(json.dumps(report, indent=2))
     else:
