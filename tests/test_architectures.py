@@ -136,7 +136,7 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name):
     assert torch.equal(trees[0], trees[1])  # the layers in one call and one by one: the same bits
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "llama3-rope"])
 def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path, monkeypatch, cache_with_kernel):
     """The GGUF route (tests/tiny_gguf.py writes the model as llama.cpp's converter does, Q8_0): the
     configuration and the chat template come from the file, the weights are packed from its blocks, and
@@ -151,6 +151,7 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
     assert model.backend == "native" and model.quantization == "int4"
     assert (model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads) == (16, 4, 2)
     assert model.cfg.qk_norm == (name == "qwen3")
+    assert (model.cfg.rope_freq_factors is not None) == (name == "llama3-rope")  # Llama 3.1's scaling, from the file
     chat = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                             add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -162,9 +163,10 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
     err = ((got - ref).norm() / ref.norm()).item()
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     # bf16 activations quantized to 8 bits per group of 32 on every product: 2.7% (Qwen3) and 5.4% (Llama)
-    # of the logits' norm on these models, 98% of the top-1 tokens (a weight read wrong: ~100%)
+    # of the logits' norm on these models, 92-98% of the top-1 tokens (a weight read wrong, or Llama 3.1's rope
+    # factors left out: ~110%, 12%)
     assert err < 0.1, err
-    assert top1 >= 0.9, top1
+    assert top1 >= 0.85, top1
 
 
 def _with_file_weights(hf: torch.nn.Module, path) -> torch.nn.Module:

@@ -38,6 +38,25 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3.1's rope scaling: per frequency,
+    1 (high), ``factor`` (low) or the smooth blend's divisor in between."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high, old = (rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings"))
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
     import gguf
     from tokenizers import pre_tokenizers
@@ -78,6 +97,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
     w.add_eos_token_id(tokens.index("<|endoftext|>"))
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(CHATML)
+    if rope.get("rope_type") == "llama3":  # llama.cpp's converter: Llama 3.1's scaling as per-frequency divisors
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -46,11 +46,13 @@ def inspect_gguf(gguf_path: Path) -> dict:
         template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
         key = fields.get(f"{arch}.attention.key_length")
         head_dim = int(key.contents()) if key is not None else None
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        rope_freqs = None if freqs is None else [float(v) for v in freqs.data.astype("float32").reshape(-1)]
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
     return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters,
-            "head_dim": head_dim}
+            "head_dim": head_dim, "rope_freqs": rope_freqs}
 
 
 _PATCH_LOCK = threading.Lock()
@@ -143,6 +145,10 @@ def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
     # architecture (Qwen3's configuration then keeps its default of 128)
     if header["head_dim"] and header["head_dim"] != (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]):
         cfg["head_dim"] = header["head_dim"]
+    # Llama 3.1's rope scaling, as llama.cpp's converter keeps it: a tensor of per-frequency divisors
+    # (``rope_freqs``), which transformers' GGUF reader does not read; the native decoder applies them
+    if header["rope_freqs"]:
+        cfg["rope_freq_factors"] = header["rope_freqs"]
     for k, v in cfg.items():  # GGUF stores float32: 9.999999747378752e-06 -> 1e-05
         if isinstance(v, float):
             cfg[k] = _short_float(v)

@@ -48,6 +48,9 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: dict | None = None
     qk_norm: bool = False  # Qwen3: q and k normalized per head (``Block.q_norm``, ``k_norm``) before rope
+    # per-frequency divisors of the rope's frequencies, as a GGUF's ``rope_freqs`` tensor gives Llama 3.1's
+    # scaling (llama.cpp's converter computes them from ``rope_scaling``; models/convert.py keeps them)
+    rope_freq_factors: tuple[float, ...] | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -84,6 +87,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "llama3" else None,
             qk_norm=bool(set(archs) & QK_NORM_ARCHITECTURES) or model_type == "qwen3",
+            rope_freq_factors=tuple(cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
         )
 
 
@@ -105,6 +109,11 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
         inv_freq = torch.where(medium, smoothed, scaled)
+    if cfg.rope_freq_factors is not None:  # llama.cpp's rope: each frequency divided by its factor
+        factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freq_factors has {factors.numel()} values; the heads' rope has {inv_freq.numel()}")
+        inv_freq = inv_freq / factors
     t = torch.arange(max_len, dtype=torch.float32, device="cpu")
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
