@@ -35,9 +35,10 @@ from ..errors import ModelFileError
 CACHE_ENV = "LEAPDECODE_CACHE"
 DEFAULT_CACHE = "~/.cache/leapdecode"
 CHUNK = 8 << 20  # 8 MiB streaming chunks
-# of the converted directory; bump to force reconversion.  2 (issue 62): configuration and tokenizer
-# only, the weights read from the GGUF; 1 also held a float32 copy of the weights (WEIGHTS_FILE)
-FORMAT_VERSION = 2
+# of the converted directory; bump to force reconversion.  3 (issue 63): the heads' width and Llama
+# 3.1's rope factors from the file; 2 (issue 62): configuration and tokenizer only, the weights read
+# from the GGUF; 1 also held a float32 copy of the weights (WEIGHTS_FILE)
+FORMAT_VERSION = 3
 WEIGHTS_FILE = "model.safetensors"  # a Hugging Face directory's weights (and format 1's float copy)
 META_FILE = "leapdecode.json"
 
