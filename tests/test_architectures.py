@@ -39,6 +39,14 @@ def _build(name: str) -> torch.nn.Module:
         model = t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, tie_word_embeddings=True))
     elif name == "mistral":
         model = t.MistralForCausalLM(t.MistralConfig(**COMMON, sliding_window=None))
+    elif name == "phi3":  # q/k/v and gate/up fused in the checkpoint
+        model = t.Phi3ForCausalLM(t.Phi3Config(**COMMON, sliding_window=None, pad_token_id=0))
+    elif name == "phi3-longrope":  # Phi-3.5's LongRoPE: the short factors and the attention factor (4x length)
+        g = torch.Generator().manual_seed(5)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                "short_factor": (1 + torch.rand(8, generator=g)).tolist(), "long_factor": (4 * torch.rand(8, generator=g) + 1).tolist()}
+        model = t.Phi3ForCausalLM(t.Phi3Config(**{**COMMON, "max_position_embeddings": 256}, sliding_window=None,
+                                               pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=64))
     else:
         raise KeyError(name)
     g = torch.Generator().manual_seed(len(name))
@@ -51,7 +59,7 @@ def _build(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral"]
+NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -136,7 +144,7 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name):
     assert torch.equal(trees[0], trees[1])  # the layers in one call and one by one: the same bits
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "llama3-rope"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "llama3-rope", "phi3", "phi3-longrope"])
 def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path, monkeypatch, cache_with_kernel):
     """The GGUF route (tests/tiny_gguf.py writes the model as llama.cpp's converter does, Q8_0): the
     configuration and the chat template come from the file, the weights are packed from its blocks, and
@@ -152,6 +160,8 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
     assert (model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads) == (16, 4, 2)
     assert model.cfg.qk_norm == (name == "qwen3")
     assert (model.cfg.rope_freq_factors is not None) == (name == "llama3-rope")  # Llama 3.1's scaling, from the file
+    # LongRoPE's short factors are exact up to the original length: the context stops there
+    assert model.max_seq_len == (64 if name == "phi3-longrope" else 128)
     chat = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                             add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -193,3 +203,21 @@ def _with_file_weights(hf: torch.nn.Module, path) -> torch.nn.Module:
                 w = w.reshape(heads, p.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(p.shape)
             p.copy_(torch.from_numpy(np.array(w)))
     return model
+
+
+def test_the_configuration_says_what_the_native_decoder_does_not_compute():
+    base = {**COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    # every layer slides (Mistral v0.1): exact within the window, so the context stops there
+    windowed = ModelConfig.from_hf({**base, "sliding_window": 32})
+    assert windowed.exact_context == 32 and NativeCausalLM(windowed).max_seq_len == 32
+    assert ModelConfig.from_hf(base).exact_context is None
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 32}
+    assert ModelConfig.from_hf({**qwen2, "use_sliding_window": False}).exact_context is None  # Qwen2: off
+    refused = [({**qwen2, "use_sliding_window": True}, "sliding-window"),
+               ({**base, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+               ({**base, "partial_rotary_factor": 0.75}, "partial rotary"),
+               ({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+               ({**base, "architectures": ["Gemma3ForCausalLM"]}, "Gemma3ForCausalLM")]
+    for cfg, words in refused:
+        with pytest.raises(NotImplementedError, match=words):
+            ModelConfig.from_hf(cfg)

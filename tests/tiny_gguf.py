@@ -17,9 +17,10 @@ import torch
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -99,6 +100,15 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
     w.add_chat_template(CHATML)
     if rope.get("rope_type") == "llama3":  # llama.cpp's converter: Llama 3.1's scaling as per-frequency divisors
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
+    if rope.get("rope_type") == "longrope":  # Phi-3's: both factor sets as tensors, the attention factor, the length
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    if arch == "phi3" and getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -176,6 +176,10 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
             read = source.bytes_read
             blk = f"blk.{i}."
             for name, gguf_parts in GGUF_PARTS.items():
+                if name == "wqkv" and f"{blk}attn_qkv.weight" in source:  # Phi-3: q, k, v in one tensor
+                    gguf_parts = ("attn_qkv",)
+                elif name == "w_gate_up" and cfg.fused_projections:  # Phi-3: ffn_up holds gate and up
+                    gguf_parts = ("ffn_up",)
                 bias = None
                 if name == "wqkv" and cfg.attention_bias:
                     bias = torch.cat([source.dense(f"{blk}{g}.bias") for g in gguf_parts])

@@ -46,13 +46,22 @@ def inspect_gguf(gguf_path: Path) -> dict:
         template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
         key = fields.get(f"{arch}.attention.key_length")
         head_dim = int(key.contents()) if key is not None else None
-        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-        rope_freqs = None if freqs is None else [float(v) for v in freqs.data.astype("float32").reshape(-1)]
+        vectors = {t.name: [float(v) for v in t.data.astype("float32").reshape(-1)] for t in reader.tensors
+                   if t.name in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")}
+
+        def number(key: str):
+            field = fields.get(f"{arch}.{key}")
+            return None if field is None else field.contents()
+
+        rope = {"freqs": vectors.get("rope_freqs.weight"), "short": vectors.get("rope_factors_short.weight"),
+                "long": vectors.get("rope_factors_long.weight"), "attn_factor": number("rope.scaling.attn_factor"),
+                "original": number("rope.scaling.original_context_length"),
+                "sliding_window": number("attention.sliding_window")}
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
     return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters,
-            "head_dim": head_dim, "rope_freqs": rope_freqs}
+            "head_dim": head_dim, "rope": rope}
 
 
 _PATCH_LOCK = threading.Lock()
@@ -121,6 +130,26 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
+def _rope_from_file(cfg: dict, rope: dict) -> None:
+    """What llama.cpp's converter keeps of a model's rope scaling and window where transformers' GGUF
+    reader does not look, back into the configuration: Llama 3.1's scaling as a tensor of per-frequency
+    divisors (``rope_freqs``: ``rope_freq_factors``, applied by the native decoder), Phi-3's LongRoPE as its
+    two factor tensors, attention factor and original length (the ``longrope`` parameters transformers
+    computes them from), and the attention window (Phi-3's)."""
+    if rope["freqs"]:
+        cfg["rope_freq_factors"] = rope["freqs"]
+    if rope["short"] and rope["long"]:
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        params.update(rope_type="longrope", short_factor=rope["short"], long_factor=rope["long"])
+        if rope["original"]:
+            params["original_max_position_embeddings"] = int(rope["original"])
+        if rope["attn_factor"]:
+            params["attention_factor"] = float(rope["attn_factor"])
+        cfg["rope_parameters" if "rope_parameters" in cfg else "rope_scaling"] = params
+    if rope["sliding_window"] and not cfg.get("sliding_window"):
+        cfg["sliding_window"] = int(rope["sliding_window"])
+
+
 def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
     """Write a GGUF's configuration and tokenizer into ``out`` (no weights); returns info."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -145,10 +174,7 @@ def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
     # architecture (Qwen3's configuration then keeps its default of 128)
     if header["head_dim"] and header["head_dim"] != (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]):
         cfg["head_dim"] = header["head_dim"]
-    # Llama 3.1's rope scaling, as llama.cpp's converter keeps it: a tensor of per-frequency divisors
-    # (``rope_freqs``), which transformers' GGUF reader does not read; the native decoder applies them
-    if header["rope_freqs"]:
-        cfg["rope_freq_factors"] = header["rope_freqs"]
+    _rope_from_file(cfg, header["rope"])
     for k, v in cfg.items():  # GGUF stores float32: 9.999999747378752e-06 -> 1e-05
         if isinstance(v, float):
             cfg[k] = _short_float(v)

@@ -26,14 +26,17 @@ from ..errors import ModelFileError
 VOCAB_MATRICES = ("token_embd.weight", "output.weight")  # [vocab, hidden]: read into floats a slice at a time
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # GGUF architectures whose q/k rows llama.cpp permuted
 
-# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Qwen3/Mistral)
+# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Qwen3/Mistral/Phi-3)
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+FUSED_GGUF_ARCHITECTURES = frozenset({"phi3"})  # GGUF architectures whose ffn_up is gate and up fused
+FUSED_LAYER_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
 
 
 class TensorInfo(NamedTuple):
@@ -65,21 +68,23 @@ def expected_shape(cfg, gguf_name: str) -> tuple[int, ...] | None:
     shapes = {"token_embd": (cfg.vocab_size, hidden), "output": (cfg.vocab_size, hidden), "output_norm": (hidden,),
               "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (q, hidden), "attn_k": (kv, hidden),
               "attn_v": (kv, hidden), "attn_output": (hidden, q), "ffn_gate": (inter, hidden),
-              "ffn_up": (inter, hidden), "ffn_down": (hidden, inter), "attn_q_norm": (cfg.head_dim,),
-              "attn_k_norm": (cfg.head_dim,)}
+              "ffn_up": ((2 if cfg.fused_projections else 1) * inter, hidden), "ffn_down": (hidden, inter),
+              "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,), "attn_qkv": (q + 2 * kv, hidden)}
     shape = shapes.get(part)
     return shape[:1] if shape is not None and kind == "bias" else shape
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor of the native decoder (None: not one of them)."""
+def hf_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The Hugging Face name of a GGUF tensor of the native decoder (None: not one of them); ``fused``:
+    of a file whose ``ffn_up`` is gate and up fused (``FUSED_GGUF_ARCHITECTURES``)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in MODEL_NAMES:
         return f"{MODEL_NAMES[stem]}.{kind}"
     blk, _, rest = stem.partition(".")
     layer, _, part = rest.partition(".")
-    if blk == "blk" and layer.isdigit() and part in LAYER_NAMES:
-        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+    names = FUSED_LAYER_NAMES if fused else LAYER_NAMES
+    if blk == "blk" and layer.isdigit() and part in names:
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
 
 
@@ -105,6 +110,7 @@ class GGUFTensors:
         del reader
         self.heads = dict(heads or {})
         self.permuted = self.architecture in PERMUTED_ARCHITECTURES
+        self.fused = self.architecture in FUSED_GGUF_ARCHITECTURES
         self.size = self.path.stat().st_size
         self.bytes_read = 0  # of tensor data, for progress
 
@@ -121,7 +127,7 @@ class GGUFTensors:
         """A ``ModelFileError`` naming the first tensor of the native decoder whose shape is not the one
         the configuration ``cfg`` gives it (a file whose metadata and tensors disagree)."""
         for name, info in self.tensors.items():
-            want = expected_shape(cfg, name) if hf_name(name) is not None else None
+            want = expected_shape(cfg, name) if hf_name(name, self.fused) is not None else None
             got = tuple(reversed(info.shape))
             if want is not None and got != want:
                 raise ModelFileError(f"{self.path.name}: tensor {name!r} is {list(got)}, but the file's configuration "
@@ -201,6 +207,6 @@ class GGUFTensors:
     def float_state(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """The native decoder's tensors under their Hugging Face names, in ``dtype``, one at a time."""
         for name in self.tensors:
-            hf = hf_name(name)
+            hf = hf_name(name, self.fused)
             if hf is not None:
                 yield hf, (self.embedding(name, dtype) if name in VOCAB_MATRICES else self.dense(name, dtype))

@@ -433,6 +433,9 @@ def load(
         elif not quantized:
             model.pack_for_cpu()  # bf16 on CPU: oneDNN-packed weights (identical results, faster)
         model.attention = _attention(attention, quantized)
+        if model.max_seq_len < max_seq_len:
+            say(f"{name}: context limited to {model.max_seq_len} tokens, as far as the native decoder computes this "
+                "model exactly (its attention window, or the original length of its rope scaling)")
     else:
         from .hf_backend import HFCausalLM
 

@@ -28,7 +28,9 @@ from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attentio
                       rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
 from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Phi3ForCausalLM"}
+FUSED_ARCHITECTURES = {"Phi3ForCausalLM"}  # q/k/v and gate/up stored fused, as this decoder runs them
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}  # an RMSNorm over each head of q and of k, before rope
 
 
@@ -51,27 +53,45 @@ class ModelConfig:
     # per-frequency divisors of the rope's frequencies, as a GGUF's ``rope_freqs`` tensor gives Llama 3.1's
     # scaling (llama.cpp's converter computes them from ``rope_scaling``; models/convert.py keeps them)
     rope_freq_factors: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's attention factor)
+    # the longest context the native decoder computes exactly as the model does (None: any): the sliding
+    # window of a model whose every layer slides, the original length of LongRoPE's short factors
+    exact_context: int | None = None
+    fused_projections: bool = False  # Phi-3: checkpoints hold q/k/v and gate/up fused (qkv_proj, gate_up_proj)
     extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """From a Hugging Face ``config.json``; ``NotImplementedError`` naming what the native decoder does
+        not compute as the model does (an architecture, a rope scaling, windowed layers mixed with full ones)."""
         archs = cfg.get("architectures") or []
         if archs and not set(archs) & SUPPORTED_ARCHITECTURES:
             raise NotImplementedError(f"native backend does not implement {archs}")
         # transformers v5 writes rope settings as `rope_parameters`, v4 as `rope_scaling` + `rope_theta`
-        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
-            "default",
-            "llama3",
-            None,
-        ):
+        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind not in ("default", "llama3", "longrope", "su", None):
             raise NotImplementedError(f"native backend does not implement rope_scaling {rope_scaling}")
-        if (cfg.get("sliding_window") and cfg.get("use_sliding_window")
-                or any(t != "full_attention" for t in cfg.get("layer_types") or ())):
+        if float(cfg.get("partial_rotary_factor") or rope_scaling.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise NotImplementedError("native backend does not implement a partial rotary embedding")
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
             raise NotImplementedError("native backend does not implement sliding-window attention")
         n_heads = cfg["num_attention_heads"]
         model_type = cfg.get("model_type", "")
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_theta = cfg.get("rope_theta") or rope_scaling.get("rope_theta", 10000.0)
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        exact = None
+        if window and "use_sliding_window" not in cfg:  # every layer slides (Mistral v0.1, Phi-3): exact within it
+            exact = int(window)
+        attention_factor = float(cfg.get("rope_attention_factor") or 1.0)
+        if kind in ("longrope", "su"):  # Phi-3's LongRoPE: its short factors, exact up to the original length
+            original = int(rope_scaling.get("original_max_position_embeddings")
+                           or cfg.get("original_max_position_embeddings") or max_positions)
+            exact = min(exact or original, original)
+            factor = rope_scaling.get("factor") or max_positions / original
+            attention_factor = rope_scaling.get("attention_factor") or (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -80,14 +100,17 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             rope_theta=float(rope_theta),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            rope_scaling=rope_scaling if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "llama3" else None,
+            rope_scaling=rope_scaling if kind in ("llama3", "longrope", "su") else None,
             qk_norm=bool(set(archs) & QK_NORM_ARCHITECTURES) or model_type == "qwen3",
             rope_freq_factors=tuple(cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
+            rope_attention_factor=float(attention_factor),
+            exact_context=exact,
+            fused_projections=bool(set(archs) & FUSED_ARCHITECTURES) or model_type == "phi3",
         )
 
 
@@ -98,7 +121,12 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("longrope", "su") and cfg.rope_freq_factors is None:  # as transformers' _compute_longrope_parameters
+        ext = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        inv_freq = 1.0 / (ext * cfg.rope_theta ** shape)
+    if kind == "llama3":
         # Llama 3.1 frequency-dependent scaling, as in transformers' _compute_llama3_parameters
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -117,6 +145,8 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
     t = torch.arange(max_len, dtype=torch.float32, device="cpu")
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
+    if cfg.rope_attention_factor != 1.0:
+        return emb.cos() * cfg.rope_attention_factor, emb.sin() * cfg.rope_attention_factor
     return emb.cos(), emb.sin()
 
 
@@ -455,7 +485,7 @@ class NativeCausalLM(nn.Module):
         self.cfg = cfg
         self.attention = attention
         self.vocab_size = cfg.vocab_size
-        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.exact_context or 1 << 62)
         # zeros, not nn.Embedding's random init: every caller assigns the weights, and normal_ on
         # the meta device (load_packed) imports torch._dynamo (as rope_tables says)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
@@ -776,11 +806,16 @@ class NativeCausalLM(nn.Module):
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            own[f"layers.{i}.wqkv.weight"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            if cfg.fused_projections:  # Phi-3: already fused, in this decoder's order
+                own[f"layers.{i}.wqkv.weight"] = get(a + "qkv_proj.weight")
+            else:
+                own[f"layers.{i}.wqkv.weight"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                                            get(a + "v_proj.weight")])
             if cfg.attention_bias:
                 own[f"layers.{i}.wqkv.bias"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
             own[f"layers.{i}.wo.weight"] = get(a + "o_proj.weight")
-            own[f"layers.{i}.w_gate_up.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            own[f"layers.{i}.w_gate_up.weight"] = (get(p + "mlp.gate_up_proj.weight") if cfg.fused_projections else
+                                                   torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             own[f"layers.{i}.w_down.weight"] = get(p + "mlp.down_proj.weight")
             own[f"layers.{i}.attn_norm"] = get(p + "input_layernorm.weight")
             own[f"layers.{i}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
