@@ -47,19 +47,28 @@ def _build(name: str) -> torch.nn.Module:
                 "short_factor": (1 + torch.rand(8, generator=g)).tolist(), "long_factor": (4 * torch.rand(8, generator=g) + 1).tolist()}
         model = t.Phi3ForCausalLM(t.Phi3Config(**{**COMMON, "max_position_embeddings": 256}, sliding_window=None,
                                                pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=64))
+    elif name == "gemma3":  # windowed and full layers (a window shorter than the tests' sequences), linear rope
+        cfg = t.Gemma3TextConfig(**COMMON, sliding_window=6, query_pre_attn_scalar=24,
+                                 layer_types=["sliding_attention", "full_attention"],
+                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                     "rope_theta": 1e6},
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        model = t.Gemma3ForCausalLM(cfg)
     else:
         raise KeyError(name)
     g = torch.Generator().manual_seed(len(name))
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
+            if "norm" in pname and name == "gemma3":  # Gemma's norms scale by 1 + w
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "norm" in pname:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
-NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope"]
+NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope", "gemma3"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -134,7 +143,9 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name):
         model(torch.tensor([prompt]), cache)
         cache.commit()
         trees.append(model(torch.tensor([toks]), cache, parents=parents)[0])
-        assert not stack or model._stack[1] is not None  # the one-call route ran
+        # the one-call route ran (a model with other layers than Llama's, Gemma 3's, runs them one by one)
+        if stack:
+            assert model.cfg.plain_layers == (model._stack is not None and model._stack[1] is not None)
         for node, path in enumerate(paths):  # each node alone, after its ancestors committed
             cache = model.new_cache(max_len=64)
             model(torch.tensor([prompt + [toks[j] for j in path[:-1]]]), cache)
@@ -217,7 +228,25 @@ def test_the_configuration_says_what_the_native_decoder_does_not_compute():
                ({**base, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
                ({**base, "partial_rotary_factor": 0.75}, "partial rotary"),
                ({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-               ({**base, "architectures": ["Gemma3ForCausalLM"]}, "Gemma3ForCausalLM")]
+               ({**base, "architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM")]
     for cfg, words in refused:
         with pytest.raises(NotImplementedError, match=words):
             ModelConfig.from_hf(cfg)
+
+
+@pytest.mark.integration
+def test_the_registered_gemma3_runs_natively_with_transformers_logits():
+    """Gemma 3 from its GGUF (llama.cpp's names, norms stored as 1 + w): the native decoder in fp32 gives the
+    logits of transformers' own model of the same file, through windowed and full layers (a prompt longer
+    than nothing; the 270M's window is 512); by default it runs on the kernels."""
+    import leapdecode
+
+    hf = leapdecode.load("gemma3-270m", backend="hf", dtype="fp32")
+    native = leapdecode.load("gemma3-270m", weights="fp32")
+    assert native.model.backend == "native" and native.model.cfg.layer_windows[:6] == (512,) * 5 + (0,)
+    ids = hf.tokenizer("In 1905, Albert Einstein published four papers that changed physics: on")["input_ids"]
+    with torch.no_grad():
+        ref = hf.model(torch.tensor([ids]), hf.model.new_cache())[0]
+        got = native.model(torch.tensor([ids]), native.model.new_cache())[0]
+    assert (got - ref).abs().max().item() < 1e-3
+    assert leapdecode.load("gemma3-270m").model.quantization == "int4"

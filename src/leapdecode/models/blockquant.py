@@ -186,6 +186,9 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
                 linear(f"layers.{i}.{name}", [f"{blk}{g}.weight" for g in gguf_parts], bias)
             tensors[f"layers.{i}.attn_norm"] = source.dense(f"{blk}attn_norm.weight", ACT_DTYPE)
             tensors[f"layers.{i}.mlp_norm"] = source.dense(f"{blk}ffn_norm.weight", ACT_DTYPE)
+            if cfg.sandwich_norms:  # Gemma 3 (its ffn_norm is the norm before the MLP, as mlp_norm is here)
+                tensors[f"layers.{i}.post_attn_norm"] = source.dense(f"{blk}post_attention_norm.weight", ACT_DTYPE)
+                tensors[f"layers.{i}.post_mlp_norm"] = source.dense(f"{blk}post_ffw_norm.weight", ACT_DTYPE)
             if cfg.qk_norm:
                 tensors[f"layers.{i}.q_norm"] = source.dense(f"{blk}attn_q_norm.weight", ACT_DTYPE)
                 tensors[f"layers.{i}.k_norm"] = source.dense(f"{blk}attn_k_norm.weight", ACT_DTYPE)

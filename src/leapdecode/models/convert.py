@@ -56,7 +56,8 @@ def inspect_gguf(gguf_path: Path) -> dict:
         rope = {"freqs": vectors.get("rope_freqs.weight"), "short": vectors.get("rope_factors_short.weight"),
                 "long": vectors.get("rope_factors_long.weight"), "attn_factor": number("rope.scaling.attn_factor"),
                 "original": number("rope.scaling.original_context_length"),
-                "sliding_window": number("attention.sliding_window")}
+                "sliding_window": number("attention.sliding_window"), "scaling": number("rope.scaling.type"),
+                "factor": number("rope.scaling.factor")}
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
@@ -148,6 +149,18 @@ def _rope_from_file(cfg: dict, rope: dict) -> None:
         cfg["rope_parameters" if "rope_parameters" in cfg else "rope_scaling"] = params
     if rope["sliding_window"] and not cfg.get("sliding_window"):
         cfg["sliding_window"] = int(rope["sliding_window"])
+    if rope["scaling"] == "linear" and rope["factor"] and float(rope["factor"]) != 1.0:  # Gemma 3 4B+: its full layers'
+        linear = {"rope_type": "linear", "factor": float(rope["factor"])}
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:
+            params["full_attention"] = {**params["full_attention"], **linear}
+        else:
+            cfg["rope_parameters" if "rope_parameters" in cfg else "rope_scaling"] = {**(params or {}), **linear}
+    if cfg.get("model_type") == "gemma3_text":
+        # the attention's scale as llama.cpp sets it for a Gemma 3 GGUF, which does not store it: 1/sqrt(head_dim),
+        # but 1/sqrt(hidden / heads) for the 27B (62 layers); transformers' reader leaves its default of 256
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // heads if layers == 62 else cfg.get("head_dim") or 256
 
 
 def gguf_to_hf(gguf_path: Path, out: Path) -> dict:

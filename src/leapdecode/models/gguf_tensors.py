@@ -26,7 +26,8 @@ from ..errors import ModelFileError
 VOCAB_MATRICES = ("token_embd.weight", "output.weight")  # [vocab, hidden]: read into floats a slice at a time
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # GGUF architectures whose q/k rows llama.cpp permuted
 
-# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Qwen3/Mistral/Phi-3)
+# the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Qwen3/Mistral; Phi-3's and
+# Gemma 3's differ in a few: ``LAYER_NAMES_OF``)
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -35,8 +36,14 @@ LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-FUSED_GGUF_ARCHITECTURES = frozenset({"phi3"})  # GGUF architectures whose ffn_up is gate and up fused
-FUSED_LAYER_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
+LAYER_NAMES_OF = {
+    "phi3": {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},  # gate and up fused in ffn_up
+    "gemma3": {**LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp's converter stores Gemma's norm weights w as 1 + w (its RMSNorm multiplies by the weight):
+# subtracted again when read, as transformers' GGUF loader does
+NORM_OFFSET = {"gemma3": 1.0}
 
 
 class TensorInfo(NamedTuple):
@@ -69,20 +76,21 @@ def expected_shape(cfg, gguf_name: str) -> tuple[int, ...] | None:
               "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (q, hidden), "attn_k": (kv, hidden),
               "attn_v": (kv, hidden), "attn_output": (hidden, q), "ffn_gate": (inter, hidden),
               "ffn_up": ((2 if cfg.fused_projections else 1) * inter, hidden), "ffn_down": (hidden, inter),
-              "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,), "attn_qkv": (q + 2 * kv, hidden)}
+              "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,), "attn_qkv": (q + 2 * kv, hidden),
+              "post_attention_norm": (hidden,), "post_ffw_norm": (hidden,)}
     shape = shapes.get(part)
     return shape[:1] if shape is not None and kind == "bias" else shape
 
 
-def hf_name(gguf_name: str, fused: bool = False) -> str | None:
-    """The Hugging Face name of a GGUF tensor of the native decoder (None: not one of them); ``fused``:
-    of a file whose ``ffn_up`` is gate and up fused (``FUSED_GGUF_ARCHITECTURES``)."""
+def hf_name(gguf_name: str, architecture: str = "") -> str | None:
+    """The Hugging Face name of a GGUF tensor of the native decoder in a file of GGUF ``architecture``
+    (None: not one of them)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in MODEL_NAMES:
         return f"{MODEL_NAMES[stem]}.{kind}"
     blk, _, rest = stem.partition(".")
     layer, _, part = rest.partition(".")
-    names = FUSED_LAYER_NAMES if fused else LAYER_NAMES
+    names = LAYER_NAMES_OF.get(architecture, LAYER_NAMES)
     if blk == "blk" and layer.isdigit() and part in names:
         return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
@@ -110,7 +118,7 @@ class GGUFTensors:
         del reader
         self.heads = dict(heads or {})
         self.permuted = self.architecture in PERMUTED_ARCHITECTURES
-        self.fused = self.architecture in FUSED_GGUF_ARCHITECTURES
+        self.norm_offset = NORM_OFFSET.get(self.architecture, 0.0)
         self.size = self.path.stat().st_size
         self.bytes_read = 0  # of tensor data, for progress
 
@@ -127,7 +135,7 @@ class GGUFTensors:
         """A ``ModelFileError`` naming the first tensor of the native decoder whose shape is not the one
         the configuration ``cfg`` gives it (a file whose metadata and tensors disagree)."""
         for name, info in self.tensors.items():
-            want = expected_shape(cfg, name) if hf_name(name, self.fused) is not None else None
+            want = expected_shape(cfg, name) if hf_name(name, self.architecture) is not None else None
             got = tuple(reversed(info.shape))
             if want is not None and got != want:
                 raise ModelFileError(f"{self.path.name}: tensor {name!r} is {list(got)}, but the file's configuration "
@@ -190,6 +198,8 @@ class GGUFTensors:
         order = self._row_order(name, values.shape[0]) if rows is None else None
         if order is not None:
             values = values[order]
+        if self.norm_offset and name.endswith("norm.weight"):
+            values = values - np.float32(self.norm_offset)
         out = torch.from_numpy(np.ascontiguousarray(values))
         shape = self.shape(name)
         return (out if len(shape) > 1 else out.reshape(shape)).to(dtype)
@@ -207,6 +217,6 @@ class GGUFTensors:
     def float_state(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """The native decoder's tensors under their Hugging Face names, in ``dtype``, one at a time."""
         for name in self.tensors:
-            hf = hf_name(name, self.fused)
+            hf = hf_name(name, self.architecture)
             if hf is not None:
                 yield hf, (self.embedding(name, dtype) if name in VOCAB_MATRICES else self.dense(name, dtype))

@@ -186,23 +186,34 @@ class KVCache:
         n = self.n_pending
         return self._anc[n - n_new : n, :n]
 
-    def attended_slots(self, n_new: int) -> list[torch.Tensor]:
+    def attended_slots(self, n_new: int, window: int | None = None) -> list[torch.Tensor]:
         """For each of the newest ``n_new`` pending nodes, the slots it attends to, in cache
         order: the committed prefix, then its pending ancestors from the root down, itself last
         (``[n]`` long tensors on the cache's device).  Same nodes, same slots: whether a node is
-        appended alone or inside a tree, its list is the same."""
+        appended alone or inside a tree, its list is the same.  ``window``: only the slots of the
+        last ``window`` positions up to the node's own (a sliding-window layer's)."""
         start = self.n_pending - n_new
         if not 0 <= start < self.n_pending:
             raise ValueError(f"{n_new} new nodes, but {self.n_pending} pending")
-        prefix = list(range(self.length))
+        if window is not None and self.pos_offset:
+            raise ValueError("a sliding window needs a cache whose slots are the positions (no KV-cache policy)")
         out = []
         for node in range(start, self.n_pending):
             chain, j = [], node
             while j >= 0:
                 chain.append(self.length + j)
                 j = self._parents[j]
+            first = 0 if window is None else self.length + self._depths[node] - window + 1  # oldest position seen
+            prefix = list(range(max(first, 0), self.length))
+            chain = [c for c in chain if window is None or self.length + self._depths[c - self.length] >= first]
             out.append(torch.tensor(prefix + chain[::-1], dtype=torch.long, device=self.device))
         return out
+
+    def slot_positions(self) -> torch.Tensor:
+        """The position of every slot in use (committed, then pending: its depth after the committed ones)."""
+        base = self.length + self.pos_offset
+        return torch.cat([torch.arange(self.length, device=self.device) + self.pos_offset,
+                          torch.tensor(self._depths, dtype=torch.long, device=self.device) + base])
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the newest ``T`` pending keys/values of one layer (``[B, H, T, D]``).

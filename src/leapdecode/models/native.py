@@ -1,4 +1,5 @@
-"""Native PyTorch decoder for the Llama / Qwen family (SmolLM2, Qwen2.5, Qwen3, Llama 2/3, Mistral).
+"""Native PyTorch decoder for the Llama / Qwen / Phi-3 / Gemma 3 family (SmolLM2, Qwen2.5, Qwen3, Llama 2/3,
+Mistral, Phi-3/3.5, Gemma 3).
 
 In the spirit of gpt-fast: one file, plain modules, a static KV cache
 (``kv_cache.KVCache``).  Differences that matter for speed on CPU: the q/k/v
@@ -24,12 +25,15 @@ from torch import nn
 
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
-from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, kernel_problem,
-                      rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
+from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, gelu_tanh_table,
+                      kernel_problem, rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
 from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Phi3ForCausalLM"}
+                           "Phi3ForCausalLM", "Gemma3ForCausalLM"}
+# Gemma 3: norms x * (1 + w), four per layer (after attention and after the MLP too), GELU-tanh, a scaled
+# embedding, q/k norms, its own attention scale, windowed layers with their own rope
+GEMMA_ARCHITECTURES = {"Gemma3ForCausalLM"}
 FUSED_ARCHITECTURES = {"Phi3ForCausalLM"}  # q/k/v and gate/up stored fused, as this decoder runs them
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}  # an RMSNorm over each head of q and of k, before rope
 
@@ -58,7 +62,21 @@ class ModelConfig:
     # window of a model whose every layer slides, the original length of LongRoPE's short factors
     exact_context: int | None = None
     fused_projections: bool = False  # Phi-3: checkpoints hold q/k/v and gate/up fused (qkv_proj, gate_up_proj)
+    # Gemma 3 (``GEMMA_ARCHITECTURES``); the defaults are Llama's
+    norm_plus_one: bool = False  # RMSNorm as x * rsqrt(...) * (1 + w) in fp32, rounded once
+    sandwich_norms: bool = False  # a norm on the attention's and on the MLP's output before each residual add
+    embed_scale: bool = False  # the embedding times sqrt(hidden), rounded to the activations' dtype
+    activation: str = "silu"  # or "gelu_tanh"
+    attn_scale: float | None = None  # the attention's scale (None: 1/sqrt(head_dim))
+    layer_windows: tuple[int, ...] | None = None  # per layer, the window of a sliding layer, 0 for a full one
+    local_rope_theta: float | None = None  # the rope base of the sliding layers (default rope)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def plain_layers(self) -> bool:
+        """Every layer is Llama's (what ``LayerStack``, the batched route and the static step compute)."""
+        return not (self.norm_plus_one or self.sandwich_norms or self.embed_scale or self.activation != "silu"
+                    or self.attn_scale is not None or self.layer_windows is not None)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -67,6 +85,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if archs and not set(archs) & SUPPORTED_ARCHITECTURES:
             raise NotImplementedError(f"native backend does not implement {archs}")
+        gemma = bool(set(archs) & GEMMA_ARCHITECTURES) or cfg.get("model_type") == "gemma3_text"
+        if gemma:
+            return cls.from_gemma(cfg)
         # transformers v5 writes rope settings as `rope_parameters`, v4 as `rope_scaling` + `rope_theta`
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -113,15 +134,56 @@ class ModelConfig:
             fused_projections=bool(set(archs) & FUSED_ARCHITECTURES) or model_type == "phi3",
         )
 
+    @classmethod
+    def from_gemma(cls, cfg: dict) -> "ModelConfig":
+        """Gemma 3's text decoder (``Gemma3ForCausalLM``): its windowed and full layers, each kind with its rope."""
+        if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
+            raise NotImplementedError("native backend does not implement logit soft-capping (Gemma 2)")
+        if cfg.get("use_bidirectional_attention"):
+            raise NotImplementedError("native backend does not implement bidirectional attention")
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise NotImplementedError(f"native backend does not implement the activation {cfg['hidden_activation']!r}")
+        n_layers, n_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        types = cfg.get("layer_types") or ["full_attention"] * n_layers
+        if set(types) - {"full_attention", "sliding_attention"} or len(types) != n_layers:
+            raise NotImplementedError(f"native backend does not implement the layer types {sorted(set(types))}")
+        window = int(cfg.get("sliding_window") or 0)
+        rope = cfg.get("rope_parameters") or {}
+        full = rope.get("full_attention") or cfg.get("rope_scaling") or {"rope_theta": cfg.get("rope_theta", 1e6)}
+        local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        for kind in (full, local):
+            if kind.get("rope_type", kind.get("type")) not in ("default", "linear", None):
+                raise NotImplementedError(f"native backend does not implement rope_scaling {kind}")
+        local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0))
+        if local.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"native backend does not implement a scaled rope on windowed layers ({local})")
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            n_layers=n_layers, n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rope_theta=float(full.get("rope_theta") or cfg.get("rope_theta", 1e6)),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rope_scaling=full if full.get("rope_type", full.get("type")) == "linear" else None, qk_norm=True,
+            norm_plus_one=True, sandwich_norms=True, embed_scale=True, activation="gelu_tanh",
+            attn_scale=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256) ** -0.5,
+            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types) if window else None,
+            local_rope_theta=local_theta,
+        )
 
-def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rope_tables(cfg: ModelConfig, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary cos and sin tables, on the CPU (also inside a ``torch.device("meta")`` block, where
     a model is built before its weights are assigned: meta arithmetic imports torch._dynamo,
-    ~1.7 s of a load)."""
+    ~1.7 s of a load).  ``local``: the windowed layers' (Gemma 3: plain rope of base ``local_rope_theta``)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
     if kind in ("longrope", "su") and cfg.rope_freq_factors is None:  # as transformers' _compute_longrope_parameters
         ext = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
         shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
@@ -137,7 +199,7 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
         inv_freq = torch.where(medium, smoothed, scaled)
-    if cfg.rope_freq_factors is not None:  # llama.cpp's rope: each frequency divided by its factor
+    if cfg.rope_freq_factors is not None and not local:  # llama.cpp's rope: each frequency divided by its factor
         factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device="cpu")
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_freq_factors has {factors.numel()} values; the heads' rope has {inv_freq.numel()}")
@@ -150,16 +212,19 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
     return emb.cos(), emb.sin()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
     # computed in fp32 and cast back, as the HF Llama/Qwen2 RMSNorm does; bf16 rows on the CPU
-    # in one kernel call (the same roundings, its own fixed summation order) instead of 9 ops
+    # in one kernel call (the same roundings, its own fixed summation order) instead of 9 ops.
+    # ``plus_one``: Gemma's, x * rsqrt(...) * (1 + w) all in fp32, then cast (Gemma3RMSNorm)
     if x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        y = rms_norm_bf16(x, weight, eps)
+        y = rms_norm_bf16(x, weight, eps, plus_one)
         if y is not None:
             return y
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (x * (1.0 + weight.float())).to(dtype)
     return weight * x.to(dtype)
 
 
@@ -183,6 +248,17 @@ class Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        # Gemma 3: the attention's and the MLP's outputs normalized before their residual adds
+        self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+        self.post_mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm (``rms_norm``; Gemma's ``1 + w`` where the configuration says so)."""
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, self.cfg.norm_plus_one)
+
+    def post_attention(self, a: torch.Tensor) -> torch.Tensor:
+        """The attention's output projected as the residual adds it (Gemma 3: normalized first)."""
+        return a if self.post_attn_norm is None else self.norm(a, self.post_attn_norm)
 
     def forward(
         self,
@@ -198,8 +274,9 @@ class Block(nn.Module):
         each new token, the cache slots it attends to (``KVCache.attended_slots``); attention is
         then computed one query at a time over those keys gathered into contiguous tensors, and
         ``mask`` is ignored."""
-        h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        x = x + self.wo(self.attend(self.normed_qk(self.wqkv(h)), cos, sin, cache, layer, mask, rows))
+        h = self.norm(x, self.attn_norm)
+        x = x + self.post_attention(self.wo(self.attend(self.normed_qk(self.wqkv(h)), cos, sin, cache, layer, mask,
+                                                        rows)))
         return x + self.mlp(x, self.w_gate_up, self.w_down)
 
     def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int, cos: torch.Tensor,
@@ -211,7 +288,7 @@ class Block(nn.Module):
         token's output then has the same bits as in its own sequence's forward.  ``fused``: every
         segment takes the kernels' route (``FusedSegments``): rope, cache stores and attention of
         all segments in one kernel call, with the bits of each segment's own ``attend``."""
-        h = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
+        h = self.norm(x, self.attn_norm)
         qkv = self.normed_qk(rowwise_linear(self.wqkv, h))
         if fused is not None:
             attn = fused.attend(qkv, cos, sin, layer, self.cfg)
@@ -222,7 +299,7 @@ class Block(nn.Module):
             attn = torch.cat([self.attention(q[:, :, s.start : s.stop], k[:, :, s.start : s.stop],
                                              v[:, :, s.start : s.stop], s.cache, layer, s.mask, s.rows)
                               for s in segments], dim=1)
-        x = x + rowwise_linear(self.wo, attn)
+        x = x + self.post_attention(rowwise_linear(self.wo, attn))
         return x + self.mlp(x, lambda t: rowwise_linear(self.w_gate_up, t), lambda t: rowwise_linear(self.w_down, t))
 
     def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -234,8 +311,8 @@ class Block(nn.Module):
         cfg = self.cfg
         b, t, _ = qkv.shape
         q, k, v = qkv.split((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim), -1)
-        q = rms_norm(q.reshape(b, t, cfg.n_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
+        q = self.norm(q.reshape(b, t, cfg.n_heads, cfg.head_dim), self.q_norm)
+        k = self.norm(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), self.k_norm)
         return torch.cat((q.reshape(b, t, -1), k.reshape(b, t, -1), v), dim=-1)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
@@ -251,7 +328,7 @@ class Block(nn.Module):
             t = qkv.shape[1]
             if attention_supported(qkv, keys, cfg.n_heads):
                 q = rope_store(qkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, keys, values, end - t)
-                return attend_rows(q, keys, values, rows.flat, rows.offsets).view(1, t, -1)
+                return attend_rows(q, keys, values, rows.flat, rows.offsets, cfg.attn_scale).view(1, t, -1)
         return self.attention(*self.rotary_qkv(qkv, cos, sin), cache, layer, mask, rows)
 
     def rotary_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -280,7 +357,7 @@ class Block(nn.Module):
             # leapdecode's kernel (models/kernels/attention.cpp): each token over exactly its
             # visible slots in cache order, read in place, with the same operations whatever
             # the other tokens of the forward
-            return attend_rows(q, keys, values, rows.flat, rows.offsets).view(b, t, q_out)
+            return attend_rows(q, keys, values, rows.flat, rows.offsets, cfg.attn_scale).view(b, t, q_out)
         if rows is not None:
             # one query per call, over exactly its visible keys in cache order: the same call on
             # the same inputs whether the token comes alone or in a tree.  Keys that are slots
@@ -296,7 +373,7 @@ class Block(nn.Module):
                 out.append(self.one_query(q[:, :, i : i + 1], k_i, v_i))
             attn = torch.cat(out, dim=2)
         else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=cfg.attn_scale)
         return attn.transpose(1, 2).reshape(b, t, q_out)
 
     def one_query(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -307,18 +384,25 @@ class Block(nn.Module):
         docs/lab-notes/benchmarks.md section 15)."""
         b, heads, _, d = q.shape
         kv = keys.shape[1]
+        scale = self.cfg.attn_scale
         if heads == kv:
-            return F.scaled_dot_product_attention(q.contiguous(), keys, values)
+            return F.scaled_dot_product_attention(q.contiguous(), keys, values, scale=scale)
         grouped = q.reshape(b, kv, heads // kv, d)
-        return F.scaled_dot_product_attention(grouped, keys, values).reshape(b, heads, 1, d)
+        return F.scaled_dot_product_attention(grouped, keys, values, scale=scale).reshape(b, heads, 1, d)
 
     def mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
-        h = rms_norm(x, self.mlp_norm, self.cfg.rms_norm_eps)
+        """The MLP's output as the residual adds it (Gemma 3: GELU-tanh, and normalized last)."""
+        h = self.norm(x, self.mlp_norm)
         gate, up = gate_up(h).chunk(2, dim=-1)
+        gelu = self.cfg.activation == "gelu_tanh"
         act = None
         if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
-            act = silu_mul(gate, up)  # one kernel call, torch's bits (LayerStack computes it so too)
-        return down(F.silu(gate) * up if act is None else act)
+            # one kernel call, torch's bits (LayerStack computes it so too)
+            act = silu_mul(gate, up, gelu_tanh_table() if gelu else None)
+        if act is None:
+            act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+        out = down(act)
+        return out if self.post_mlp_norm is None else self.norm(out, self.post_mlp_norm)
 
 
 def rowwise_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -498,6 +582,10 @@ class NativeCausalLM(nn.Module):
         cos, sin = rope_tables(cfg, self.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.layer_windows is not None:  # the windowed layers' own rope (Gemma 3)
+            cos, sin = rope_tables(cfg, self.max_seq_len, local=True)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
 
     def pack_for_cpu(self) -> "NativeCausalLM":
         """Swap every linear layer for a oneDNN-packed one (bf16 on CPU only; no-op otherwise)."""
@@ -597,8 +685,9 @@ class NativeCausalLM(nn.Module):
             if out is not None:
                 return out
         t = tokens.shape[1]
-        cos, sin, mask, rows = self._plan(cache, parents, t)
+        (cos, sin, mask, rows), local = self._plan(cache, parents, t)
         x = self.embed(tokens) if embeds is None else embeds.to(self.dtype).reshape(*tokens.shape, -1)
+        x = self.scaled_embeds(x)
         hidden = hidden_states
         if hidden is not None:
             hidden.append(x)
@@ -610,14 +699,25 @@ class NativeCausalLM(nn.Module):
             if hidden is not None:
                 hidden.extend(xs[j : j + 1] for j in range(xs.shape[0]))
         else:
+            windows = self.cfg.layer_windows
             for i in which:
-                x = self.layers[i](x, cos, sin, cache, i, mask, rows)
+                if windows is not None and windows[i]:  # a sliding-window layer: its slots and rope
+                    x = self.layers[i](x, *local[:2], cache, i, *local[2:])
+                else:
+                    x = self.layers[i](x, cos, sin, cache, i, mask, rows)
                 if hidden is not None:
                     hidden.append(x)
         if logits_for is not None:
             x = x[:, logits_for]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.norm_plus_one)
         return (head or self.lm_head)(x).float()
+
+    def scaled_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the first layer takes them: Gemma's times ``sqrt(hidden)`` (an fp32 scalar
+        rounded to the activations' dtype, then one rounded product, as transformers computes it)."""
+        if not self.cfg.embed_scale:
+            return x
+        return x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)
 
     def _static_forward(self, tokens: torch.Tensor, cache: KVCache, parents: list[int] | None,
                         logits_for: slice | list[int] | None, hidden: list | None) -> torch.Tensor | None:
@@ -627,7 +727,7 @@ class NativeCausalLM(nn.Module):
         mode = resolve_mode(self.static_steps, self.device)
         t = tokens.shape[1]
         chunks = plan_chunks(t, self.static_shapes)
-        if (mode == "off" or not chunks or tokens.shape[0] != 1 or type(cache) is not KVCache
+        if (mode == "off" or not chunks or tokens.shape[0] != 1 or type(cache) is not KVCache or not self.cfg.plain_layers
                 or cache.observer is not None or cache.k.shape[1] != 1
                 or cache.total + chunks[-1][0] + chunks[-1][2] > cache.max_len):
             return None
@@ -677,7 +777,8 @@ class NativeCausalLM(nn.Module):
     def _layer_stack(self, x: torch.Tensor, cache: KVCache, rows: "QueryRows | None") -> LayerStack | None:
         """The ``LayerStack`` of this model's layers where this forward of one sequence can take it
         (see ``layers_kernel``), else None."""
-        if not (self.layers_kernel and kernel_route(cache, rows) and x.dtype == torch.bfloat16 and x.shape[0] == 1
+        if not (self.layers_kernel and self.cfg.plain_layers and kernel_route(cache, rows) and x.dtype == torch.bfloat16
+                and x.shape[0] == 1
                 and x.is_contiguous() and cache.k.dim() == 5 and cache.k.dtype == torch.bfloat16
                 and cache.v.dtype == torch.bfloat16 and x.shape[1] <= self.INVARIANT_MAX_TOKENS
                 and attention_supported(x, cache.k[0], self.cfg.n_heads)):
@@ -703,12 +804,14 @@ class NativeCausalLM(nn.Module):
         return super()._apply(fn, recurse)
 
     def _plan(self, cache: KVCache, parents: list[int] | None, t: int):
-        """Register ``t`` new pending nodes in ``cache``; their rope tables and attention plan."""
+        """Register ``t`` new pending nodes in ``cache``; their rope tables and attention plan
+        ``(cos, sin, mask, rows)``, and the same for the sliding-window layers (None: the model has none)."""
         if self.attention not in ("sdpa", "invariant"):
             raise ValueError(f"unknown attention {self.attention!r}; use 'sdpa' or 'invariant'")
         positions, mask = cache.plan_append(parents, t)
         rows = None
-        if self.attention == "invariant" and t <= self.INVARIANT_MAX_TOKENS:
+        invariant = self.attention == "invariant" and t <= self.INVARIANT_MAX_TOKENS
+        if invariant:
             rows, mask = QueryRows.of(cache.attended_slots(t), self.attention_kernel), None
         elif mask is None and t > 1:
             # causal chain after `past` slots: token i sees slots <= past + i
@@ -717,7 +820,19 @@ class NativeCausalLM(nn.Module):
             mask = torch.ones(t, total, dtype=torch.bool, device=cache.device).tril(past)
         cos = self.rope_cos[positions].to(self.dtype)
         sin = self.rope_sin[positions].to(self.dtype)
-        return cos, sin, mask, rows
+        local = None
+        if self.cfg.layer_windows is not None:  # Gemma 3's windowed layers: the last `window` positions
+            window = max(self.cfg.layer_windows)
+            if invariant:
+                local_rows, local_mask = QueryRows.of(cache.attended_slots(t, window), self.attention_kernel), None
+            else:
+                if cache.pos_offset:
+                    raise ValueError("a sliding window needs a cache whose slots are the positions (no KV-cache policy)")
+                seen = cache.slot_positions()[None, :] > positions[:, None] - window
+                local_rows, local_mask = None, seen if mask is None else mask & seen
+            local = (self.rope_cos_local[positions].to(self.dtype), self.rope_sin_local[positions].to(self.dtype),
+                     local_mask, local_rows)
+        return (cos, sin, mask, rows), local
 
     @torch.inference_mode()
     def forward_batch(self, items: list[BatchItem]) -> list[torch.Tensor]:
@@ -734,7 +849,9 @@ class NativeCausalLM(nn.Module):
         other kernels (bf16/fp32 oneDNN linears) it may differ in the last bits, as a tree's rows
         do.  Longer items (prefill chunks) run as their own ``forward`` (the prefill kernels)."""
         out: list[torch.Tensor | None] = [None] * len(items)
-        small = [i for i, it in enumerate(items) if it.tokens.numel() <= self.INVARIANT_MAX_TOKENS]
+        # (a model with other layers than Llama's, Gemma 3's: each item its own forward, the same bits)
+        small = [i for i, it in enumerate(items)
+                 if it.tokens.numel() <= self.INVARIANT_MAX_TOKENS and self.cfg.plain_layers]
         for i, it in enumerate(items):
             if i not in small or len(small) == 1:
                 out[i] = self.forward(it.tokens.view(1, -1), it.cache, parents=it.parents, logits_for=it.logits_for,
@@ -745,7 +862,7 @@ class NativeCausalLM(nn.Module):
         for i in small:
             it = items[i]
             t = it.tokens.numel()
-            cos, sin, mask, rows = self._plan(it.cache, it.parents, t)
+            (cos, sin, mask, rows), _ = self._plan(it.cache, it.parents, t)
             segments.append(Segment(start, start + t, it.cache, mask, rows))
             coss.append(cos)
             sins.append(sin)
@@ -776,7 +893,7 @@ class NativeCausalLM(nn.Module):
             rows = rows if sel is None else rows[sel]
             picked.append(rows)
             counts.append(rows.numel())
-        x = rms_norm(x[:, torch.cat(picked)], self.norm, self.cfg.rms_norm_eps)
+        x = rms_norm(x[:, torch.cat(picked)], self.norm, self.cfg.rms_norm_eps, self.cfg.norm_plus_one)
         logits = rowwise_linear(self.lm_head, x).float() if x.shape[1] else x.new_zeros(1, 0, self.vocab_size).float()
         for (seg, i, want), part in zip(zip(segments, small, wanted), logits.split(counts, dim=1)):
             out[i] = part
@@ -818,7 +935,12 @@ class NativeCausalLM(nn.Module):
                                                    torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             own[f"layers.{i}.w_down.weight"] = get(p + "mlp.down_proj.weight")
             own[f"layers.{i}.attn_norm"] = get(p + "input_layernorm.weight")
-            own[f"layers.{i}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
+            if cfg.sandwich_norms:  # Gemma 3: its post_attention_layernorm follows the attention
+                own[f"layers.{i}.mlp_norm"] = get(p + "pre_feedforward_layernorm.weight")
+                own[f"layers.{i}.post_attn_norm"] = get(p + "post_attention_layernorm.weight")
+                own[f"layers.{i}.post_mlp_norm"] = get(p + "post_feedforward_layernorm.weight")
+            else:
+                own[f"layers.{i}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
             if cfg.qk_norm:
                 own[f"layers.{i}.q_norm"] = get(a + "q_norm.weight")
                 own[f"layers.{i}.k_norm"] = get(a + "k_norm.weight")
@@ -834,6 +956,9 @@ class NativeCausalLM(nn.Module):
         cos, sin = rope_tables(self.cfg, self.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        if self.cfg.layer_windows is not None:
+            cos, sin = rope_tables(self.cfg, self.max_seq_len, local=True)
+            self.rope_cos_local, self.rope_sin_local = cos.to(device), sin.to(device)
         missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}")

@@ -363,6 +363,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ld_attend_rows.restype = i32
     lib.ld_rmsnorm_bf16.argtypes = [vp, i64, i64, i64, vp, ctypes.c_float, vp, i64]
     lib.ld_rmsnorm_bf16.restype = i32
+    lib.ld_rmsnorm1p_bf16.argtypes = lib.ld_rmsnorm_bf16.argtypes
+    lib.ld_rmsnorm1p_bf16.restype = i32
     lib.ld_rope_store.argtypes = [vp, i64, i64, vp, vp, i32, i32, i32, i32, vp, vp, i64, i64, vp, i64, i64, i64]
     lib.ld_rope_store.restype = i32
     lib.ld_rope_attend_segments.argtypes = [vp, i64, i64, vp, vp, i32, vp, vp, vp, vp, i32, i32, i32, i32,
@@ -930,10 +932,10 @@ def attention_supported(q: torch.Tensor, keys: torch.Tensor, n_heads: int | None
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flat: torch.Tensor,
-                offsets: torch.Tensor) -> torch.Tensor:
+                offsets: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Batch-invariant attention (``kernels/attention.cpp``): query row ``t`` of ``q``
     (``[1, Hq, T, D]``) attends over the slots ``flat[offsets[t]:offsets[t + 1]]`` of ``keys`` /
-    ``values`` (``[1, Hkv, slots, D]``), in that order, with scale ``1/sqrt(D)``; the query heads
+    ``values`` (``[1, Hkv, slots, D]``), in that order, with ``scale`` (None: ``1/sqrt(D)``); the query heads
     of a key head share it (grouped-query attention).  Returns ``[1, T, Hq * D]`` in ``q``'s dtype.
     A row's result does not depend on the other rows (same operations, no shared sums)."""
     _, hq, t, d = q.shape
@@ -946,16 +948,18 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flat:
     rc = _library().ld_attend_rows(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), keys.stride(1),
                                    keys.stride(2), values.data_ptr(), values.stride(1), values.stride(2),
                                    flat.data_ptr(), offsets.data_ptr(), t, hq, hkv, d, ATTENTION_DTYPES[q.dtype],
-                                   1.0 / math.sqrt(d), out.data_ptr(), torch.get_num_threads())
+                                   1.0 / math.sqrt(d) if scale is None else scale, out.data_ptr(),
+                                   torch.get_num_threads())
     if rc:
         raise RuntimeError(f"ld_attend_rows failed ({rc}) for {hq} query heads, {hkv} key heads, head size {d}")
     return out
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor | None:
     """RMSNorm of bf16 CPU rows in one call of ``kernels/attention.cpp``'s ``ld_rmsnorm_bf16``
-    (the Llama/Qwen2 roundings, a fixed-order sum per row), or None where it does not apply
-    (other dtypes or devices, a row length that is not a multiple of 16, no kernel)."""
+    (the Llama/Qwen2 roundings, a fixed-order sum per row; ``plus_one``: ``ld_rmsnorm1p_bf16``, Gemma's
+    ``x * rsqrt(...) * (1 + w)`` in fp32, rounded once), or None where it does not apply (other dtypes
+    or devices, a row length that is not a multiple of 16, no kernel)."""
     k = x.shape[-1]
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or k % 16
             or weight.shape != (k,) or x.stride(-1) != 1 or not weight.is_contiguous() or kernel_problem() is not None):
@@ -968,7 +972,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
             return None
         rows, ldx = x2.shape[0], x2.stride(0)
     y = torch.empty(x.shape, dtype=torch.bfloat16)
-    rc = _library().ld_rmsnorm_bf16(x2.data_ptr(), rows, k, ldx, weight.data_ptr(), eps, y.data_ptr(), k)
+    fn = _library().ld_rmsnorm1p_bf16 if plus_one else _library().ld_rmsnorm_bf16
+    rc = fn(x2.data_ptr(), rows, k, ldx, weight.data_ptr(), eps, y.data_ptr(), k)
     if rc:
         raise RuntimeError(f"ld_rmsnorm_bf16 failed ({rc})")
     return y
@@ -1068,12 +1073,22 @@ def silu_table() -> torch.Tensor:
     return torch.cat([y, y.new_zeros(2)])
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+@functools.lru_cache(maxsize=None)
+def gelu_tanh_table() -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` of every bf16 value as torch computes it here (Gemma's
+    activation), laid out as ``silu_table``."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    y = torch.cat([torch.nn.functional.gelu(c, approximate="tanh") for c in x.split(16384)]).view(torch.int16)
+    return torch.cat([y, y.new_zeros(2)])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.silu(gate) * up`` for bf16 CPU rows (``gate``/``up``: ``[..., I]`` views whose last
     dimension is contiguous and whose rows are equally spaced, e.g. the two halves of a fused
     gate-up projection) in one call of ``kernels/layers.cpp``: torch's SiLU bits from
     ``silu_table``, the product rounded once as torch's bf16 multiply rounds it.  None where it
-    does not apply (other dtypes or devices, other layouts, no kernel)."""
+    does not apply (other dtypes or devices, other layouts, no kernel).  ``table``: another activation's
+    table (``gelu_tanh_table``) in place of SiLU's."""
     if (gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16 or gate.shape != up.shape
             or gate.device.type != "cpu" or up.device.type != "cpu" or gate.dim() < 1
             or gate.stride(-1) != 1 or up.stride(-1) != 1 or kernel_problem() is not None):
@@ -1085,7 +1100,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         return None
     out = torch.empty(gate.shape, dtype=torch.bfloat16)
     if rows:
-        rc = _library().ld_silu_mul_bf16(silu_table().data_ptr(), g2.data_ptr(), u2.data_ptr(), rows,
+        rc = _library().ld_silu_mul_bf16((silu_table() if table is None else table).data_ptr(), g2.data_ptr(),
+                                         u2.data_ptr(), rows,
                                          g2.stride(0) if rows > 1 else n, n, out.data_ptr())
         if rc:
             raise RuntimeError(f"ld_silu_mul_bf16 failed ({rc})")

@@ -69,7 +69,7 @@ def _block_types(gguf_path: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
     tied = "output.weight" not in source
     for name, info in source.tensors.items():
-        if len(info.shape) < 2 or hf_name(name, source.fused) is None or (name == "token_embd.weight" and not tied):
+        if len(info.shape) < 2 or hf_name(name, source.architecture) is None or (name == "token_embd.weight" and not tied):
             continue
         kind = getattr(info.tensor_type, "name", str(info.tensor_type))
         n = 1

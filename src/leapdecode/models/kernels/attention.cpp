@@ -367,6 +367,26 @@ extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t 
     return 0;
 }
 
+// Gemma's RMSNorm of bf16 rows (y = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w)), the products in fp32
+// and rounded once, as transformers' Gemma3RMSNorm computes it in float32): the sum as ld_rmsnorm_bf16's.
+extern "C" int ld_rmsnorm1p_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
+                                 uint16_t* y, int64_t ldy) {
+    if (K <= 0 || K % LANES) return -1;
+    for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xr = x + m * ldx;
+        float lanes[LANES] = {0};
+        for (int64_t k0 = 0; k0 < K; k0 += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                const float v = bf16_val(xr[k0 + l]);
+                lanes[l] = fmaf(v, v, lanes[l]);
+            }
+        const float r = 1.0f / sqrtf(tree_sum(lanes) / (float)K + eps);
+        uint16_t* yr = y + m * ldy;
+        for (int64_t k = 0; k < K; ++k) yr[k] = to_bf16(bf16_val(xr[k]) * r * (1.0f + bf16_val(w[k])));
+    }
+    return 0;
+}
+
 // Rotary embedding of the new tokens' queries and keys, and the keys' and values' store into the
 // cache, in one pass (what Block.rotary_qkv and KVCache.write do with a dozen torch ops):
 // qkv [T][Hq*D + 2*Hkv*D] (row stride ld), cos/sin [T][D] in the same dtype; per element
