@@ -204,13 +204,14 @@ _tree_vs_sequential = tree_vs_sequential  # (models/invariance.py; names other t
 _mismatches = tree_mismatches
 
 
-def _fp32_attention(q, k, v, attn_mask=None, enable_gqa=False):
+def _fp32_attention(q, k, v, attn_mask=None, enable_gqa=False, scale=None):
     """Attention without matrix products: fp32 elementwise products summed over a fixed axis, so a
     query's result does not depend on the other queries nor (masked keys adding exact zeros) on
     how many keys follow its visible ones."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
-    scores = (q.float()[..., :, None, :] * k[..., None, :, :]).sum(-1) / math.sqrt(q.shape[-1])
+    scores = (q.float()[..., :, None, :] * k[..., None, :, :]).sum(-1)
+    scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     p = torch.softmax(scores, dim=-1)
