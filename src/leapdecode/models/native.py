@@ -694,7 +694,8 @@ class NativeCausalLM(nn.Module):
         which = layers if layers is not None else range(self.cfg.n_layers)
         stack = self._layer_stack(x, cache, rows) if len(which) else None
         if stack is not None:
-            xs = stack.run(x, cos, sin, cache.k, cache.v, cache.total - t, rows.flat, rows.offsets, which)
+            windowed = None if local is None else (local[0], local[1], local[3].flat, local[3].offsets)
+            xs = stack.run(x, cos, sin, cache.k, cache.v, cache.total - t, rows.flat, rows.offsets, which, windowed)
             x = xs[-1:]
             if hidden is not None:
                 hidden.extend(xs[j : j + 1] for j in range(xs.shape[0]))
@@ -777,7 +778,7 @@ class NativeCausalLM(nn.Module):
     def _layer_stack(self, x: torch.Tensor, cache: KVCache, rows: "QueryRows | None") -> LayerStack | None:
         """The ``LayerStack`` of this model's layers where this forward of one sequence can take it
         (see ``layers_kernel``), else None."""
-        if not (self.layers_kernel and self.cfg.plain_layers and kernel_route(cache, rows) and x.dtype == torch.bfloat16
+        if not (self.layers_kernel and kernel_route(cache, rows) and x.dtype == torch.bfloat16
                 and x.shape[0] == 1
                 and x.is_contiguous() and cache.k.dim() == 5 and cache.k.dtype == torch.bfloat16
                 and cache.v.dtype == torch.bfloat16 and x.shape[1] <= self.INVARIANT_MAX_TOKENS
@@ -792,10 +793,12 @@ class NativeCausalLM(nn.Module):
         signature = tuple(id(m) for m in self._layer_parts())
         if self._stack is None or self._stack[0] != signature:
             cfg = self.cfg
-            layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm, b.q_norm, b.k_norm)
-                      for b in self.layers]
+            windows = cfg.layer_windows or (0,) * cfg.n_layers
+            layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm, b.q_norm, b.k_norm,
+                       b.post_attn_norm, b.post_mlp_norm, windows[i]) for i, b in enumerate(self.layers)]
             stack = LayerStack.of(layers, hidden=cfg.hidden_size, inter=cfg.intermediate_size, n_heads=cfg.n_heads,
-                                  n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+                                  n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                                  scale=cfg.attn_scale, plus_one=cfg.norm_plus_one, activation=cfg.activation)
             self._stack = (signature, stack)
         return self._stack[1]
 

@@ -1048,7 +1048,8 @@ class LdLinear(ctypes.Structure):
 class LdLayer(ctypes.Structure):
     _fields_ = [("qkv", LdLinear), ("o", LdLinear), ("gate_up", LdLinear), ("down", LdLinear),
                 ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p)]
+                ("k_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
+                ("windowed", ctypes.c_int64)]
 
 
 class LdStack(ctypes.Structure):
@@ -1057,7 +1058,8 @@ class LdStack(ctypes.Structure):
          ("k", ctypes.c_void_p), ("k_layer", ctypes.c_int64), ("k_head", ctypes.c_int64), ("k_slot", ctypes.c_int64),
          ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64),
          ("nseg", ctypes.c_int64), ("seg_start", ctypes.c_void_p), ("seg_kv", ctypes.c_void_p),
-         ("seg_kv_step", ctypes.c_void_p)]
+         ("seg_kv_step", ctypes.c_void_p), ("plus_one", ctypes.c_int64), ("local_cos", ctypes.c_void_p),
+         ("local_sin", ctypes.c_void_p), ("local_idx", ctypes.c_void_p), ("local_offsets", ctypes.c_void_p)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1118,8 +1120,9 @@ def _ld_linear(layer: QLinear, keep: list) -> LdLinear:
 
 
 def _with_qk_norms(layers: list[tuple]) -> list[tuple]:
-    """``LayerStack``'s layer tuples with their q and k norms (None where a tuple leaves them out)."""
-    return [(*layer, None, None)[:8] for layer in layers]
+    """``LayerStack``'s layer tuples in full: (wqkv, wo, w_gate_up, w_down, attn_norm, mlp_norm, q_norm, k_norm,
+    post_attn_norm, post_mlp_norm, window), the norms a tuple leaves out None, its window 0 (a full layer)."""
+    return [(*layer, None, None, None, None, 0)[:11] for layer in layers]
 
 
 class LayerStack:
@@ -1128,23 +1131,31 @@ class LayerStack:
     (RMSNorm, the packed projections, Qwen3's per-head norms of q and k, rope and cache store, the
     attention kernel, the residual adds, SiLU times up), with the same bits, without the ~130 us of
     Python and torch dispatch per layer around them.  ``layers``: per layer ``(wqkv, wo, w_gate_up,
-    w_down, attn_norm, mlp_norm[, q_norm, k_norm])`` with ``QLinear`` projections (bf16 outputs) and
-    bf16 norm weights (``q_norm``, ``k_norm`` left out or None where the model has none); ``of``
-    returns None otherwise."""
+    w_down, attn_norm, mlp_norm[, q_norm, k_norm[, post_attn_norm, post_mlp_norm, window]])`` with ``QLinear``
+    projections (bf16 outputs) and bf16 norm weights (left out or None where the model has none; Gemma 3's
+    norms after the attention and the MLP; ``window`` true for a sliding-window layer, which takes ``run``'s
+    ``local`` rope tables and slots); ``scale``: the attention's (None: 1/sqrt(head_dim)); ``plus_one``: every
+    norm Gemma's x * (1 + w); ``activation``: "silu" or "gelu_tanh".  ``of`` returns None where a layer
+    does not fit."""
 
     def __init__(self, layers: list[tuple], hidden: int, inter: int, n_heads: int, n_kv_heads: int,
-                 head_dim: int, eps: float) -> None:
-        self._keep: list = [silu_table()]
+                 head_dim: int, eps: float, scale: float | None = None, plus_one: bool = False,
+                 activation: str = "silu") -> None:
+        table = gelu_tanh_table() if activation == "gelu_tanh" else silu_table()
+        self._keep: list = [table]
         arr = (LdLayer * len(layers))()
-        for i, (wqkv, wo, gate_up, down, *norms) in enumerate(_with_qk_norms(layers)):
+        self.windowed = False
+        for i, (wqkv, wo, gate_up, down, *norms, window) in enumerate(_with_qk_norms(layers)):
             self._keep += [wqkv, wo, gate_up, down, *norms]  # alive while their addresses are used
             arr[i] = LdLayer(_ld_linear(wqkv, self._keep), _ld_linear(wo, self._keep),
                              _ld_linear(gate_up, self._keep), _ld_linear(down, self._keep),
-                             *(None if w is None else w.data_ptr() for w in norms))
+                             *(None if w is None else w.data_ptr() for w in norms), int(bool(window)))
+            self.windowed = self.windowed or bool(window)
         self.layers = arr
         self.n_layers = len(layers)
         self.shape = dict(hidden=hidden, inter=inter, hq=n_heads, hkv=n_kv_heads, d=head_dim, eps=eps,
-                          scale=1.0 / math.sqrt(head_dim), silu=silu_table().data_ptr())
+                          scale=1.0 / math.sqrt(head_dim) if scale is None else scale, silu=table.data_ptr(),
+                          plus_one=int(plus_one))
         self.work = max(_library().ld_work_bytes(lin.in_features, p.group)
                         for lin in {id(m): m for layer in layers for m in layer[:4]}.values() for p in lin.parts)
         probe = LdStack(**self.shape)
@@ -1159,27 +1170,42 @@ class LayerStack:
         is not available."""
         if kernel_problem() is not None or shape["hidden"] % 16:  # (ld_rmsnorm_bf16 takes rows of 16k values)
             return None
-        for wqkv, wo, gate_up, down, attn_norm, mlp_norm, q_norm, k_norm in _with_qk_norms(layers):
+        if shape.get("activation", "silu") not in ("silu", "gelu_tanh"):
+            return None
+        for wqkv, wo, gate_up, down, attn_norm, mlp_norm, q_norm, k_norm, post_attn, post_mlp, _ in _with_qk_norms(layers):
             if not all(type(m) is QLinear and not m.out_fp32 for m in (wqkv, wo, gate_up, down)):
                 return None
             if (q_norm is None) != (k_norm is None) or q_norm is not None and shape["head_dim"] % 16:
                 return None
             if not all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                       for w in (attn_norm, mlp_norm, q_norm, k_norm) if w is not None):
+                       for w in (attn_norm, mlp_norm, q_norm, k_norm, post_attn, post_mlp) if w is not None):
                 return None
         return cls(layers, **shape)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            slot0: int, flat: torch.Tensor, offsets: torch.Tensor, which: list[int] | range) -> torch.Tensor:
+            slot0: int, flat: torch.Tensor, offsets: torch.Tensor, which: list[int] | range,
+            local: tuple | None = None) -> torch.Tensor:
         """Layers ``which`` over ``x`` (contiguous bf16 ``[1, T, hidden]``, T <= 64) with a cache
         whose keys and values are ``k``/``v`` (``[layers, 1, kv_heads, slots, head_dim]`` bf16),
         the new tokens at slots ``slot0..``, row t attending over ``flat[offsets[t]:offsets[t + 1]]``.
+        ``local``: the sliding-window layers' ``(cos, sin, flat, offsets)`` (needed where a layer is windowed).
         Returns ``[len(which), T, hidden]``: the residual stream after each layer run."""
         if (k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride(-1) != 1 or v.stride(-1) != 1
                 or x.shape[1] > MAX_ROWS):
             raise ValueError("LayerStack.run: unexpected shapes, dtypes or layers")
         stack = LdStack(**self.shape, k=k.data_ptr(), k_layer=k.stride(0), k_head=k.stride(2), k_slot=k.stride(3),
                         v=v.data_ptr(), v_layer=v.stride(0), v_head=v.stride(2), v_slot=v.stride(3))
+        if local is not None:
+            lcos, lsin, lflat, loffsets = local
+            t = x.shape[1]
+            if (lcos.shape != cos.shape or lsin.shape != cos.shape or lcos.dtype != torch.bfloat16
+                    or lsin.dtype != torch.bfloat16 or not lcos.is_contiguous() or not lsin.is_contiguous()
+                    or lflat.dtype != torch.int64 or loffsets.dtype != torch.int64 or loffsets.numel() != t + 1):
+                raise ValueError("LayerStack.run: unexpected shapes, dtypes or layers")
+            stack.local_cos, stack.local_sin = lcos.data_ptr(), lsin.data_ptr()
+            stack.local_idx, stack.local_offsets = lflat.data_ptr(), loffsets.data_ptr()
+        elif self.windowed:
+            raise ValueError("LayerStack.run: windowed layers need the local rope tables and slots")
         return self._call(stack, x, cos, sin, slot0, flat, offsets, which)
 
     def run_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_start: torch.Tensor,

@@ -7,6 +7,9 @@
 //   h    = rmsnorm(x, attn_norm)                        ld_rmsnorm_bf16
 //   qkv  = h @ Wqkv.T (+ bias)                          ld_qgemm, per packed part
 //   q, k = rmsnorm per head (q_norm, k_norm: Qwen3)       ld_rmsnorm_bf16, in place
+//   (Gemma 3: every norm x * (1 + w) (ld_rmsnorm1p_bf16), the attention's and the MLP's outputs normalized
+//   before their residual adds (post_attn_norm, post_mlp_norm), GELU-tanh's table in place of SiLU's, its
+//   attention scale, and on windowed layers their own rope tables and attended slots (local_*))
 //   q    = rope(q); k, v -> cache slots slot0..         ld_rope_store
 //   a    = attention of each row over its slots         ld_attend_rows
 //   x    = bf16(x + a @ Wo.T)                           ld_qgemm, then one fp32 add rounded to bf16
@@ -33,6 +36,8 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
                         int out_fp32, int nthreads, void* work);
 extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
                                uint16_t* y, int64_t ldy);
+extern "C" int ld_rmsnorm1p_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
+                                 uint16_t* y, int64_t ldy);
 extern "C" int ld_rope_store(const void* qkv, int64_t T, int64_t ld, const void* cos, const void* sin, int Hq,
                              int Hkv, int D, int dtype, void* q_out, void* k, int64_t k_head, int64_t k_slot,
                              void* v, int64_t v_head, int64_t v_slot, int64_t slot0);
@@ -69,6 +74,9 @@ struct LdLayer {
     const uint16_t* mlp_norm;
     const uint16_t* q_norm;  // [d] each, or null: no per-head norm of q and k
     const uint16_t* k_norm;
+    const uint16_t* post_attn_norm;  // [hidden] each, or null (Gemma 3's norms of the attention's and MLP's outputs)
+    const uint16_t* post_mlp_norm;
+    int64_t windowed;  // 1: a sliding-window layer (the stack's local_* rope tables and slots)
 };
 
 // What every layer shares, and this call's cache: layer l's keys of head h, slot i at
@@ -88,6 +96,11 @@ struct LdStack {
     const int64_t* seg_start;
     const int64_t* seg_kv;
     const int64_t* seg_kv_step;
+    int64_t plus_one;  // every norm x * (1 + w) (Gemma)
+    const uint16_t* local_cos;  // the windowed layers' rope tables [T][d] and attended slots (as cos, idx, offsets)
+    const uint16_t* local_sin;
+    const int64_t* local_idx;
+    const int64_t* local_offsets;
 };
 
 static int linear(const LdLinear& w, const uint16_t* x, int64_t T, uint16_t* y, int nthreads, void* work) {
@@ -174,13 +187,19 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
                                  void* work, int nthreads) {
     const int64_t H = s->hidden, I = s->inter, QD = s->hq * s->d;
     std::vector<int64_t> kv((size_t)(7 * (s->nseg > 0 ? s->nseg : 0)));
+    auto norm = s->plus_one ? ld_rmsnorm1p_bf16 : ld_rmsnorm_bf16;
     for (int64_t j = 0; j < n; ++j) {
         const int64_t li = which[j];
         const LdLayer& L = layers[li];
         if (L.qkv.k != H || L.o.k != QD || L.gate_up.k != H || L.down.k != I || L.o.padded < H
             || L.down.padded < H || L.gate_up.padded < 2 * I || L.qkv.padded < QD + 2 * s->hkv * s->d
-            || ld_layers_scratch(s, &L, T) > room)
+            || ld_layers_scratch(s, &L, T) > room
+            || (L.windowed && (s->nseg > 0 || !s->local_cos || !s->local_sin || !s->local_idx || !s->local_offsets)))
             return -100;
+        const uint16_t* lcos = L.windowed ? s->local_cos : cos;
+        const uint16_t* lsin = L.windowed ? s->local_sin : sin;
+        const int64_t* lidx = L.windowed ? s->local_idx : idx;
+        const int64_t* loff = L.windowed ? s->local_offsets : offsets;
         uint16_t* h = scratch;
         uint16_t* qkv = h + T * H;
         uint16_t* q = qkv + T * L.qkv.padded;
@@ -190,33 +209,35 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
         uint16_t* act = gu + T * L.gate_up.padded;
         const uint16_t* x_in = j ? xs + (j - 1) * T * H : x0;
         uint16_t* x = xs + j * T * H;
-        int rc = ld_rmsnorm_bf16(x_in, T, H, H, L.attn_norm, s->eps, h, H);
+        int rc = norm(x_in, T, H, H, L.attn_norm, s->eps, h, H);
         if (!rc) rc = linear(L.qkv, h, T, qkv, nthreads, work);
         for (int64_t t = 0; !rc && L.q_norm && t < T; ++t) {
             uint16_t* row = qkv + t * L.qkv.padded;
-            rc = ld_rmsnorm_bf16(row, s->hq, s->d, s->d, L.q_norm, s->eps, row, s->d);
-            if (!rc) rc = ld_rmsnorm_bf16(row + QD, s->hkv, s->d, s->d, L.k_norm, s->eps, row + QD, s->d);
+            rc = norm(row, s->hq, s->d, s->d, L.q_norm, s->eps, row, s->d);
+            if (!rc) rc = norm(row + QD, s->hkv, s->d, s->d, L.k_norm, s->eps, row + QD, s->d);
         }
         if (!rc && s->nseg > 0) {
             for (size_t e = 0; e < kv.size(); ++e) kv[e] = s->seg_kv[e] + li * s->seg_kv_step[e];
             rc = ld_rope_attend_segments(qkv, T, L.qkv.padded, cos, sin, (int)s->nseg, s->seg_start, kv.data(), idx,
                                          offsets, (int)s->hq, (int)s->hkv, (int)s->d, 1, s->scale, q, att, nthreads);
         } else if (!rc) {
-            rc = ld_rope_store(qkv, T, L.qkv.padded, cos, sin, (int)s->hq, (int)s->hkv, (int)s->d, 1, q,
+            rc = ld_rope_store(qkv, T, L.qkv.padded, lcos, lsin, (int)s->hq, (int)s->hkv, (int)s->d, 1, q,
                                s->k + li * s->k_layer, s->k_head, s->k_slot, s->v + li * s->v_layer, s->v_head,
                                s->v_slot, slot0);
             if (!rc)
                 rc = ld_attend_rows(q, QD, s->d, s->k + li * s->k_layer, s->k_head, s->k_slot, s->v + li * s->v_layer,
-                                    s->v_head, s->v_slot, idx, offsets, T, (int)s->hq, (int)s->hkv, (int)s->d, 1,
+                                    s->v_head, s->v_slot, lidx, loff, T, (int)s->hq, (int)s->hkv, (int)s->d, 1,
                                     s->scale, att, nthreads);
         }
         if (!rc) rc = linear(L.o, att, T, o, nthreads, work);
+        if (!rc && L.post_attn_norm) rc = norm(o, T, H, L.o.padded, L.post_attn_norm, s->eps, o, L.o.padded);
         if (rc) return rc;
         for (int64_t t = 0; t < T; ++t) add_rows(x + t * H, x_in + t * H, o + t * L.o.padded, H);
-        rc = ld_rmsnorm_bf16(x, T, H, H, L.mlp_norm, s->eps, h, H);
+        rc = norm(x, T, H, H, L.mlp_norm, s->eps, h, H);
         if (!rc) rc = linear(L.gate_up, h, T, gu, nthreads, work);
         if (!rc) rc = ld_silu_mul_bf16(s->silu, gu, gu + I, T, L.gate_up.padded, I, act);
         if (!rc) rc = linear(L.down, act, T, o, nthreads, work);
+        if (!rc && L.post_mlp_norm) rc = norm(o, T, H, L.down.padded, L.post_mlp_norm, s->eps, o, L.down.padded);
         if (rc) return rc;
         for (int64_t t = 0; t < T; ++t) add_rows(x + t * H, x + t * H, o + t * L.down.padded, H);
     }
