@@ -30,14 +30,14 @@ def prompts(n: int, path: Path) -> list[str]:
     return [r["turns"][0] for r in rows[:n]]
 
 
-def measure(name: str, questions: list[str], tokens: int, threads: int) -> dict:
+def measure(name: str, questions: list[str], tokens: int, threads: int, **load) -> dict:
     import torch
 
     import leapdecode
     from leapdecode.bench.llama_server import LlamaServer, free_port, server_binary, server_command
     from leapdecode.models.loader import model_files
 
-    lm = leapdecode.load(name)
+    lm = leapdecode.load(name, **load)
     model = lm.model
     _, gguf = model_files(name)
     binary = server_binary()
@@ -71,7 +71,7 @@ def measure(name: str, questions: list[str], tokens: int, threads: int) -> dict:
                       file=sys.stderr)
         finally:
             server.close()
-    return {"model": name, "weights": lm.weights, "prompts": len(questions), "tokens": total,
+    return {"model": name, "weights": lm.weights, "backend": lm.model.backend, "prompts": len(questions), "tokens": total,
             "agreement": agree / max(total, 1), "greedy_equal_tokens": parted}
 
 
@@ -83,12 +83,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens llama.cpp decodes per prompt")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--data", type=Path, default=DATA, help="a Spec-Bench questions file")
+    ap.add_argument("--weights", default="auto", help="leapdecode's weights (auto: the GGUF's blocks on the kernel; "
+                                                      "fp32, bf16: float weights read from the GGUF)")
+    ap.add_argument("--backend", default="auto", help="native, hf (transformers' model of the GGUF) or auto")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     a = ap.parse_args()
     questions = prompts(a.prompts, a.data)
-    results = [measure(m, questions, a.tokens, a.threads) for m in a.models.split(",") if m]
+    load = {"weights": a.weights} if a.backend != "hf" else {"dtype": "fp32" if a.weights == "auto" else a.weights}
+    results = [measure(m, questions, a.tokens, a.threads, backend=a.backend, **load) for m in a.models.split(",") if m]
     for r in results:
-        print(f"{r['model']}: {100 * r['agreement']:.1f}% of {r['tokens']} teacher-forced tokens agree with llama.cpp; "
+        print(f"{r['model']} ({r['backend']}, {r['weights']}): {100 * r['agreement']:.1f}% of {r['tokens']} teacher-forced tokens agree with llama.cpp; "
               f"greedy outputs equal for {r['greedy_equal_tokens']} tokens")
     if a.out:
         a.out.write_text(json.dumps(results, indent=2) + "\n")
