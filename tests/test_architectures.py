@@ -54,12 +54,16 @@ def _build(name: str) -> torch.nn.Module:
                                                                      "rope_theta": 1e6},
                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
         model = t.Gemma3ForCausalLM(cfg)
+    elif name == "gemma2":  # soft-capped scores and logits, windowed and full layers, one rope
+        cfg = t.Gemma2Config(**COMMON, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                             final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"])
+        model = t.Gemma2ForCausalLM(cfg)
     else:
         raise KeyError(name)
     g = torch.Generator().manual_seed(len(name))
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname and name == "gemma3":  # Gemma's norms scale by 1 + w
+            if "norm" in pname and name.startswith("gemma"):  # Gemma's norms scale by 1 + w
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
             elif "norm" in pname:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
@@ -68,7 +72,7 @@ def _build(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope", "gemma3"]
+NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope", "gemma2", "gemma3"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -195,7 +199,7 @@ def _with_file_weights(hf: torch.nn.Module, path) -> torch.nn.Module:
 
     import gguf
     from gguf.quants import dequantize
-    from tiny_gguf import gguf_name, permute
+    from tiny_gguf import gguf_name
 
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     model = copy.deepcopy(hf)
@@ -226,7 +230,7 @@ def test_the_configuration_says_what_the_native_decoder_does_not_compute():
                ({**base, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
                ({**base, "partial_rotary_factor": 0.75}, "partial rotary"),
                ({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-               ({**base, "architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM")]
+               ({**base, "architectures": ["Gemma3nForCausalLM"]}, "Gemma3nForCausalLM")]
     for cfg, words in refused:
         with pytest.raises(NotImplementedError, match=words):
             ModelConfig.from_hf(cfg)

@@ -127,14 +127,14 @@ def test_doctor_says_whether_a_model_runs_natively_and_in_its_files_blocks(tmp_p
     assert half.native is None and half.requantized == ["F16"]
     assert any(label == "weights" and "F16 re-quantized" in text and not fine for label, text, fine in half.lines())
     # an architecture the native decoder does not run: the transformers backend, not exact, and why
-    gemma = tmp_path / "gemma2"  # Gemma 2: its attention's logit soft-capping is not on the native decoder
-    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**cfg, query_pre_attn_scalar=16)).save_pretrained(gemma)
-    g = support_of(str(gemma))
-    assert g.architecture == "Gemma2ForCausalLM" and "Gemma2ForCausalLM" in g.native and not g.exact
-    # the command: the model's lines under the machine's, --json with the same answer, --strict fails for gemma
+    other = tmp_path / "phi4"  # Phi-4-mini's partial rotary embedding is not on the native decoder
+    transformers.Phi3ForCausalLM(transformers.Phi3Config(**cfg, partial_rotary_factor=0.5, pad_token_id=0)).save_pretrained(other)
+    g = support_of(str(other))
+    assert g.architecture == "Phi3ForCausalLM" and "partial rotary" in g.native and not g.exact
+    # the command: the model's lines under the machine's, --json with the same answer, --strict fails for the partial rotary one
     assert main(["doctor", str(good), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["model"]["exact"] == s.exact and r["model"]["architecture"] == "Qwen3ForCausalLM"
-    assert main(["doctor", str(gemma), "--strict"]) == 1
+    assert main(["doctor", str(other), "--strict"]) == 1
     out = capsys.readouterr().out
-    assert f"model {gemma}" in out and "✗ architecture" in out and "transformers backend" in out
+    assert f"model {other}" in out and "✗ architecture" in out and "transformers backend" in out

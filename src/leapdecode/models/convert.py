@@ -53,16 +53,17 @@ def inspect_gguf(gguf_path: Path) -> dict:
             field = fields.get(f"{arch}.{key}")
             return None if field is None else field.contents()
 
-        rope = {"freqs": vectors.get("rope_freqs.weight"), "short": vectors.get("rope_factors_short.weight"),
+        settings = {"freqs": vectors.get("rope_freqs.weight"), "short": vectors.get("rope_factors_short.weight"),
                 "long": vectors.get("rope_factors_long.weight"), "attn_factor": number("rope.scaling.attn_factor"),
                 "original": number("rope.scaling.original_context_length"),
                 "sliding_window": number("attention.sliding_window"), "scaling": number("rope.scaling.type"),
-                "factor": number("rope.scaling.factor")}
+                "factor": number("rope.scaling.factor"), "attn_softcap": number("attn_logit_softcapping"),
+                "final_softcap": number("final_logit_softcapping")}
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
     return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters,
-            "head_dim": head_dim, "rope": rope}
+            "head_dim": head_dim, "settings": settings}
 
 
 _PATCH_LOCK = threading.Lock()
@@ -131,36 +132,42 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-def _rope_from_file(cfg: dict, rope: dict) -> None:
-    """What llama.cpp's converter keeps of a model's rope scaling and window where transformers' GGUF
-    reader does not look, back into the configuration: Llama 3.1's scaling as a tensor of per-frequency
+def _settings_from_file(cfg: dict, kept: dict) -> None:
+    """What llama.cpp's converter keeps where transformers' GGUF reader does not look, back into the
+    configuration (``kept``: ``inspect_gguf``'s "settings"): Llama 3.1's scaling as a tensor of per-frequency
     divisors (``rope_freqs``: ``rope_freq_factors``, applied by the native decoder), Phi-3's LongRoPE as its
     two factor tensors, attention factor and original length (the ``longrope`` parameters transformers
-    computes them from), and the attention window (Phi-3's)."""
-    if rope["freqs"]:
-        cfg["rope_freq_factors"] = rope["freqs"]
-    if rope["short"] and rope["long"]:
+    computes them from), the attention window (Phi-3's), Gemma 3's linear rope scaling, Gemma 2's soft
+    caps, and the attention scale llama.cpp gives Gemma models."""
+    if kept["freqs"]:
+        cfg["rope_freq_factors"] = kept["freqs"]
+    if kept["short"] and kept["long"]:
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        params.update(rope_type="longrope", short_factor=rope["short"], long_factor=rope["long"])
-        if rope["original"]:
-            params["original_max_position_embeddings"] = int(rope["original"])
-        if rope["attn_factor"]:
-            params["attention_factor"] = float(rope["attn_factor"])
+        params.update(rope_type="longrope", short_factor=kept["short"], long_factor=kept["long"])
+        if kept["original"]:
+            params["original_max_position_embeddings"] = int(kept["original"])
+        if kept["attn_factor"]:
+            params["attention_factor"] = float(kept["attn_factor"])
         cfg["rope_parameters" if "rope_parameters" in cfg else "rope_scaling"] = params
-    if rope["sliding_window"] and not cfg.get("sliding_window"):
-        cfg["sliding_window"] = int(rope["sliding_window"])
-    if rope["scaling"] == "linear" and rope["factor"] and float(rope["factor"]) != 1.0:  # Gemma 3 4B+: its full layers'
-        linear = {"rope_type": "linear", "factor": float(rope["factor"])}
+    if kept["sliding_window"] and not cfg.get("sliding_window"):
+        cfg["sliding_window"] = int(kept["sliding_window"])
+    if kept["scaling"] == "linear" and kept["factor"] and float(kept["factor"]) != 1.0:  # Gemma 3 4B+: its full layers'
+        linear = {"rope_type": "linear", "factor": float(kept["factor"])}
         params = cfg.get("rope_parameters")
         if isinstance(params, dict) and "full_attention" in params:
             params["full_attention"] = {**params["full_attention"], **linear}
         else:
             cfg["rope_parameters" if "rope_parameters" in cfg else "rope_scaling"] = {**(params or {}), **linear}
-    if cfg.get("model_type") == "gemma3_text":
-        # the attention's scale as llama.cpp sets it for a Gemma 3 GGUF, which does not store it: 1/sqrt(head_dim),
-        # but 1/sqrt(hidden / heads) for the 27B (62 layers); transformers' reader leaves its default of 256
+    if cfg.get("model_type") in ("gemma2", "gemma3_text"):
+        # the attention's scale as llama.cpp sets it for a Gemma GGUF, which does not store it: 1/sqrt(head_dim),
+        # but 1/sqrt(hidden / heads) for the 27B models (46 layers: Gemma 2, 62: Gemma 3); transformers' reader
+        # leaves its default of 256
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
-        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // heads if layers == 62 else cfg.get("head_dim") or 256
+        big = layers == (46 if cfg["model_type"] == "gemma2" else 62)
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // heads if big else cfg.get("head_dim") or 256
+    for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        if kept[field]:  # Gemma 2's caps, as the file gives them
+            cfg[key] = float(kept[field])
 
 
 def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
@@ -187,7 +194,7 @@ def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
     # architecture (Qwen3's configuration then keeps its default of 128)
     if header["head_dim"] and header["head_dim"] != (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]):
         cfg["head_dim"] = header["head_dim"]
-    _rope_from_file(cfg, header["rope"])
+    _settings_from_file(cfg, header["settings"])
     for k, v in cfg.items():  # GGUF stores float32: 9.999999747378752e-06 -> 1e-05
         if isinstance(v, float):
             cfg[k] = _short_float(v)

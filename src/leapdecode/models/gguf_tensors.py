@@ -41,9 +41,10 @@ LAYER_NAMES_OF = {
     "gemma3": {**LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
+LAYER_NAMES_OF["gemma2"] = LAYER_NAMES_OF["gemma3"]
 # llama.cpp's converter stores Gemma's norm weights w as 1 + w (its RMSNorm multiplies by the weight):
 # subtracted again when read, as transformers' GGUF loader does
-NORM_OFFSET = {"gemma3": 1.0}
+NORM_OFFSET = {"gemma2": 1.0, "gemma3": 1.0}
 
 
 class TensorInfo(NamedTuple):

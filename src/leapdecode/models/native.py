@@ -30,10 +30,11 @@ from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attentio
 from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Phi3ForCausalLM", "Gemma3ForCausalLM"}
-# Gemma 3: norms x * (1 + w), four per layer (after attention and after the MLP too), GELU-tanh, a scaled
-# embedding, q/k norms, its own attention scale, windowed layers with their own rope
-GEMMA_ARCHITECTURES = {"Gemma3ForCausalLM"}
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+# Gemma 2 and 3: norms x * (1 + w), four per layer (after attention and after the MLP too), GELU-tanh, a
+# scaled embedding, its own attention scale, windowed layers; Gemma 3 with q/k norms and the windowed
+# layers' own rope, Gemma 2 with soft-capped attention scores and logits
+GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 FUSED_ARCHITECTURES = {"Phi3ForCausalLM"}  # q/k/v and gate/up stored fused, as this decoder runs them
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}  # an RMSNorm over each head of q and of k, before rope
 
@@ -70,13 +71,16 @@ class ModelConfig:
     attn_scale: float | None = None  # the attention's scale (None: 1/sqrt(head_dim))
     layer_windows: tuple[int, ...] | None = None  # per layer, the window of a sliding layer, 0 for a full one
     local_rope_theta: float | None = None  # the rope base of the sliding layers (default rope)
+    attn_softcap: float | None = None  # Gemma 2: each attention score s becomes tanh(s / c) * c
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
     extra: dict = field(default_factory=dict)
 
     @property
     def plain_layers(self) -> bool:
         """Every layer is Llama's (what ``LayerStack``, the batched route and the static step compute)."""
         return not (self.norm_plus_one or self.sandwich_norms or self.embed_scale or self.activation != "silu"
-                    or self.attn_scale is not None or self.layer_windows is not None)
+                    or self.attn_scale is not None or self.layer_windows is not None or self.attn_softcap
+                    or self.final_softcap)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -85,7 +89,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if archs and not set(archs) & SUPPORTED_ARCHITECTURES:
             raise NotImplementedError(f"native backend does not implement {archs}")
-        gemma = bool(set(archs) & GEMMA_ARCHITECTURES) or cfg.get("model_type") == "gemma3_text"
+        gemma = bool(set(archs) & GEMMA_ARCHITECTURES) or cfg.get("model_type") in ("gemma2", "gemma3_text")
         if gemma:
             return cls.from_gemma(cfg)
         # transformers v5 writes rope settings as `rope_parameters`, v4 as `rope_scaling` + `rope_theta`
@@ -136,9 +140,9 @@ class ModelConfig:
 
     @classmethod
     def from_gemma(cls, cfg: dict) -> "ModelConfig":
-        """Gemma 3's text decoder (``Gemma3ForCausalLM``): its windowed and full layers, each kind with its rope."""
-        if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
-            raise NotImplementedError("native backend does not implement logit soft-capping (Gemma 2)")
+        """Gemma 2's and Gemma 3's text decoders: their windowed and full layers, each kind with its rope
+        (Gemma 3), and soft-capped attention scores and logits (Gemma 2)."""
+        gemma2 = "Gemma2ForCausalLM" in (cfg.get("architectures") or []) or cfg.get("model_type") == "gemma2"
         if cfg.get("use_bidirectional_attention"):
             raise NotImplementedError("native backend does not implement bidirectional attention")
         if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -149,8 +153,11 @@ class ModelConfig:
             raise NotImplementedError(f"native backend does not implement the layer types {sorted(set(types))}")
         window = int(cfg.get("sliding_window") or 0)
         rope = cfg.get("rope_parameters") or {}
-        full = rope.get("full_attention") or cfg.get("rope_scaling") or {"rope_theta": cfg.get("rope_theta", 1e6)}
-        local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        if gemma2:  # one rope for every layer
+            full = local = {**rope, "rope_theta": rope.get("rope_theta") or cfg.get("rope_theta", 10000.0)}
+        else:
+            full = rope.get("full_attention") or cfg.get("rope_scaling") or {"rope_theta": cfg.get("rope_theta", 1e6)}
+            local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
         for kind in (full, local):
             if kind.get("rope_type", kind.get("type")) not in ("default", "linear", None):
                 raise NotImplementedError(f"native backend does not implement rope_scaling {kind}")
@@ -165,11 +172,13 @@ class ModelConfig:
             rope_theta=float(full.get("rope_theta") or cfg.get("rope_theta", 1e6)),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            rope_scaling=full if full.get("rope_type", full.get("type")) == "linear" else None, qk_norm=True,
+            rope_scaling=full if full.get("rope_type", full.get("type")) == "linear" else None, qk_norm=not gemma2,
             norm_plus_one=True, sandwich_norms=True, embed_scale=True, activation="gelu_tanh",
             attn_scale=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256) ** -0.5,
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types) if window else None,
             local_rope_theta=local_theta,
+            attn_softcap=float(cfg["attn_logit_softcapping"]) if cfg.get("attn_logit_softcapping") else None,
+            final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
         )
 
 
@@ -328,7 +337,8 @@ class Block(nn.Module):
             t = qkv.shape[1]
             if attention_supported(qkv, keys, cfg.n_heads):
                 q = rope_store(qkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, keys, values, end - t)
-                return attend_rows(q, keys, values, rows.flat, rows.offsets, cfg.attn_scale).view(1, t, -1)
+                return attend_rows(q, keys, values, rows.flat, rows.offsets, cfg.attn_scale,
+                                   cfg.attn_softcap).view(1, t, -1)
         return self.attention(*self.rotary_qkv(qkv, cos, sin), cache, layer, mask, rows)
 
     def rotary_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -352,12 +362,11 @@ class Block(nn.Module):
         keys, values = cache.write(layer, k, v)
         if cache.observer is not None:  # a KV-cache policy reads the queries (core/kv_policy.py)
             cache.observer(layer, q, keys)
-        gqa = cfg.n_heads != cfg.n_kv_heads
         if rows is not None and rows.kernel and attention_supported(q, keys):
             # leapdecode's kernel (models/kernels/attention.cpp): each token over exactly its
             # visible slots in cache order, read in place, with the same operations whatever
             # the other tokens of the forward
-            return attend_rows(q, keys, values, rows.flat, rows.offsets, cfg.attn_scale).view(b, t, q_out)
+            return attend_rows(q, keys, values, rows.flat, rows.offsets, cfg.attn_scale, cfg.attn_softcap).view(b, t, q_out)
         if rows is not None:
             # one query per call, over exactly its visible keys in cache order: the same call on
             # the same inputs whether the token comes alone or in a tree.  Keys that are slots
@@ -373,7 +382,7 @@ class Block(nn.Module):
                 out.append(self.one_query(q[:, :, i : i + 1], k_i, v_i))
             attn = torch.cat(out, dim=2)
         else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=cfg.attn_scale)
+            attn = self.sdpa(q, keys, values, mask)
         return attn.transpose(1, 2).reshape(b, t, q_out)
 
     def one_query(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -384,11 +393,27 @@ class Block(nn.Module):
         docs/lab-notes/benchmarks.md section 15)."""
         b, heads, _, d = q.shape
         kv = keys.shape[1]
-        scale = self.cfg.attn_scale
         if heads == kv:
-            return F.scaled_dot_product_attention(q.contiguous(), keys, values, scale=scale)
+            return self.sdpa(q.contiguous(), keys, values, None)
         grouped = q.reshape(b, kv, heads // kv, d)
-        return F.scaled_dot_product_attention(grouped, keys, values, scale=scale).reshape(b, heads, 1, d)
+        return self.sdpa(grouped, keys, values, None).reshape(b, heads, 1, d)
+
+    def sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Scaled dot-product attention with the model's scale; with Gemma 2's soft cap, as transformers'
+        eager attention computes it (scores, their cap, the mask, softmax in fp32), which SDPA cannot."""
+        cfg = self.cfg
+        cap = cfg.attn_softcap
+        if not cap:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=cfg.attn_scale,
+                                                  enable_gqa=q.shape[1] != keys.shape[1])
+        rep = q.shape[1] // keys.shape[1]
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * (cfg.attn_scale or q.shape[-1] ** -0.5)
+        scores = torch.tanh(scores / cap) * cap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
     def mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
         """The MLP's output as the residual adds it (Gemma 3: GELU-tanh, and normalized last)."""
@@ -711,7 +736,9 @@ class NativeCausalLM(nn.Module):
         if logits_for is not None:
             x = x[:, logits_for]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.norm_plus_one)
-        return (head or self.lm_head)(x).float()
+        logits = (head or self.lm_head)(x).float()
+        cap = self.cfg.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def scaled_embeds(self, x: torch.Tensor) -> torch.Tensor:
         """Token embeddings as the first layer takes them: Gemma's times ``sqrt(hidden)`` (an fp32 scalar
@@ -798,7 +825,8 @@ class NativeCausalLM(nn.Module):
                        b.post_attn_norm, b.post_mlp_norm, windows[i]) for i, b in enumerate(self.layers)]
             stack = LayerStack.of(layers, hidden=cfg.hidden_size, inter=cfg.intermediate_size, n_heads=cfg.n_heads,
                                   n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                                  scale=cfg.attn_scale, plus_one=cfg.norm_plus_one, activation=cfg.activation)
+                                  scale=cfg.attn_scale, plus_one=cfg.norm_plus_one, activation=cfg.activation,
+                                  softcap=cfg.attn_softcap)
             self._stack = (signature, stack)
         return self._stack[1]
 

@@ -359,7 +359,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ld_qdequant_bf16.restype = i32
     lib.ld_simd.restype = i32
     lib.ld_attend_rows.argtypes = [vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, vp, i64, i32, i32, i32, i32,
-                                   ctypes.c_float, vp, i32]
+                                   ctypes.c_float, ctypes.c_float, vp, i32]
     lib.ld_attend_rows.restype = i32
     lib.ld_rmsnorm_bf16.argtypes = [vp, i64, i64, i64, vp, ctypes.c_float, vp, i64]
     lib.ld_rmsnorm_bf16.restype = i32
@@ -932,11 +932,12 @@ def attention_supported(q: torch.Tensor, keys: torch.Tensor, n_heads: int | None
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flat: torch.Tensor,
-                offsets: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                offsets: torch.Tensor, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Batch-invariant attention (``kernels/attention.cpp``): query row ``t`` of ``q``
     (``[1, Hq, T, D]``) attends over the slots ``flat[offsets[t]:offsets[t + 1]]`` of ``keys`` /
     ``values`` (``[1, Hkv, slots, D]``), in that order, with ``scale`` (None: ``1/sqrt(D)``); the query heads
-    of a key head share it (grouped-query attention).  Returns ``[1, T, Hq * D]`` in ``q``'s dtype.
+    of a key head share it (grouped-query attention); ``softcap``: each score s becomes
+    ``tanh(s / softcap) * softcap`` (Gemma 2).  Returns ``[1, T, Hq * D]`` in ``q``'s dtype.
     A row's result does not depend on the other rows (same operations, no shared sums)."""
     _, hq, t, d = q.shape
     hkv = keys.shape[1]
@@ -948,7 +949,7 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flat:
     rc = _library().ld_attend_rows(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), keys.stride(1),
                                    keys.stride(2), values.data_ptr(), values.stride(1), values.stride(2),
                                    flat.data_ptr(), offsets.data_ptr(), t, hq, hkv, d, ATTENTION_DTYPES[q.dtype],
-                                   1.0 / math.sqrt(d) if scale is None else scale, out.data_ptr(),
+                                   1.0 / math.sqrt(d) if scale is None else scale, softcap or 0.0, out.data_ptr(),
                                    torch.get_num_threads())
     if rc:
         raise RuntimeError(f"ld_attend_rows failed ({rc}) for {hq} query heads, {hkv} key heads, head size {d}")
@@ -1059,7 +1060,8 @@ class LdStack(ctypes.Structure):
          ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64),
          ("nseg", ctypes.c_int64), ("seg_start", ctypes.c_void_p), ("seg_kv", ctypes.c_void_p),
          ("seg_kv_step", ctypes.c_void_p), ("plus_one", ctypes.c_int64), ("local_cos", ctypes.c_void_p),
-         ("local_sin", ctypes.c_void_p), ("local_idx", ctypes.c_void_p), ("local_offsets", ctypes.c_void_p)]
+         ("local_sin", ctypes.c_void_p), ("local_idx", ctypes.c_void_p), ("local_offsets", ctypes.c_void_p),
+         ("softcap", ctypes.c_float)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1135,12 +1137,12 @@ class LayerStack:
     projections (bf16 outputs) and bf16 norm weights (left out or None where the model has none; Gemma 3's
     norms after the attention and the MLP; ``window`` true for a sliding-window layer, which takes ``run``'s
     ``local`` rope tables and slots); ``scale``: the attention's (None: 1/sqrt(head_dim)); ``plus_one``: every
-    norm Gemma's x * (1 + w); ``activation``: "silu" or "gelu_tanh".  ``of`` returns None where a layer
-    does not fit."""
+    norm Gemma's x * (1 + w); ``activation``: "silu" or "gelu_tanh"; ``softcap``: the attention scores' cap
+    (Gemma 2).  ``of`` returns None where a layer does not fit."""
 
     def __init__(self, layers: list[tuple], hidden: int, inter: int, n_heads: int, n_kv_heads: int,
                  head_dim: int, eps: float, scale: float | None = None, plus_one: bool = False,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", softcap: float | None = None) -> None:
         table = gelu_tanh_table() if activation == "gelu_tanh" else silu_table()
         self._keep: list = [table]
         arr = (LdLayer * len(layers))()
@@ -1155,7 +1157,7 @@ class LayerStack:
         self.n_layers = len(layers)
         self.shape = dict(hidden=hidden, inter=inter, hq=n_heads, hkv=n_kv_heads, d=head_dim, eps=eps,
                           scale=1.0 / math.sqrt(head_dim) if scale is None else scale, silu=table.data_ptr(),
-                          plus_one=int(plus_one))
+                          plus_one=int(plus_one), softcap=float(softcap or 0.0))
         self.work = max(_library().ld_work_bytes(lin.in_features, p.group)
                         for lin in {id(m): m for layer in layers for m in layer[:4]}.values() for p in lin.parts)
         probe = LdStack(**self.shape)

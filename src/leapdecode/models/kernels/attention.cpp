@@ -5,7 +5,8 @@
 // (the committed prefix, then the token's pending ancestors, itself last: KVCache.attended_slots),
 // in that order:
 //   s[j]  = scale * dot(q, k[idx[j]])        fp32: 16 FMA chains (columns l, l+16, ...) added
-//                                            in one fixed tree
+//                                            in one fixed tree; with a soft cap c > 0 (Gemma 2),
+//                                            then s[j] = tanh(s[j] / c) * c
 //   m     = max_j s[j];  p[j] = exp(s[j] - m)  (the same polynomial exp for every element)
 //   l     = sum_j p[j]                        (16 lanes by slot position mod 16, the same tree)
 //   out   = (sum_j p[j] * v[idx[j]]) / l      (one FMA chain per column, in slot order)
@@ -175,7 +176,8 @@ static inline void sums16(const float (*a)[LANES], float* out) {
 // one token, one key head: the G query heads of that key head, keys in blocks of 16
 static void attend_group(const float (*qf)[MAX_D], int G, const void* k, int64_t kh_off, int64_t k_slot,
                          const void* v, int64_t vh_off, int64_t v_slot, const int64_t* idx, int64_t n, int D,
-                         int dtype, float scale, std::vector<float>& s, void* out, int64_t out_off) {
+                         int dtype, float scale, float softcap, std::vector<float>& s, void* out,
+                         int64_t out_off) {
     const int64_t nb = (n + LANES - 1) / LANES * LANES;  // scores padded to whole blocks
     s.resize((size_t)G * (size_t)nb);
     // rows past a block's last key and columns past D stay zero (whole registers below)
@@ -218,6 +220,8 @@ static void attend_group(const float (*qf)[MAX_D], int G, const void* k, int64_t
             sums16(part, sums);
             float* sg = s.data() + (size_t)g * nb + j0;
             for (int jj = 0; jj < LANES; ++jj) sg[jj] = sums[jj] * scale;
+            if (softcap > 0.f)
+                for (int jj = 0; jj < LANES; ++jj) sg[jj] = tanhf(sg[jj] / softcap) * softcap;
         }
     }
     // softmax: the max (any order gives the same), exp, then the sum in 16 lanes (lane = slot
@@ -310,8 +314,8 @@ static int check_attend(int64_t T, int Hq, int Hkv, int D, int dtype, const int6
 // loop of ld_attend_rows and ld_rope_attend_segments, so a row's operations are the same in both.
 template <typename KVOf>
 static void attend_tasks(const void* q, int64_t q_row, int64_t q_head, KVOf kv_of, const int64_t* idx,
-                         const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale, void* out,
-                         int nthreads) {
+                         const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
+                         float softcap, void* out, int nthreads) {
     const int G = Hq / Hkv;
     const int64_t tasks = T * Hkv;
 #pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
@@ -325,23 +329,23 @@ static void attend_tasks(const void* q, int64_t q_row, int64_t q_head, KVOf kv_o
             float qf[MAX_G][MAX_D];
             for (int g = 0; g < G; ++g) load_row(q, t * q_row + (int64_t)(h * G + g) * q_head, D, dtype, qf[g]);
             attend_group(qf, G, c.k, h * c.k_head, c.k_slot, c.v, h * c.v_head, c.v_slot, idx + offsets[t],
-                         offsets[t + 1] - offsets[t], D, dtype, scale, s, out, (t * Hq + (int64_t)h * G) * D);
+                         offsets[t + 1] - offsets[t], D, dtype, scale, softcap, s, out, (t * Hq + (int64_t)h * G) * D);
         }
     }
 }
 
 // q: element (t, h, d) at q[t * q_row + h * q_head + d]; keys/values: slot i of key head h at
 // k[h * k_head + i * k_slot]; out [T][Hq][D].  Returns 0, or a negative code for an unsupported
-// shape.
+// shape.  softcap: 0, or Gemma 2's cap of the scores.
 extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, const void* k, int64_t k_head,
                               int64_t k_slot, const void* v, int64_t v_head, int64_t v_slot, const int64_t* idx,
                               const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
-                              void* out, int nthreads) {
+                              float softcap, void* out, int nthreads) {
     const int rc = check_attend(T, Hq, Hkv, D, dtype, offsets);
     if (rc) return rc;
     const LayerKV kv = {k, k_head, k_slot, v, v_head, v_slot};
     attend_tasks(q, q_row, q_head, [&kv](int64_t) -> const LayerKV& { return kv; }, idx, offsets, T, Hq, Hkv, D,
-                 dtype, scale, out, nthreads);
+                 dtype, scale, softcap, out, nthreads);
     return 0;
 }
 
@@ -467,6 +471,6 @@ extern "C" int ld_rope_attend_segments(const void* qkv, int64_t N, int64_t ld, c
     }
     attend_tasks(q_tmp, (int64_t)Hq * D, D,
                  [&caches, &seg_of](int64_t t) -> const LayerKV& { return caches[(size_t)seg_of[(size_t)t]]; },
-                 idx, offsets, N, Hq, Hkv, D, dtype, scale, out, nthreads);
+                 idx, offsets, N, Hq, Hkv, D, dtype, scale, 0.f, out, nthreads);
     return 0;
 }

@@ -48,7 +48,7 @@ extern "C" int ld_rope_attend_segments(const void* qkv, int64_t N, int64_t ld, c
 extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, const void* k, int64_t k_head,
                               int64_t k_slot, const void* v, int64_t v_head, int64_t v_slot, const int64_t* idx,
                               const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
-                              void* out, int nthreads);
+                              float softcap, void* out, int nthreads);
 
 // One packed weight part, as ld_qgemm takes it (models/qkernel.py QPart.pointers), its rows'
 // bias (or null) and its first output column.  The layout is mirrored by qkernel.LdPart.
@@ -101,6 +101,7 @@ struct LdStack {
     const uint16_t* local_sin;
     const int64_t* local_idx;
     const int64_t* local_offsets;
+    float softcap;  // 0, or the cap of the attention's scores (Gemma 2)
 };
 
 static int linear(const LdLinear& w, const uint16_t* x, int64_t T, uint16_t* y, int nthreads, void* work) {
@@ -216,7 +217,9 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
             rc = norm(row, s->hq, s->d, s->d, L.q_norm, s->eps, row, s->d);
             if (!rc) rc = norm(row + QD, s->hkv, s->d, s->d, L.k_norm, s->eps, row + QD, s->d);
         }
-        if (!rc && s->nseg > 0) {
+        if (!rc && s->nseg > 0 && s->softcap > 0.f) {
+            rc = -100;  // (the batched route has no soft cap: NativeCausalLM runs such a model's items one by one)
+        } else if (!rc && s->nseg > 0) {
             for (size_t e = 0; e < kv.size(); ++e) kv[e] = s->seg_kv[e] + li * s->seg_kv_step[e];
             rc = ld_rope_attend_segments(qkv, T, L.qkv.padded, cos, sin, (int)s->nseg, s->seg_start, kv.data(), idx,
                                          offsets, (int)s->hq, (int)s->hkv, (int)s->d, 1, s->scale, q, att, nthreads);
@@ -227,7 +230,7 @@ extern "C" int ld_decoder_layers(const LdStack* s, const LdLayer* layers, const 
             if (!rc)
                 rc = ld_attend_rows(q, QD, s->d, s->k + li * s->k_layer, s->k_head, s->k_slot, s->v + li * s->v_layer,
                                     s->v_head, s->v_slot, lidx, loff, T, (int)s->hq, (int)s->hkv, (int)s->d, 1,
-                                    s->scale, att, nthreads);
+                                    s->scale, s->softcap, att, nthreads);
         }
         if (!rc) rc = linear(L.o, att, T, o, nthreads, work);
         if (!rc && L.post_attn_norm) rc = norm(o, T, H, L.o.padded, L.post_attn_norm, s->eps, o, L.o.padded);
