@@ -54,6 +54,8 @@ def _build(name: str) -> torch.nn.Module:
                                                                      "rope_theta": 1e6},
                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
         model = t.Gemma3ForCausalLM(cfg)
+    elif name == "phi3-partial":  # Phi-4-mini's partial rotary embedding (half of each head here)
+        model = t.Phi3ForCausalLM(t.Phi3Config(**COMMON, sliding_window=None, pad_token_id=0, partial_rotary_factor=0.5))
     elif name == "gemma2":  # soft-capped scores and logits, windowed and full layers, one rope
         cfg = t.Gemma2Config(**COMMON, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
                              final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"])
@@ -72,7 +74,7 @@ def _build(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope", "gemma2", "gemma3"]
+NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope", "phi3-partial", "gemma2", "gemma3"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -157,7 +159,7 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name):
     assert torch.equal(trees[0], trees[1])  # the layers in one call and one by one: the same bits
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "llama3-rope", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "llama3-rope", "phi3", "phi3-longrope", "phi3-partial"])
 def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path, monkeypatch, cache_with_kernel):
     """The GGUF route (tests/tiny_gguf.py writes the model as llama.cpp's converter does, Q8_0): the
     configuration and the chat template come from the file, the weights are packed from its blocks, and
@@ -173,6 +175,7 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
     assert (model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads) == (16, 4, 2)
     assert model.cfg.qk_norm == (name == "qwen3")
     assert (model.cfg.rope_freq_factors is not None) == (name == "llama3-rope")  # Llama 3.1's scaling, from the file
+    assert model.cfg.rotary_dim == (8 if name == "phi3-partial" else None)  # the rotated dims, from the file
     # LongRoPE's short factors are exact up to the original length: the context stops there
     assert model.max_seq_len == (64 if name == "phi3-longrope" else 128)
     chat = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
@@ -228,7 +231,7 @@ def test_the_configuration_says_what_the_native_decoder_does_not_compute():
     assert ModelConfig.from_hf({**qwen2, "use_sliding_window": False}).exact_context is None  # Qwen2: off
     refused = [({**qwen2, "use_sliding_window": True}, "sliding-window"),
                ({**base, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
-               ({**base, "partial_rotary_factor": 0.75}, "partial rotary"),
+               ({**base, "partial_rotary_factor": 0.1875}, "rotary embedding of 3 of 16 dims"),
                ({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
                ({**base, "architectures": ["Gemma3nForCausalLM"]}, "Gemma3nForCausalLM")]
     for cfg, words in refused:

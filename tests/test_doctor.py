@@ -127,11 +127,12 @@ def test_doctor_says_whether_a_model_runs_natively_and_in_its_files_blocks(tmp_p
     assert half.native is None and half.requantized == ["F16"]
     assert any(label == "weights" and "F16 re-quantized" in text and not fine for label, text, fine in half.lines())
     # an architecture the native decoder does not run: the transformers backend, not exact, and why
-    other = tmp_path / "phi4"  # Phi-4-mini's partial rotary embedding is not on the native decoder
-    transformers.Phi3ForCausalLM(transformers.Phi3Config(**cfg, partial_rotary_factor=0.5, pad_token_id=0)).save_pretrained(other)
+    other = tmp_path / "qwen2-windowed"  # Qwen2's windowed layers are not on the native decoder
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg, use_sliding_window=True, sliding_window=32)
+                                  ).save_pretrained(other)
     g = support_of(str(other))
-    assert g.architecture == "Phi3ForCausalLM" and "partial rotary" in g.native and not g.exact
-    # the command: the model's lines under the machine's, --json with the same answer, --strict fails for the partial rotary one
+    assert g.architecture == "Qwen2ForCausalLM" and "sliding-window" in g.native and not g.exact
+    # the command: the model's lines under the machine's, --json with the same answer, --strict fails for the windowed Qwen2
     assert main(["doctor", str(good), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["model"]["exact"] == s.exact and r["model"]["architecture"] == "Qwen3ForCausalLM"

@@ -77,8 +77,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    partial = getattr(cfg, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+    w.add_rope_dimension_count(int(head_dim * partial))  # the rotated dims (Phi-4-mini: 3/4 of a head)
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError
-from .native import NativeCausalLM
+from .native import NativeCausalLM, qkv_row_order, rotary_order
 from .gguf_tensors import GGUFTensors, heads_of
 from .gguf_blocks import requantized_warning
 from .qkernel import QLinear, QPart, isa_key
@@ -145,6 +145,14 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight]
 
 
+def _qkv_part_orders(cfg, parts: int) -> list:
+    """``native.qkv_row_order`` for the q/k/v projection read as one fused tensor or as three."""
+    if parts == 1:
+        return [qkv_row_order(cfg)]
+    order, d = rotary_order(cfg), cfg.head_dim
+    return [torch.cat([h * d + order for h in range(heads)]) for heads in (cfg.n_heads, cfg.n_kv_heads)] + [None]
+
+
 def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, int]]:
     """The packed model straight from a GGUF's blocks, one tensor at a time: (``save_packed``'s
     tensors and layouts, the number of weights per block type).  Nothing of the model is ever in
@@ -154,10 +162,13 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
     layout: dict[str, dict] = {}
     kinds: dict[str, int] = {}
 
-    def linear(name: str, gguf_names: list[str], bias: torch.Tensor | None = None, out_fp32: bool = False) -> None:
+    def linear(name: str, gguf_names: list[str], bias: torch.Tensor | None = None, out_fp32: bool = False,
+               orders: list | None = None) -> None:
         parts, rows = [], []
-        for g in gguf_names:
+        for j, g in enumerate(gguf_names):
             w, how = source.block_weight(g)
+            if orders is not None and orders[j] is not None:  # a partial rotary embedding (native.rotary_order)
+                w = w.rows(orders[j].numpy())
             kinds[how] = kinds.get(how, 0) + w.codes.size
             rows.append(w.shape[0])
             parts.append(QPart.from_block(w))
@@ -180,10 +191,14 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
                     gguf_parts = ("attn_qkv",)
                 elif name == "w_gate_up" and cfg.fused_projections:  # Phi-3: ffn_up holds gate and up
                     gguf_parts = ("ffn_up",)
-                bias = None
+                bias, orders = None, None
                 if name == "wqkv" and cfg.attention_bias:
                     bias = torch.cat([source.dense(f"{blk}{g}.bias") for g in gguf_parts])
-                linear(f"layers.{i}.{name}", [f"{blk}{g}.weight" for g in gguf_parts], bias)
+                if name == "wqkv" and cfg.rotary_dim:
+                    orders = _qkv_part_orders(cfg, len(gguf_parts))
+                    if bias is not None:
+                        bias = bias[qkv_row_order(cfg)]
+                linear(f"layers.{i}.{name}", [f"{blk}{g}.weight" for g in gguf_parts], bias, orders=orders)
             tensors[f"layers.{i}.attn_norm"] = source.dense(f"{blk}attn_norm.weight", ACT_DTYPE)
             tensors[f"layers.{i}.mlp_norm"] = source.dense(f"{blk}ffn_norm.weight", ACT_DTYPE)
             if cfg.sandwich_norms:  # Gemma 3 (its ffn_norm is the norm before the MLP, as mlp_norm is here)

@@ -58,7 +58,7 @@ def inspect_gguf(gguf_path: Path) -> dict:
                 "original": number("rope.scaling.original_context_length"),
                 "sliding_window": number("attention.sliding_window"), "scaling": number("rope.scaling.type"),
                 "factor": number("rope.scaling.factor"), "attn_softcap": number("attn_logit_softcapping"),
-                "final_softcap": number("final_logit_softcapping")}
+                "final_softcap": number("final_logit_softcapping"), "rope_dims": number("rope.dimension_count")}
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
@@ -137,10 +137,14 @@ def _settings_from_file(cfg: dict, kept: dict) -> None:
     configuration (``kept``: ``inspect_gguf``'s "settings"): Llama 3.1's scaling as a tensor of per-frequency
     divisors (``rope_freqs``: ``rope_freq_factors``, applied by the native decoder), Phi-3's LongRoPE as its
     two factor tensors, attention factor and original length (the ``longrope`` parameters transformers
-    computes them from), the attention window (Phi-3's), Gemma 3's linear rope scaling, Gemma 2's soft
-    caps, and the attention scale llama.cpp gives Gemma models."""
+    computes them from), the attention window (Phi-3's), the rotated share of a head (Phi-4-mini's),
+    Gemma 3's linear rope scaling, Gemma 2's soft caps, and the attention scale llama.cpp gives Gemma
+    models."""
     if kept["freqs"]:
         cfg["rope_freq_factors"] = kept["freqs"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if kept["rope_dims"] and int(kept["rope_dims"]) < head_dim:  # a partial rotary embedding (Phi-4-mini)
+        cfg["partial_rotary_factor"] = int(kept["rope_dims"]) / head_dim
     if kept["short"] and kept["long"]:
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         params.update(rope_type="longrope", short_factor=kept["short"], long_factor=kept["long"])

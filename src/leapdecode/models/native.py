@@ -59,6 +59,8 @@ class ModelConfig:
     # scaling (llama.cpp's converter computes them from ``rope_scaling``; models/convert.py keeps them)
     rope_freq_factors: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's attention factor)
+    # a partial rotary embedding (Phi-4-mini: 3/4 of a head): the dims rotated, None for all; see ``rotary_order``
+    rotary_dim: int | None = None
     # the longest context the native decoder computes exactly as the model does (None: any): the sliding
     # window of a model whose every layer slides, the original length of LongRoPE's short factors
     exact_context: int | None = None
@@ -97,8 +99,10 @@ class ModelConfig:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
         if kind not in ("default", "llama3", "longrope", "su", None):
             raise NotImplementedError(f"native backend does not implement rope_scaling {rope_scaling}")
-        if float(cfg.get("partial_rotary_factor") or rope_scaling.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise NotImplementedError("native backend does not implement a partial rotary embedding")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or rope_scaling.get("partial_rotary_factor") or 1.0))
+        if rotary % 2 or not 0 < rotary <= head_dim:
+            raise NotImplementedError(f"native backend does not implement a rotary embedding of {rotary} of {head_dim} dims")
         window = cfg.get("sliding_window")
         if window and cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
             raise NotImplementedError("native backend does not implement sliding-window attention")
@@ -136,6 +140,7 @@ class ModelConfig:
             rope_attention_factor=float(attention_factor),
             exact_context=exact,
             fused_projections=bool(set(archs) & FUSED_ARCHITECTURES) or model_type == "phi3",
+            rotary_dim=rotary if rotary < head_dim else None,
         )
 
     @classmethod
@@ -186,7 +191,7 @@ def rope_tables(cfg: ModelConfig, max_len: int, local: bool = False) -> tuple[to
     """The rotary cos and sin tables, on the CPU (also inside a ``torch.device("meta")`` block, where
     a model is built before its weights are assigned: meta arithmetic imports torch._dynamo,
     ~1.7 s of a load).  ``local``: the windowed layers' (Gemma 3: plain rope of base ``local_rope_theta``)."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     theta = cfg.local_rope_theta if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = {} if local else cfg.rope_scaling or {}
@@ -216,9 +221,41 @@ def rope_tables(cfg: ModelConfig, max_len: int, local: bool = False) -> tuple[to
     t = torch.arange(max_len, dtype=torch.float32, device="cpu")
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
     if cfg.rope_attention_factor != 1.0:
-        return emb.cos() * cfg.rope_attention_factor, emb.sin() * cfg.rope_attention_factor
-    return emb.cos(), emb.sin()
+        cos, sin = cos * cfg.rope_attention_factor, sin * cfg.rope_attention_factor
+    if cfg.rotary_dim:  # the heads' dims in ``rotary_order``: a rotated pair at d, d + D/2; the rest unrotated
+        half, r = cfg.head_dim // 2, cfg.rotary_dim // 2
+        full_cos, full_sin = torch.ones(max_len, cfg.head_dim), torch.zeros(max_len, cfg.head_dim)
+        for start in (0, half):
+            full_cos[:, start:start + r], full_sin[:, start:start + r] = cos[:, :r], sin[:, :r]
+        cos, sin = full_cos, full_sin
+    return cos, sin
+
+
+def rotary_order(cfg: ModelConfig) -> torch.Tensor | None:
+    """Where each dim of a q or k head goes for a partial rotary embedding (None: every dim rotates): the
+    rotated pairs (d, d + R/2) of transformers' layout at (d, d + D/2), the dims left unrotated in between,
+    so that the kernels' rope (which pairs d with d + D/2 over the whole head) with cos 1 and sin 0 on the
+    unrotated dims computes it.  q and k are permuted alike: their dot products are the same sums."""
+    if not cfg.rotary_dim:
+        return None
+    d, r = cfg.head_dim, cfg.rotary_dim
+    rest = (d - r) // 2
+    return torch.cat([torch.arange(0, r // 2), torch.arange(r, r + rest), torch.arange(r // 2, r),
+                      torch.arange(r + rest, d)])
+
+
+def qkv_row_order(cfg: ModelConfig) -> torch.Tensor | None:
+    """``rotary_order`` over the rows of the fused q/k/v projection (v's rows kept)."""
+    order = rotary_order(cfg)
+    if order is None:
+        return None
+    d = cfg.head_dim
+    q = [h * d + order for h in range(cfg.n_heads)]
+    k = [cfg.n_heads * d + h * d + order for h in range(cfg.n_kv_heads)]
+    v = [torch.arange((cfg.n_heads + cfg.n_kv_heads) * d, (cfg.n_heads + 2 * cfg.n_kv_heads) * d)]
+    return torch.cat(q + k + v)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
@@ -961,6 +998,11 @@ class NativeCausalLM(nn.Module):
                                                             get(a + "v_proj.weight")])
             if cfg.attention_bias:
                 own[f"layers.{i}.wqkv.bias"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            order = qkv_row_order(cfg)  # a partial rotary embedding: the heads' dims as the kernels' rope takes them
+            if order is not None:
+                for key in (f"layers.{i}.wqkv.weight", f"layers.{i}.wqkv.bias"):
+                    if key in own:
+                        own[key] = own[key][order]
             own[f"layers.{i}.wo.weight"] = get(a + "o_proj.weight")
             own[f"layers.{i}.w_gate_up.weight"] = (get(p + "mlp.gate_up_proj.weight") if cfg.fused_projections else
                                                    torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
