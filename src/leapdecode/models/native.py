@@ -1,5 +1,5 @@
-"""Native PyTorch decoder for the Llama / Qwen / Phi-3 / Gemma 3 family (SmolLM2, Qwen2.5, Qwen3, Llama 2/3,
-Mistral, Phi-3/3.5, Gemma 3).
+"""Native PyTorch decoder for the Llama / Qwen / Phi-3 / Gemma family (SmolLM2, Llama 2/3, Mistral, Qwen2.5,
+Qwen3, Phi-3/3.5/4-mini, Gemma 2/3; docs/models.md).
 
 In the spirit of gpt-fast: one file, plain modules, a static KV cache
 (``kv_cache.KVCache``).  Differences that matter for speed on CPU: the q/k/v
@@ -65,7 +65,7 @@ class ModelConfig:
     # window of a model whose every layer slides, the original length of LongRoPE's short factors
     exact_context: int | None = None
     fused_projections: bool = False  # Phi-3: checkpoints hold q/k/v and gate/up fused (qkv_proj, gate_up_proj)
-    # Gemma 3 (``GEMMA_ARCHITECTURES``); the defaults are Llama's
+    # Gemma 2 and 3 (``GEMMA_ARCHITECTURES``); the defaults are Llama's
     norm_plus_one: bool = False  # RMSNorm as x * rsqrt(...) * (1 + w) in fp32, rounded once
     sandwich_norms: bool = False  # a norm on the attention's and on the MLP's output before each residual add
     embed_scale: bool = False  # the embedding times sqrt(hidden), rounded to the activations' dtype
@@ -79,7 +79,7 @@ class ModelConfig:
 
     @property
     def plain_layers(self) -> bool:
-        """Every layer is Llama's (what ``LayerStack``, the batched route and the static step compute)."""
+        """Every layer is Llama's (what the batched route of ``forward_batch`` and the static step compute)."""
         return not (self.norm_plus_one or self.sandwich_norms or self.embed_scale or self.activation != "silu"
                     or self.attn_scale is not None or self.layer_windows is not None or self.attn_softcap
                     or self.final_softcap)
@@ -113,7 +113,7 @@ class ModelConfig:
         exact = None
         if window and "use_sliding_window" not in cfg:  # every layer slides (Mistral v0.1, Phi-3): exact within it
             exact = int(window)
-        attention_factor = float(cfg.get("rope_attention_factor") or 1.0)
+        attention_factor = 1.0
         if kind in ("longrope", "su"):  # Phi-3's LongRoPE: its short factors, exact up to the original length
             original = int(rope_scaling.get("original_max_position_embeddings")
                            or cfg.get("original_max_position_embeddings") or max_positions)

@@ -349,12 +349,14 @@ extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, cons
     return 0;
 }
 
-// RMSNorm of bf16 rows as the Llama/Qwen2 decoders define it (y = w * bf16(x * rsqrt(mean(x^2)
-// + eps)), each product rounded to bf16), with the sum of squares in 16 lanes (column mod 16)
-// added in the fixed tree: one row's result never depends on the other rows.  One thread: the
-// rows of a decoding step are few and short.
-extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
-                               uint16_t* y, int64_t ldy) {
+// RMSNorm of bf16 rows, with the sum of squares in 16 lanes (column mod 16) added in the fixed tree: one
+// row's result never depends on the other rows.  One thread: the rows of a decoding step are few and
+// short.  As the Llama/Qwen2 decoders define it (ld_rmsnorm_bf16): y = w * bf16(x * rsqrt(mean(x^2) + eps)),
+// each product rounded to bf16; as Gemma's (ld_rmsnorm1p_bf16): y = bf16(x * rsqrt(...) * (1 + w)), the
+// products in fp32 and rounded once, as transformers' Gemma3RMSNorm computes it in float32.
+template <bool PlusOne>
+static int rmsnorm_rows(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
+                        uint16_t* y, int64_t ldy) {
     if (K <= 0 || K % LANES) return -1;
     for (int64_t m = 0; m < M; ++m) {
         const uint16_t* xr = x + m * ldx;
@@ -366,29 +368,21 @@ extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t 
             }
         const float r = 1.0f / sqrtf(tree_sum(lanes) / (float)K + eps);
         uint16_t* yr = y + m * ldy;
-        for (int64_t k = 0; k < K; ++k) yr[k] = to_bf16(bf16_val(w[k]) * bf16_val(to_bf16(bf16_val(xr[k]) * r)));
+        for (int64_t k = 0; k < K; ++k)
+            yr[k] = PlusOne ? to_bf16(bf16_val(xr[k]) * r * (1.0f + bf16_val(w[k])))
+                            : to_bf16(bf16_val(w[k]) * bf16_val(to_bf16(bf16_val(xr[k]) * r)));
     }
     return 0;
 }
 
-// Gemma's RMSNorm of bf16 rows (y = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w)), the products in fp32
-// and rounded once, as transformers' Gemma3RMSNorm computes it in float32): the sum as ld_rmsnorm_bf16's.
+extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
+                               uint16_t* y, int64_t ldy) {
+    return rmsnorm_rows<false>(x, M, K, ldx, w, eps, y, ldy);
+}
+
 extern "C" int ld_rmsnorm1p_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
                                  uint16_t* y, int64_t ldy) {
-    if (K <= 0 || K % LANES) return -1;
-    for (int64_t m = 0; m < M; ++m) {
-        const uint16_t* xr = x + m * ldx;
-        float lanes[LANES] = {0};
-        for (int64_t k0 = 0; k0 < K; k0 += LANES)
-            for (int l = 0; l < LANES; ++l) {
-                const float v = bf16_val(xr[k0 + l]);
-                lanes[l] = fmaf(v, v, lanes[l]);
-            }
-        const float r = 1.0f / sqrtf(tree_sum(lanes) / (float)K + eps);
-        uint16_t* yr = y + m * ldy;
-        for (int64_t k = 0; k < K; ++k) yr[k] = to_bf16(bf16_val(xr[k]) * r * (1.0f + bf16_val(w[k])));
-    }
-    return 0;
+    return rmsnorm_rows<true>(x, M, K, ldx, w, eps, y, ldy);
 }
 
 // Rotary embedding of the new tokens' queries and keys, and the keys' and values' store into the
