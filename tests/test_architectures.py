@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from leapdecode.models import qkernel
-from leapdecode.models.native import ModelConfig, NativeCausalLM
+from leapdecode.models.architecture import ModelConfig
+from leapdecode.models.native import NativeCausalLM
 
 VOCAB = 288  # the byte symbols, two merges and the specials of tests/tiny_gguf.py, and spare ids
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,

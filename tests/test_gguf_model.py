@@ -52,7 +52,7 @@ def _transformers_weights(path, names, heads):
 def test_pack_gguf_multiplies_by_the_files_weights(smollm2):
     from leapdecode.models.blockquant import GGUF_PARTS, BlockEmbedding, pack_gguf, packed_model
     from leapdecode.models.gguf_tensors import GGUFTensors, heads_of
-    from leapdecode.models.native import ModelConfig
+    from leapdecode.models.architecture import ModelConfig
     from leapdecode.models.registry import ensure_converted
 
     cfg = ModelConfig.from_hf(json.loads((ensure_converted("smollm2-135m") / "config.json").read_text()))
@@ -131,7 +131,7 @@ def test_a_tensor_the_configuration_does_not_fit_is_named(smollm2):
     from leapdecode.errors import ModelFileError
     from leapdecode.models.blockquant import pack_gguf
     from leapdecode.models.gguf_tensors import GGUFTensors, heads_of
-    from leapdecode.models.native import ModelConfig
+    from leapdecode.models.architecture import ModelConfig
     from leapdecode.models.registry import ensure_converted
 
     cfg = ModelConfig.from_hf(json.loads((ensure_converted("smollm2-135m") / "config.json").read_text()))

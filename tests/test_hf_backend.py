@@ -13,7 +13,8 @@ import torch
 import transformers  # noqa: E402  (a dependency of leapdecode: missing is a failure, not a skip)
 
 from leapdecode.models.hf_backend import HFCausalLM  # noqa: E402
-from leapdecode.models.native import ModelConfig, NativeCausalLM  # noqa: E402
+from leapdecode.models.architecture import ModelConfig  # noqa: E402
+from leapdecode.models.native import NativeCausalLM  # noqa: E402
 
 VOCAB = 96
 TOL = 1e-4

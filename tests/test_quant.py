@@ -34,7 +34,8 @@ from leapdecode.models import native
 from leapdecode.models.invariance import tree_mismatches, tree_vs_sequential
 from leapdecode.models.loader import load
 from leapdecode.models.linear import PackedLinear
-from leapdecode.models.native import ModelConfig, NativeCausalLM
+from leapdecode.models.architecture import ModelConfig
+from leapdecode.models.native import NativeCausalLM
 from leapdecode.models import qkernel
 from leapdecode.models.qkernel import QLinear
 from leapdecode.models.quant import Int4Linear, Int8Linear, kernel_problem, quantize_model

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidParameterError, ModelFileError
-from ..models.native import ModelConfig, apply_rope, rms_norm, rope_tables
+from ..models.architecture import ModelConfig, rope_tables
+from ..models.native import apply_rope, rms_norm
 
 FAMILIES = ("llada", "dream")
 # rope tables are built for at most this many positions (Dream-7B declares 131072: 134 MB of fp32
@@ -47,7 +48,7 @@ MAX_CANVAS = 16384
 
 @dataclass
 class DiffusionConfig:
-    """A diffusion LM's architecture: the Llama-style ``ModelConfig`` of ``models/native.py`` plus
+    """A diffusion LM's architecture: the Llama-style ``ModelConfig`` of ``models/architecture.py`` plus
     what a masked-diffusion model adds."""
 
     family: str  # "llada" | "dream"
@@ -191,7 +192,7 @@ class DiffusionLM(nn.Module):
         super().__init__()
         self.config = cfg
         base = cfg.base
-        # zeros, not a random init: every caller assigns the weights (native.rope_tables says why)
+        # zeros, not a random init: every caller assigns the weights (architecture.rope_tables says why)
         self.embed = nn.Embedding(cfg.rows, base.hidden_size, _weight=torch.zeros(cfg.rows, base.hidden_size))
         self.blocks = nn.ModuleList(DiffusionBlock(base) for _ in range(base.n_layers))
         self.norm = nn.Parameter(torch.ones(base.hidden_size))

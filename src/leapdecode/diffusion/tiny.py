@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.native import ModelConfig
+from ..models.architecture import ModelConfig
 from ..models.tiny import byte_tokenizer
 from .loaded import DiffusionModel
 from .models import DiffusionConfig, DiffusionLM

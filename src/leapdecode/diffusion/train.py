@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidParameterError
-from ..models.native import ModelConfig
+from ..models.architecture import ModelConfig
 from .models import DiffusionConfig, DiffusionLM
 
 

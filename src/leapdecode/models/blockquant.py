@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError
-from .native import NativeCausalLM, qkv_row_order, rotary_order
+from .architecture import qkv_row_order, rotary_order
+from .native import NativeCausalLM
 from .gguf_tensors import GGUFTensors, heads_of
 from .gguf_blocks import requantized_warning
 from .qkernel import QLinear, QPart, isa_key
@@ -146,7 +147,7 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _qkv_part_orders(cfg, parts: int) -> list:
-    """``native.qkv_row_order`` for the q/k/v projection read as one fused tensor or as three."""
+    """``architecture.qkv_row_order`` for the q/k/v projection read as one fused tensor or as three."""
     if parts == 1:
         return [qkv_row_order(cfg)]
     order, d = rotary_order(cfg), cfg.head_dim
@@ -167,7 +168,7 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
         parts, rows = [], []
         for j, g in enumerate(gguf_names):
             w, how = source.block_weight(g)
-            if orders is not None and orders[j] is not None:  # a partial rotary embedding (native.rotary_order)
+            if orders is not None and orders[j] is not None:  # a partial rotary embedding (architecture.rotary_order)
                 w = w.rows(orders[j].numpy())
             kinds[how] = kinds.get(how, 0) + w.codes.size
             rows.append(w.shape[0])
@@ -340,7 +341,7 @@ def load_int4(model_dir: Path, key_source: str, gguf: Callable[[], contextlib.Ab
               max_seq_len: int | None) -> NativeCausalLM:
     """The model in ``model_dir`` on the block kernel: from the packed cache when present, else
     built (from the GGUF ``gguf()`` yields, or by 4-bit quantization) and cached."""
-    from .native import ModelConfig
+    from .architecture import ModelConfig
 
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     path = packed_path(model_dir, key_source)

@@ -362,7 +362,7 @@ def load(
     quantized, dt = resolve_weights(weights, dtype, dev)
     from transformers import AutoTokenizer
 
-    from .native import ModelConfig
+    from .architecture import ModelConfig
 
     if name_or_path == "tiny-random" or name_or_path.startswith("tiny-random:"):
         from .tiny import tiny_loaded
@@ -460,7 +460,8 @@ def _float_native(path: Path, gguf, dtype: torch.dtype, device: torch.device, ma
     """The native decoder with float weights in ``dtype``: from the directory's checkpoint (``gguf``
     None), or read tensor by tensor from the GGUF ``gguf()`` yields (``gguf_tensors``; the model in
     ``dtype`` is all that is held)."""
-    from .native import ModelConfig, NativeCausalLM
+    from .architecture import ModelConfig
+    from .native import NativeCausalLM
 
     if gguf is None:
         return NativeCausalLM.from_pretrained(path, dtype=dtype, device=device, max_seq_len=max_seq_len)

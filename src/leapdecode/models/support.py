@@ -3,7 +3,7 @@ numbers (issue 63): what ``leapdecode doctor MODEL`` reports before anything is 
 
 Three questions, each answered from what ``load`` itself decides with:
 
-* the architecture: the model's configuration read by ``native.ModelConfig.from_hf`` (the native
+* the architecture: the model's configuration read by ``architecture.ModelConfig.from_hf`` (the native
   decoder, or the transformers backend: slower, and not batch-invariant, so speculation is not
   guaranteed exact there), with the reason where it is refused;
 * the kernel: ``loader.exact_kernel_problem`` (no compiler, no SIMD path: float weights, not exact);
@@ -86,7 +86,7 @@ def support_of(name_or_path: str) -> Support:
 
     from .gguf_blocks import NATIVE_TYPES
     from .loader import exact_kernel_problem, model_files
-    from .native import ModelConfig
+    from .architecture import ModelConfig
 
     path, gguf = model_files(name_or_path)
     config = json.loads((path / "config.json").read_text())

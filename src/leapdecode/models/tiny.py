@@ -13,7 +13,8 @@ import torch
 
 from .decoder import LoadedModel
 
-from .native import ModelConfig, NativeCausalLM
+from .architecture import ModelConfig
+from .native import NativeCausalLM
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
