@@ -51,6 +51,7 @@ SHAPES = {
     "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 128, 18944, 1e6, True),
     "llama-3.1-8b": ("llama", 4096, 32, 32, 8, 128, 14336, 5e5, False),
     "qwen3-8b-shape": ("qwen2", 4096, 36, 32, 8, 128, 12288, 1e6, True),  # Qwen3-8B's layer shapes
+    "qwen3-1.7b": ("qwen3", 2048, 28, 16, 8, 128, 6144, 1e6, False),  # with its per-head q/k norms
     "qwen2.5-14b": ("qwen2", 5120, 48, 40, 8, 128, 13824, 1e6, True),
 }
 DEFAULT_SHAPES = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b,llama-3.1-8b,qwen3-8b-shape"
@@ -106,6 +107,8 @@ def tensor_plan(shape: tuple, vocab: int) -> list[tuple[str, tuple[int, ...], ob
                  (b + "ffn_down.weight", (hidden, ffn), more)]
         if bias:
             plan += [(b + f"attn_{p}.bias", (n,), None) for p, n in (("q", q), ("k", kv), ("v", kv))]
+        if arch == "qwen3":
+            plan += [(b + "attn_q_norm.weight", (head_dim,), None), (b + "attn_k_norm.weight", (head_dim,), None)]
     plan += [("output_norm.weight", (hidden,), None), ("output.weight", (vocab, hidden), T.Q6_K)]
     return [(n, s, T.Q8_0 if q is not None and s[1] % 256 else q) for n, s, q in plan]
 
