@@ -40,6 +40,8 @@ def _build(name: str) -> torch.nn.Module:
         model = t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, tie_word_embeddings=True))
     elif name == "mistral":
         model = t.MistralForCausalLM(t.MistralConfig(**COMMON, sliding_window=None))
+    elif name == "mistral-window":  # Mistral v0.1: every layer slides (a window shorter than the tests' prompts)
+        model = t.MistralForCausalLM(t.MistralConfig(**COMMON, sliding_window=6))
     elif name == "phi3":  # q/k/v and gate/up fused in the checkpoint
         model = t.Phi3ForCausalLM(t.Phi3Config(**COMMON, sliding_window=None, pad_token_id=0))
     elif name == "phi3-longrope":  # Phi-3.5's LongRoPE: the short factors and the attention factor (4x length)
@@ -75,7 +77,7 @@ def _build(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope", "phi3-partial", "gemma2", "gemma3"]
+NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "mistral-window", "phi3", "phi3-longrope", "phi3-partial", "gemma2", "gemma3"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -224,12 +226,13 @@ def _with_file_weights(hf: torch.nn.Module, path) -> torch.nn.Module:
 
 def test_the_configuration_says_what_the_native_decoder_does_not_compute():
     base = {**COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
-    # every layer slides (Mistral v0.1): exact within the window, so the context stops there
+    # every layer slides (Mistral v0.1): each a windowed layer, the context not capped
     windowed = ModelConfig.from_hf({**base, "sliding_window": 32})
-    assert windowed.exact_context == 32 and NativeCausalLM(windowed).max_seq_len == 32
-    assert ModelConfig.from_hf(base).exact_context is None
+    assert windowed.layer_windows == (32, 32) and windowed.exact_context is None
+    assert NativeCausalLM(windowed).max_seq_len == COMMON["max_position_embeddings"]
+    assert ModelConfig.from_hf(base).layer_windows is None
     qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 32}
-    assert ModelConfig.from_hf({**qwen2, "use_sliding_window": False}).exact_context is None  # Qwen2: off
+    assert ModelConfig.from_hf({**qwen2, "use_sliding_window": False}).layer_windows is None  # Qwen2: off
     refused = [({**qwen2, "use_sliding_window": True}, "sliding-window"),
                ({**base, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
                ({**base, "partial_rotary_factor": 0.1875}, "rotary embedding of 3 of 16 dims"),

@@ -42,8 +42,8 @@ class ModelConfig:
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's attention factor)
     # a partial rotary embedding (Phi-4-mini: 3/4 of a head): the dims rotated, None for all; see ``rotary_order``
     rotary_dim: int | None = None
-    # the longest context the native decoder computes exactly as the model does (None: any): the sliding
-    # window of a model whose every layer slides, the original length of LongRoPE's short factors
+    # the longest context the native decoder computes exactly as the model does (None: any): the original
+    # length of LongRoPE's short factors
     exact_context: int | None = None
     fused_projections: bool = False  # Phi-3: checkpoints hold q/k/v and gate/up fused (qkv_proj, gate_up_proj)
     # Gemma 2 and 3 (``GEMMA_ARCHITECTURES``); the defaults are Llama's
@@ -53,7 +53,7 @@ class ModelConfig:
     activation: str = "silu"  # or "gelu_tanh"
     attn_scale: float | None = None  # the attention's scale (None: 1/sqrt(head_dim))
     layer_windows: tuple[int, ...] | None = None  # per layer, the window of a sliding layer, 0 for a full one
-    local_rope_theta: float | None = None  # the rope base of the sliding layers (default rope)
+    local_rope_theta: float | None = None  # the rope base of the sliding layers (None: every layer's rope)
     attn_softcap: float | None = None  # Gemma 2: each attention score s becomes tanh(s / c) * c
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     extra: dict = field(default_factory=dict)
@@ -92,13 +92,13 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta") or rope_scaling.get("rope_theta", 10000.0)
         max_positions = cfg.get("max_position_embeddings", 4096)
         exact = None
-        if window and "use_sliding_window" not in cfg:  # every layer slides (Mistral v0.1, Phi-3): exact within it
-            exact = int(window)
+        # every layer slides (Mistral v0.1, Phi-3-mini-4k): the windowed layers' attention on all of them
+        windows = (int(window),) * cfg["num_hidden_layers"] if window and "use_sliding_window" not in cfg else None
         attention_factor = 1.0
         if kind in ("longrope", "su"):  # Phi-3's LongRoPE: its short factors, exact up to the original length
             original = int(rope_scaling.get("original_max_position_embeddings")
                            or cfg.get("original_max_position_embeddings") or max_positions)
-            exact = min(exact or original, original)
+            exact = original
             factor = rope_scaling.get("factor") or max_positions / original
             attention_factor = rope_scaling.get("attention_factor") or (
                 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
@@ -122,6 +122,7 @@ class ModelConfig:
             exact_context=exact,
             fused_projections=bool(set(archs) & FUSED_ARCHITECTURES) or model_type == "phi3",
             rotary_dim=rotary if rotary < head_dim else None,
+            layer_windows=windows,
         )
 
     @classmethod

@@ -435,7 +435,7 @@ def load(
         model.attention = _attention(attention, quantized)
         if model.max_seq_len < max_seq_len:
             say(f"{name}: context limited to {model.max_seq_len} tokens, as far as the native decoder computes this "
-                "model exactly (its attention window, or the original length of its rope scaling)")
+                "model exactly (the original length of its rope scaling)")
     else:
         from .hf_backend import HFCausalLM
 

@@ -415,7 +415,7 @@ class NativeCausalLM(nn.Module):
         cos, sin = rope_tables(cfg, self.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if cfg.layer_windows is not None:  # the windowed layers' own rope (Gemma 3)
+        if cfg.local_rope_theta is not None:  # the windowed layers' own rope (Gemma 3)
             cos, sin = rope_tables(cfg, self.max_seq_len, local=True)
             self.register_buffer("rope_cos_local", cos, persistent=False)
             self.register_buffer("rope_sin_local", sin, persistent=False)
@@ -669,8 +669,11 @@ class NativeCausalLM(nn.Module):
                     raise ValueError("a sliding window needs a cache whose slots are the positions (no KV-cache policy)")
                 seen = cache.slot_positions()[None, :] > positions[:, None] - window
                 local_rows, local_mask = None, seen if mask is None else mask & seen
-            local = (self.rope_cos_local[positions].to(self.dtype), self.rope_sin_local[positions].to(self.dtype),
-                     local_mask, local_rows)
+            if self.cfg.local_rope_theta is None:  # every layer's own rope (Mistral v0.1, Phi-3)
+                local = (cos, sin, local_mask, local_rows)
+            else:
+                local = (self.rope_cos_local[positions].to(self.dtype), self.rope_sin_local[positions].to(self.dtype),
+                         local_mask, local_rows)
         return (cos, sin, mask, rows), local
 
     @torch.inference_mode()
@@ -800,7 +803,7 @@ class NativeCausalLM(nn.Module):
         cos, sin = rope_tables(self.cfg, self.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
-        if self.cfg.layer_windows is not None:
+        if self.cfg.local_rope_theta is not None:
             cos, sin = rope_tables(self.cfg, self.max_seq_len, local=True)
             self.rope_cos_local, self.rope_sin_local = cos.to(device), sin.to(device)
         missing = [n for n, p in self.named_parameters() if p.is_meta]
