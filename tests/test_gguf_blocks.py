@@ -285,6 +285,6 @@ def test_one_warning_names_the_types_that_are_re_quantized():
     note = requantized_warning({"Q4_K": 60, "IQ2_XXS->Q8": 30, "F16->Q8": 10})
     assert note.startswith("warning: ") and note.count("warning") == 1
     assert "F16 (10% of the weights, 16 bits" in note and "IQ2_XXS (30% of the weights, 2.1 bits" in note
-    assert "not the file's numbers" in note and "8.5 bits" in note
+    assert "not the file's numbers" in note and "10 bits" in note
     assert "Q4_K" not in note.split(": re-quantized")[0]  # only the re-quantized types are named as such
     assert file_bits(int(T.Q4_K)) == 4.5 and file_bits(int(T.IQ4_XS)) == 4.25 and file_bits(int(T.Q2_K)) == 2.625

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError
-from .architecture import qkv_row_order, rotary_order
+from .architecture import qkv_row_order
 from .native import NativeCausalLM
 from .gguf_tensors import GGUFTensors, heads_of
 from .gguf_blocks import requantized_warning
@@ -147,11 +147,13 @@ def _split(cfg, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _qkv_part_orders(cfg, parts: int) -> list:
-    """``architecture.qkv_row_order`` for the q/k/v projection read as one fused tensor or as three."""
+    """``architecture.qkv_row_order`` for the q/k/v projection read as one fused tensor or as three (each
+    part's slice of it, from its own first row; v's rows keep their order)."""
+    order = qkv_row_order(cfg)
     if parts == 1:
-        return [qkv_row_order(cfg)]
-    order, d = rotary_order(cfg), cfg.head_dim
-    return [torch.cat([h * d + order for h in range(heads)]) for heads in (cfg.n_heads, cfg.n_kv_heads)] + [None]
+        return [order]
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return [order[:q], order[q:q + kv] - q, None]
 
 
 def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, int]]:

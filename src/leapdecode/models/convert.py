@@ -44,8 +44,6 @@ def inspect_gguf(gguf_path: Path) -> dict:
         fields = reader.fields
         arch = fields["general.architecture"].contents()
         template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
-        key = fields.get(f"{arch}.attention.key_length")
-        head_dim = int(key.contents()) if key is not None else None
         vectors = {t.name: [float(v) for v in t.data.astype("float32").reshape(-1)] for t in reader.tensors
                    if t.name in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")}
 
@@ -58,12 +56,13 @@ def inspect_gguf(gguf_path: Path) -> dict:
                 "original": number("rope.scaling.original_context_length"),
                 "sliding_window": number("attention.sliding_window"), "scaling": number("rope.scaling.type"),
                 "factor": number("rope.scaling.factor"), "attn_softcap": number("attn_logit_softcapping"),
-                "final_softcap": number("final_logit_softcapping"), "rope_dims": number("rope.dimension_count")}
+                "final_softcap": number("final_logit_softcapping"), "rope_dims": number("rope.dimension_count"),
+                "head_dim": number("attention.key_length")}
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
     return {"architecture": arch, "chat_template": template, "tensors": len(reader.tensors), "parameters": parameters,
-            "head_dim": head_dim, "settings": settings}
+            "settings": settings}
 
 
 _PATCH_LOCK = threading.Lock()
@@ -134,15 +133,18 @@ def quiet_transformers():
 
 def _settings_from_file(cfg: dict, kept: dict) -> None:
     """What llama.cpp's converter keeps where transformers' GGUF reader does not look, back into the
-    configuration (``kept``: ``inspect_gguf``'s "settings"): Llama 3.1's scaling as a tensor of per-frequency
+    configuration (``kept``: ``inspect_gguf``'s "settings"): the heads' width (``key_length``, which the
+    reader does not map for every architecture: Qwen3's configuration kept its default of 128), Llama 3.1's scaling as a tensor of per-frequency
     divisors (``rope_freqs``: ``rope_freq_factors``, applied by the native decoder), Phi-3's LongRoPE as its
     two factor tensors, attention factor and original length (the ``longrope`` parameters transformers
     computes them from), the attention window (Phi-3's), the rotated share of a head (Phi-4-mini's),
     Gemma 3's linear rope scaling, Gemma 2's soft caps, and the attention scale llama.cpp gives Gemma
     models."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if kept["head_dim"] and int(kept["head_dim"]) != head_dim:
+        head_dim = cfg["head_dim"] = int(kept["head_dim"])
     if kept["freqs"]:
         cfg["rope_freq_factors"] = kept["freqs"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if kept["rope_dims"] and int(kept["rope_dims"]) < head_dim:  # a partial rotary embedding (Phi-4-mini)
         cfg["partial_rotary_factor"] = int(kept["rope_dims"]) / head_dim
     if kept["short"] and kept["long"]:
@@ -194,10 +196,6 @@ def gguf_to_hf(gguf_path: Path, out: Path) -> dict:
     for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype"):
         cfg.pop(k, None)
     cfg["architectures"] = [architecture]
-    # the heads' width as the file gives it: transformers' GGUF reader does not map ``key_length`` for every
-    # architecture (Qwen3's configuration then keeps its default of 128)
-    if header["head_dim"] and header["head_dim"] != (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]):
-        cfg["head_dim"] = header["head_dim"]
     _settings_from_file(cfg, header["settings"])
     for k, v in cfg.items():  # GGUF stores float32: 9.999999747378752e-06 -> 1e-05
         if isinstance(v, float):

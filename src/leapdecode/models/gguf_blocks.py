@@ -20,11 +20,11 @@ a 6- or 8-bit integer are exact in fp32):
 * IQ4_XS ``d sc kv[q]``        -> 8-bit codes kv[q], s = d sc                           (group 32)
 
 The last four keep the file's numbers but not its size: the kernel has no 2- or 3-bit code
-layout and no table lookup, so Q2_K and Q3_K take 4-bit codes (4.5-5.5 bits a weight to read
-where the file has 2.6 and 3.4) and the IQ4 types 8-bit codes (8.5-9 bits where it has 4.25-4.5).
+layout and no table lookup, so Q2_K and Q3_K take 4-bit codes (5.13 bits a weight packed where the
+file has 2.63 and 3.44) and the IQ4 types 8-bit codes (9 and 8.63 bits where it has 4.5 and 4.25).
 Any other type (F32, F16, BF16, the other IQ types, TQ*, MXFP4) is dequantized with the ``gguf``
 package and re-quantized to symmetric 8-bit codes in groups of 32 (``requantize_q8``): near-lossless,
-but not the file's numbers, and 8.5 bits a weight (docs/lab-notes/benchmarks.md).  The block layouts
+but not the file's numbers, and 10 bits a weight packed (fp32 scales and offsets per group).  The block layouts
 follow ggml's ``ggml-quants.c`` (``dequantize_row_*``); tests/test_gguf_blocks.py checks every
 decoder against the ``gguf`` package's own dequantization.
 """
@@ -235,6 +235,6 @@ def requantized_warning(kinds: dict[str, int]) -> str | None:
         return None
     names = ", ".join(f"{name} ({100 * n / total:.0f}% of the weights, {file_bits(GGMLQuantizationType[name]):.2g} "
                       f"bits a weight in the file)" for name, n in others)
-    return (f"warning: {names} not run in the file's own blocks: re-quantized to 8-bit codes, 8.5 bits a weight "
-            "to read and near-lossless but not the file's numbers (llama.cpp's output on this file is then not "
+    return (f"warning: {names} not run in the file's own blocks: re-quantized to 8-bit codes, 10 bits a weight "
+            "to read (fp32 scales) and near-lossless but not the file's numbers (llama.cpp's output on this file is then not "
             "matched exactly); the types run as they are: " + ", ".join(NATIVE_TYPES.values()))

@@ -27,7 +27,7 @@ VOCAB_MATRICES = ("token_embd.weight", "output.weight")  # [vocab, hidden]: read
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # GGUF architectures whose q/k rows llama.cpp permuted
 
 # the native decoder's GGUF tensor names and their Hugging Face names (Llama/Qwen2/Qwen3/Mistral; Phi-3's and
-# Gemma 3's differ in a few: ``LAYER_NAMES_OF``)
+# Gemma's differ in a few: ``LAYER_NAMES_OF``)
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

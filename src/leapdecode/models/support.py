@@ -16,6 +16,7 @@ Three questions, each answered from what ``load`` itself decides with:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class Support:
             shares = ", ".join(f"{t} {100 * s:.0f}%" for t, s in sorted(self.types.items(), key=lambda kv: -kv[1]))
             if self.requantized:
                 out.append(("weights", f"{shares}; {', '.join(self.requantized)} re-quantized to 8-bit codes "
-                                       "(not the file's numbers, 8.5 bits a weight)", False))
+                                       "(not the file's numbers, 10 bits a weight)", False))
             else:
                 out.append(("weights", f"{shares}: every type in the file's own blocks", True))
         if self.native is None:
@@ -72,10 +73,7 @@ def _block_types(gguf_path: Path) -> dict[str, int]:
         if len(info.shape) < 2 or hf_name(name, source.architecture) is None or (name == "token_embd.weight" and not tied):
             continue
         kind = getattr(info.tensor_type, "name", str(info.tensor_type))
-        n = 1
-        for d in info.shape:
-            n *= int(d)
-        counts[kind] = counts.get(kind, 0) + n
+        counts[kind] = counts.get(kind, 0) + math.prod(int(d) for d in info.shape)
     return counts
 
 

@@ -9,7 +9,8 @@
 //   q, k = rmsnorm per head (q_norm, k_norm: Qwen3)       ld_rmsnorm_bf16, in place
 //   (Gemma 3: every norm x * (1 + w) (ld_rmsnorm1p_bf16), the attention's and the MLP's outputs normalized
 //   before their residual adds (post_attn_norm, post_mlp_norm), GELU-tanh's table in place of SiLU's, its
-//   attention scale, and on windowed layers their own rope tables and attended slots (local_*))
+//   attention scale, and on windowed layers their own rope tables and attended slots (local_*); Gemma 2:
+//   its attention scores soft-capped (softcap))
 //   q    = rope(q); k, v -> cache slots slot0..         ld_rope_store
 //   a    = attention of each row over its slots         ld_attend_rows
 //   x    = bf16(x + a @ Wo.T)                           ld_qgemm, then one fp32 add rounded to bf16
