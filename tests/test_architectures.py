@@ -259,3 +259,24 @@ def test_the_registered_gemma3_runs_natively_with_transformers_logits():
         got = native.model(torch.tensor([ids]), native.model.new_cache())[0]
     assert (got - ref).abs().max().item() < 1e-3
     assert leapdecode.load("gemma3-270m").model.quantization == "int4"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3-partial", "mistral-window", "gemma2", "gemma3"])
+def test_speculation_gives_vanillas_tokens_on_the_kernels(name):
+    """The default configuration of each new layer (the model's blocks on the kernels, the invariant
+    attention): speculative methods with their default options give plain decoding's greedy tokens,
+    past the windowed layers' window (6) and with trees the drafters build from a repetitive prompt."""
+    problem = qkernel.kernel_problem()
+    if problem is not None:
+        pytest.skip(f"the kernels are not available here: {problem}")
+    import leapdecode
+    from leapdecode.models.decoder import LoadedModel
+    from leapdecode.models.tiny import byte_tokenizer
+
+    lm = LoadedModel(name=name, model=_on_kernels(name), tokenizer=byte_tokenizer())
+    prompt = _seq(8, 6) * 3
+    vanilla = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=32, method="vanilla").tokens
+    assert len(vanilla) == 32
+    for method in ("pld", "sam", "auto"):
+        out = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=32, method=method)
+        assert out.tokens == vanilla, method
