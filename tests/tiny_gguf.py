@@ -4,6 +4,12 @@ test module: the test files import ``write_gguf`` from here.
 
 The tokenizer is a byte-level BPE over the 256 byte symbols, two merges and ChatML's specials, with a ChatML chat template in the file; 2-D weights are quantized by the
 ``gguf`` package (Q8_0 by default; or kept in F16), norms and biases kept in F32.
+
+A mixture of experts (Qwen3-MoE, architecture ``qwen3moe``; Mixtral, architecture ``llama``) is written as
+llama.cpp writes it: the router ``ffn_gate_inp`` in F32 (llama.cpp does not quantize it), the experts stacked
+into 3-D tensors ``ffn_gate_exps``, ``ffn_up_exps`` ([experts, ff, hidden]) and ``ffn_down_exps`` ([experts,
+hidden, ff]), each quantized like a 2-D weight, and the ``expert_count``, ``expert_used_count`` and
+(``qwen3moe``) ``expert_feed_forward_length`` keys.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
+         "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+         "mlp.experts.down_proj": "ffn_down_exps"}  # a mixture of experts' (``experts_of`` splits transformers' gate_up)
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+        "mixtral": "llama"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -31,6 +40,22 @@ def gguf_name(hf: str) -> str:
         return f"{TOP[stem]}.{kind}"
     _, _, i, rest = stem.split(".", 3)
     return f"blk.{i}.{LAYER[rest]}.{kind}"
+
+
+def experts_of(state: dict) -> dict:
+    """``state`` with transformers' fused experts (``mlp.experts.gate_up_proj`` [E, 2 ff, hidden],
+    ``mlp.experts.down_proj``) as llama.cpp's three stacked tensors, under names ``gguf_name`` maps."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            out[stem + "gate_proj.weight"], out[stem + "up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -110,16 +135,24 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype=None) -> Path:
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if arch == "phi3" and getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
-    for name, tensor in model.state_dict().items():
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    for name, tensor in experts_of(model.state_dict()).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         g = gguf_name(name)
         a = tensor.detach().float().numpy()
         if arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k"):
             a = permute(a, heads if g.split(".")[-2] == "attn_q" else kv_heads)
-        if a.ndim == 2 and qtype == T.F16:
+        if g.endswith("ffn_gate_inp.weight"):  # the router: F32, as llama.cpp keeps it
+            w.add_tensor(g, a.astype(np.float32))
+        elif a.ndim >= 2 and qtype == T.F16:
             w.add_tensor(g, a.astype(np.float16))
-        elif a.ndim == 2:
+        elif a.ndim >= 2:
             w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(g, a.astype(np.float32))

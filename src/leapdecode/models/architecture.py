@@ -10,14 +10,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+# mixture-of-experts decoders (models/moe.py): a router and top-k experts in place of the MLP
+MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"}
+MOE_MODEL_TYPES = {"qwen3_moe", "mixtral", "olmoe"}
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"} | MOE_ARCHITECTURES
 # Gemma 2 and 3: norms x * (1 + w), four per layer (after attention and after the MLP too), GELU-tanh, a
 # scaled embedding, its own attention scale, windowed layers; Gemma 3 with q/k norms and the windowed
 # layers' own rope, Gemma 2 with soft-capped attention scores and logits
 GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 FUSED_ARCHITECTURES = {"Phi3ForCausalLM"}  # q/k/v and gate/up stored fused, as this decoder runs them
-QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}  # an RMSNorm over each head of q and of k, before rope
+# an RMSNorm over each head of q and of k before rope (OLMoE's: over the whole projection, ``qk_norm_whole``)
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
 
 
 @dataclass
@@ -56,14 +60,29 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the rope base of the sliding layers (None: every layer's rope)
     attn_softcap: float | None = None  # Gemma 2: each attention score s becomes tanh(s / c) * c
     final_softcap: float | None = None  # Gemma 2: the same on the logits
+    # mixture of experts (models/moe.py): per layer, whether its MLP is the experts' (None: no layer's)
+    sparse_layers: tuple[bool, ...] | None = None
+    n_experts: int = 0
+    experts_per_token: int = 0  # the top k a row's router picks
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # the k picked probabilities renormalized to sum to 1
+    moe_weights_fp32: bool = False  # Mixtral: an expert's output times its fp32 weight (else in the activations' dtype)
+    qk_norm_whole: bool = False  # OLMoE: q and k normalized over the whole projection, not per head
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-c, c] after the norms
     extra: dict = field(default_factory=dict)
+
+    @property
+    def op_by_op(self) -> bool:
+        """Layers the fused ``LayerStack`` (kernels/layers.cpp) does not compute: experts, OLMoE's whole-width
+        q/k norms, clipped q/k/v.  Such a model runs its layers op by op (``Block.forward``)."""
+        return self.sparse_layers is not None or self.qk_norm_whole or self.clip_qkv is not None
 
     @property
     def plain_layers(self) -> bool:
         """Every layer is Llama's (what the batched route of ``forward_batch`` and the static step compute)."""
         return not (self.norm_plus_one or self.sandwich_norms or self.embed_scale or self.activation != "silu"
                     or self.attn_scale is not None or self.layer_windows is not None or self.attn_softcap
-                    or self.final_softcap)
+                    or self.final_softcap or self.op_by_op)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -116,13 +135,14 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling if kind in ("llama3", "longrope", "su") else None,
-            qk_norm=bool(set(archs) & QK_NORM_ARCHITECTURES) or model_type == "qwen3",
+            qk_norm=bool(set(archs) & QK_NORM_ARCHITECTURES) or model_type in ("qwen3", "qwen3_moe", "olmoe"),
             rope_freq_factors=tuple(cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
             rope_attention_factor=float(attention_factor),
             exact_context=exact,
             fused_projections=bool(set(archs) & FUSED_ARCHITECTURES) or model_type == "phi3",
             rotary_dim=rotary if rotary < head_dim else None,
             layer_windows=windows,
+            **moe_settings(cfg, archs),
         )
 
     @classmethod
@@ -167,6 +187,47 @@ class ModelConfig:
             attn_softcap=float(cfg["attn_logit_softcapping"]) if cfg.get("attn_logit_softcapping") else None,
             final_softcap=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping") else None,
         )
+
+
+def moe_settings(cfg: dict, archs: list[str]) -> dict:
+    """``ModelConfig``'s mixture-of-experts fields of a Qwen3-MoE, Mixtral or OLMoE configuration ({} for
+    another); ``NotImplementedError`` naming what the native decoder does not compute (attention biases,
+    a hidden activation other than SiLU, a shared expert)."""
+    model_type = cfg.get("model_type", "")
+    if not (set(archs) & MOE_ARCHITECTURES or model_type in MOE_MODEL_TYPES):
+        return {}
+    name = (sorted(set(archs) & MOE_ARCHITECTURES) or [model_type])[0]
+    if cfg.get("attention_bias"):
+        raise NotImplementedError(f"native backend does not implement {name} with attention biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"native backend does not implement {name} with the activation {cfg['hidden_act']!r}")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise NotImplementedError(f"native backend does not implement {name} with a shared expert")
+    mixtral = "MixtralForCausalLM" in archs or model_type == "mixtral"
+    olmoe = "OlmoeForCausalLM" in archs or model_type == "olmoe"
+    n_layers = cfg["num_hidden_layers"]
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)  # (transformers v5 writes the first)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise NotImplementedError(f"native backend does not implement {name} with {top_k} of {experts} experts a token")
+    if mixtral or olmoe:  # every layer's MLP is the experts', each as wide as intermediate_size
+        sparse, width = (True,) * n_layers, cfg["intermediate_size"]
+    else:  # Qwen3-MoE: dense MLPs on the mlp_only_layers and off the decoder_sparse_step
+        step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+        width = cfg["moe_intermediate_size"]
+    fields = dict(sparse_layers=sparse if any(sparse) else None, n_experts=experts, experts_per_token=top_k,
+                  moe_intermediate_size=int(width),
+                  norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+                  moe_weights_fp32=mixtral)
+    if olmoe:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:  # transformers sizes k_norm by hidden / heads
+            raise NotImplementedError(f"native backend does not implement {name} with heads of {head_dim} dims "
+                                      f"(hidden size / heads: {cfg['hidden_size'] // cfg['num_attention_heads']})")
+        clip = cfg.get("clip_qkv")
+        fields.update(qk_norm_whole=True, clip_qkv=float(clip) if clip is not None else None)
+    return fields
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,9 +118,17 @@ def quantize_native(model: NativeCausalLM) -> dict[str, int]:
         for block in model.layers:
             for name in BLOCK_LINEARS:
                 lin = getattr(block, name)
+                if lin is None:  # a sparse layer's MLP: its experts, below
+                    continue
                 pieces = _split(cfg, name, lin.weight)
                 setattr(block, name, _fused(name, [part(ref) for ref in pieces], lin.bias,
                                             [ref.shape[0] for ref in pieces]))
+            if block.moe is not None:  # each expert's gate/up and down on the kernel; the router stays float
+                for name, lin in block.moe.linears():
+                    kind, e = name.split(".")
+                    pieces = list(lin.weight.chunk(2)) if kind == "gate_up" else [lin.weight]
+                    getattr(block.moe, kind)[int(e)] = _fused(name, [part(ref) for ref in pieces], None,
+                                                              [ref.shape[0] for ref in pieces])
         head_ref = model.head_weight
         model.replace_head(_fused("lm_head", [part(head_ref)], None, [head_ref.shape[0]], out_fp32=True))
         to_activation_dtype(model)  # head_weight: dequantized from the kernel's head on demand
@@ -166,10 +174,11 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
     kinds: dict[str, int] = {}
 
     def linear(name: str, gguf_names: list[str], bias: torch.Tensor | None = None, out_fp32: bool = False,
-               orders: list | None = None) -> None:
+               orders: list | None = None, expert: int | None = None) -> None:
+        """``expert``: that expert's slice of 3-D expert tensors (``GGUFTensors.expert_block_weight``)."""
         parts, rows = [], []
         for j, g in enumerate(gguf_names):
-            w, how = source.block_weight(g)
+            w, how = source.block_weight(g) if expert is None else source.expert_block_weight(g, expert)
             if orders is not None and orders[j] is not None:  # a partial rotary embedding (architecture.rotary_order)
                 w = w.rows(orders[j].numpy())
             kinds[how] = kinds.get(how, 0) + w.codes.size
@@ -189,7 +198,10 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
         for i in range(cfg.n_layers):
             read = source.bytes_read
             blk = f"blk.{i}."
+            sparse = bool(cfg.sparse_layers and cfg.sparse_layers[i])
             for name, gguf_parts in GGUF_PARTS.items():
+                if sparse and name in ("w_gate_up", "w_down"):  # the experts' instead, below
+                    continue
                 if name == "wqkv" and f"{blk}attn_qkv.weight" in source:  # Phi-3: q, k, v in one tensor
                     gguf_parts = ("attn_qkv",)
                 elif name == "w_gate_up" and cfg.fused_projections:  # Phi-3: ffn_up holds gate and up
@@ -210,6 +222,12 @@ def pack_gguf(source: GGUFTensors, cfg) -> tuple[dict[str, torch.Tensor], dict[s
             if cfg.qk_norm:
                 tensors[f"layers.{i}.q_norm"] = source.dense(f"{blk}attn_q_norm.weight", ACT_DTYPE)
                 tensors[f"layers.{i}.k_norm"] = source.dense(f"{blk}attn_k_norm.weight", ACT_DTYPE)
+            if sparse:  # the router in bf16 (as a float checkpoint's: quantize_native), each expert in its blocks
+                tensors[f"layers.{i}.moe.router.weight"] = source.dense(f"{blk}ffn_gate_inp.weight", ACT_DTYPE)
+                for e in range(cfg.n_experts):
+                    linear(f"layers.{i}.moe.gate_up.{e}", [f"{blk}ffn_gate_exps.weight", f"{blk}ffn_up_exps.weight"],
+                           expert=e)
+                    linear(f"layers.{i}.moe.down.{e}", [f"{blk}ffn_down_exps.weight"], expert=e)
             advance(source.bytes_read - read)
     return tensors, layout, kinds
 
@@ -323,9 +341,9 @@ def packed_model(tensors: dict[str, torch.Tensor], layout: dict[str, dict], cfg,
             layer = QLinear(parts, bias, out_fp32=spec["out_fp32"], out_features=spec["out_features"])
             if name == "lm_head":
                 model.replace_head(layer)
-            else:
-                _, i, attr = name.split(".")
-                setattr(model.layers[int(i)], attr, layer)
+            else:  # layers.I.NAME, or an expert's layers.I.moe.gate_up.E
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, layer)
         own = {k: v for k, v in tensors.items() if ".parts." not in k and not k.endswith(".bias") and k != "embed.rows"}
         model.load_state_dict(own, strict=False, assign=True)
     except (KeyError, ValueError, RuntimeError) as e:

@@ -57,7 +57,8 @@ def inspect_gguf(gguf_path: Path) -> dict:
                 "sliding_window": number("attention.sliding_window"), "scaling": number("rope.scaling.type"),
                 "factor": number("rope.scaling.factor"), "attn_softcap": number("attn_logit_softcapping"),
                 "final_softcap": number("final_logit_softcapping"), "rope_dims": number("rope.dimension_count"),
-                "head_dim": number("attention.key_length")}
+                "head_dim": number("attention.key_length"), "experts": number("expert_count"),
+                "experts_used": number("expert_used_count"), "expert_ff": number("expert_feed_forward_length")}
         parameters = sum(int(t.n_elements) for t in reader.tensors)
     except Exception as e:
         raise ModelFileError(f"{gguf_path} is not a valid GGUF file ({type(e).__name__}: {e})") from None
@@ -111,7 +112,8 @@ def supported_architecture(gguf_path: Path, header: dict) -> None:
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     except ImportError:  # pragma: no cover - other transformers versions
         return
-    if header["architecture"] not in GGUF_SUPPORTED_ARCHITECTURES:
+    named = {"qwen3moe": "qwen3_moe"}.get(header["architecture"], header["architecture"])  # as transformers renames it
+    if named not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ModelFileError(
             f"{gguf_path}: architecture {header['architecture']!r} is not supported by transformers' GGUF "
             f"loader (supported: {', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a != 'general'))})"
@@ -138,8 +140,10 @@ def _settings_from_file(cfg: dict, kept: dict) -> None:
     divisors (``rope_freqs``: ``rope_freq_factors``, applied by the native decoder), Phi-3's LongRoPE as its
     two factor tensors, attention factor and original length (the ``longrope`` parameters transformers
     computes them from), the attention window (Phi-3's), the rotated share of a head (Phi-4-mini's),
-    Gemma 3's linear rope scaling, Gemma 2's soft caps, and the attention scale llama.cpp gives Gemma
-    models."""
+    Gemma 3's linear rope scaling, Gemma 2's soft caps, the attention scale llama.cpp gives Gemma
+    models, and a mixture of experts' sizes: Qwen3-MoE's experts' width (``expert_feed_forward_length``,
+    which the reader leaves at its default), and Mixtral, a file of architecture ``llama`` with experts
+    (``expert_count``, ``expert_used_count``), which the reader makes a plain Llama."""
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if kept["head_dim"] and int(kept["head_dim"]) != head_dim:
         head_dim = cfg["head_dim"] = int(kept["head_dim"])
@@ -174,6 +178,17 @@ def _settings_from_file(cfg: dict, kept: dict) -> None:
     for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         if kept[field]:  # Gemma 2's caps, as the file gives them
             cfg[key] = float(kept[field])
+    if kept.get("experts"):
+        experts, used = int(kept["experts"]), int(kept["experts_used"] or 0)
+        if cfg.get("model_type") in ("llama", "mistral"):  # Mixtral: llama.cpp writes it as a llama with experts
+            cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=experts,
+                       num_experts_per_tok=used)
+        elif cfg.get("model_type") == "qwen3_moe":
+            cfg.update(num_experts=experts, num_experts_per_tok=used)
+            if "num_local_experts" in cfg:  # transformers v5's name of the same number
+                cfg["num_local_experts"] = experts
+            if kept["expert_ff"]:
+                cfg["moe_intermediate_size"] = int(kept["expert_ff"])
 
 
 def gguf_to_hf(gguf_path: Path, out: Path) -> dict:

@@ -35,7 +35,12 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # a mixture of experts' router [experts, hidden] and its experts stacked, [experts, ff, hidden] (down:
+    # [experts, hidden, ff]): Qwen3-MoE's, and Mixtral's in a file of architecture llama (models/moe.py)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+ROUTER = "ffn_gate_inp"  # a router's weights: read into floats, not packed for the kernel
 LAYER_NAMES_OF = {
     "phi3": {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},  # gate and up fused in ffn_up
     "gemma3": {**LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -79,6 +84,10 @@ def expected_shape(cfg, gguf_name: str) -> tuple[int, ...] | None:
               "ffn_up": ((2 if cfg.fused_projections else 1) * inter, hidden), "ffn_down": (hidden, inter),
               "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,), "attn_qkv": (q + 2 * kv, hidden),
               "post_attention_norm": (hidden,), "post_ffw_norm": (hidden,)}
+    if cfg.n_experts:
+        experts, ff = cfg.n_experts, cfg.moe_intermediate_size
+        shapes.update(ffn_gate_inp=(experts, hidden), ffn_gate_exps=(experts, ff, hidden),
+                      ffn_up_exps=(experts, ff, hidden), ffn_down_exps=(experts, hidden, ff))
     shape = shapes.get(part)
     return shape[:1] if shape is not None and kind == "bias" else shape
 
@@ -188,6 +197,17 @@ class GGUFTensors:
         order = self._row_order(name, rows)
         return (w if order is None else w.rows(order)), how
 
+    def expert_block_weight(self, name: str, expert: int, fallback_group: int = 32):
+        """``block_weight`` of one expert's ``[rows, cols]`` slice of a 3-D expert tensor (``[experts, rows,
+        cols]``: each expert's rows follow each other in the file)."""
+        from .gguf_blocks import tensor_weight
+
+        experts, rows, cols = self.shape(name)
+        if not 0 <= expert < experts:
+            raise ModelFileError(f"{self.path.name}: tensor {name!r} has {experts} experts, not expert {expert}")
+        raw = self.raw(name, slice(expert, expert + 1)).reshape(rows, -1)
+        return tensor_weight(raw, self.qtype(name), rows, cols, fallback_group)
+
     def dense(self, name: str, dtype: torch.dtype = torch.float32, rows: slice | None = None) -> torch.Tensor:
         """The tensor dequantized by the ``gguf`` package (fp32, the bits transformers' loader gets),
         then in ``dtype``; rows in Hugging Face's order; ``rows``: those rows only (of a matrix the
@@ -203,7 +223,7 @@ class GGUFTensors:
             values = values - np.float32(self.norm_offset)
         out = torch.from_numpy(np.ascontiguousarray(values))
         shape = self.shape(name)
-        return (out if len(shape) > 1 else out.reshape(shape)).to(dtype)
+        return (out if len(shape) == 2 else out.reshape(shape)).to(dtype)  # a vector, or 3-D experts
 
     def embedding(self, name: str = "token_embd.weight", dtype: torch.dtype = torch.bfloat16,
                   chunk_rows: int = 8192) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Native PyTorch decoder for the Llama / Qwen / Phi-3 / Gemma family (SmolLM2, Llama 2/3, Mistral, Qwen2.5,
-Qwen3, Phi-3/3.5/4-mini, Gemma 2/3; docs/models.md).
+Qwen3, Phi-3/3.5/4-mini, Gemma 2/3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, whose experts
+are models/moe.py; docs/models.md).
 
 In the spirit of gpt-fast: one file, plain modules, a static KV cache
 (``kv_cache.KVCache``).  Differences that matter for speed on CPU: the q/k/v
@@ -25,6 +26,7 @@ from torch import nn
 from .architecture import ModelConfig, qkv_row_order, rope_tables
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
+from .moe import SparseMoe, expert_state
 from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, gelu_tanh_table,
                       kernel_problem, rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
 from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
@@ -52,19 +54,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, sparse: bool = False) -> None:
+        """``sparse``: the layer's MLP is a mixture of experts (``moe.SparseMoe``, ``self.moe``; ``w_gate_up``
+        and ``w_down`` are then None)."""
         super().__init__()
         self.cfg = cfg
         q_out = cfg.n_heads * cfg.head_dim
         kv_out = cfg.n_kv_heads * cfg.head_dim
         self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.moe = SparseMoe.of(cfg) if sparse else None
+        self.w_gate_up = None if sparse else nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = None if sparse else nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
-        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        # OLMoE's norms span the whole q and k projections, Qwen3's one head
+        q_width, k_width = (q_out, kv_out) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = nn.Parameter(torch.ones(q_width)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(k_width)) if cfg.qk_norm else None
         # Gemma 3: the attention's and the MLP's outputs normalized before their residual adds
         self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
         self.post_mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.sandwich_norms else None
@@ -94,6 +101,8 @@ class Block(nn.Module):
         h = self.norm(x, self.attn_norm)
         x = x + self.post_attention(self.wo(self.attend(self.normed_qk(self.wqkv(h)), cos, sin, cache, layer, mask,
                                                         rows)))
+        if self.moe is not None:
+            return x + self.moe(self.norm(x, self.mlp_norm))
         return x + self.mlp(x, self.w_gate_up, self.w_down)
 
     def forward_rows(self, x: torch.Tensor, segments: list["Segment"], layer: int, cos: torch.Tensor,
@@ -117,19 +126,29 @@ class Block(nn.Module):
                                              v[:, :, s.start : s.stop], s.cache, layer, s.mask, s.rows)
                               for s in segments], dim=1)
         x = x + self.post_attention(rowwise_linear(self.wo, attn))
+        if self.moe is not None:
+            return x + self.moe(self.norm(x, self.mlp_norm), rowwise=True)
         return x + self.mlp(x, lambda t: rowwise_linear(self.w_gate_up, t), lambda t: rowwise_linear(self.w_down, t))
 
     def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """The q/k/v projections as attention takes them (``[B, T, q+2kv]``): with Qwen3's ``q_norm``
         and ``k_norm``, each head of q and of k RMS-normalized (``rms_norm``: the bf16 kernel's bits
-        where it runs, as ``LayerStack`` computes them), v as it is; else ``qkv`` itself."""
-        if self.q_norm is None:
-            return qkv
+        where it runs, as ``LayerStack`` computes them), v as it is; else ``qkv`` itself.  OLMoE: q and k
+        each normalized over its whole projection (``qk_norm_whole``), then q, k and v clamped to
+        ``[-clip_qkv, clip_qkv]`` where the configuration says so."""
         cfg = self.cfg
+        if self.q_norm is None and cfg.clip_qkv is None:
+            return qkv
         b, t, _ = qkv.shape
         q, k, v = qkv.split((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim), -1)
-        q = self.norm(q.reshape(b, t, cfg.n_heads, cfg.head_dim), self.q_norm)
-        k = self.norm(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), self.k_norm)
+        if self.q_norm is not None and cfg.qk_norm_whole:
+            q, k = self.norm(q.contiguous(), self.q_norm), self.norm(k.contiguous(), self.k_norm)
+        elif self.q_norm is not None:
+            q = self.norm(q.reshape(b, t, cfg.n_heads, cfg.head_dim), self.q_norm)
+            k = self.norm(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), self.k_norm)
+        if cfg.clip_qkv is not None:
+            c = cfg.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         return torch.cat((q.reshape(b, t, -1), k.reshape(b, t, -1), v), dim=-1)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
@@ -407,7 +426,8 @@ class NativeCausalLM(nn.Module):
         # the meta device (load_packed) imports torch._dynamo (as rope_tables says)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                   _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        sparse = cfg.sparse_layers or (False,) * cfg.n_layers
+        self.layers = nn.ModuleList(Block(cfg, sparse[i]) for i in range(cfg.n_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -426,7 +446,8 @@ class NativeCausalLM(nn.Module):
             return self
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                setattr(block, name, PackedLinear(getattr(block, name)))
+                if getattr(block, name) is not None:  # (a sparse layer's experts stay plain layers)
+                    setattr(block, name, PackedLinear(getattr(block, name)))
         self.replace_head(PackedLinear(self.lm_head))
         return self
 
@@ -628,6 +649,9 @@ class NativeCausalLM(nn.Module):
         signature = tuple(id(m) for m in self._layer_parts())
         if self._stack is None or self._stack[0] != signature:
             cfg = self.cfg
+            if cfg.op_by_op:  # experts, OLMoE's q/k norms: not what kernels/layers.cpp computes
+                self._stack = (signature, None)
+                return None
             windows = cfg.layer_windows or (0,) * cfg.n_layers
             layers = [(b.wqkv, b.wo, b.w_gate_up, b.w_down, b.attn_norm, b.mlp_norm, b.q_norm, b.k_norm,
                        b.post_attn_norm, b.post_mlp_norm, windows[i]) for i, b in enumerate(self.layers)]
@@ -778,9 +802,13 @@ class NativeCausalLM(nn.Module):
                     if key in own:
                         own[key] = own[key][order]
             own[f"layers.{i}.wo.weight"] = get(a + "o_proj.weight")
-            own[f"layers.{i}.w_gate_up.weight"] = (get(p + "mlp.gate_up_proj.weight") if cfg.fused_projections else
-                                                   torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-            own[f"layers.{i}.w_down.weight"] = get(p + "mlp.down_proj.weight")
+            if model.layers[i].moe is not None:  # a router and experts (models/moe.py)
+                own.update((f"layers.{i}.moe.{k}", v) for k, v in expert_state(cfg, p, state, get).items())
+            else:
+                own[f"layers.{i}.w_gate_up.weight"] = (
+                    get(p + "mlp.gate_up_proj.weight") if cfg.fused_projections else
+                    torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                own[f"layers.{i}.w_down.weight"] = get(p + "mlp.down_proj.weight")
             own[f"layers.{i}.attn_norm"] = get(p + "input_layernorm.weight")
             if cfg.sandwich_norms:  # Gemma 3: its post_attention_layernorm follows the attention
                 own[f"layers.{i}.mlp_norm"] = get(p + "pre_feedforward_layernorm.weight")

@@ -62,15 +62,16 @@ class Support:
 
 
 def _block_types(gguf_path: Path) -> dict[str, int]:
-    """Weights per GGML type of the GGUF's matrices the kernel packs (projections and the output
-    head, or the tied embedding that serves as it)."""
-    from .gguf_tensors import GGUFTensors, hf_name
+    """Weights per GGML type of the GGUF's matrices the kernel packs (projections, a mixture's experts, and
+    the output head, or the tied embedding that serves as it; not a router, which stays float)."""
+    from .gguf_tensors import ROUTER, GGUFTensors, hf_name
 
     source = GGUFTensors(gguf_path)
     counts: dict[str, int] = {}
     tied = "output.weight" not in source
     for name, info in source.tensors.items():
-        if len(info.shape) < 2 or hf_name(name, source.architecture) is None or (name == "token_embd.weight" and not tied):
+        if len(info.shape) < 2 or hf_name(name, source.architecture) is None or (name == "token_embd.weight" and not tied) \
+                or name.endswith(f".{ROUTER}.weight"):
             continue
         kind = getattr(info.tensor_type, "name", str(info.tensor_type))
         counts[kind] = counts.get(kind, 0) + math.prod(int(d) for d in info.shape)
