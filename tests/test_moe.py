@@ -188,8 +188,14 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name, monkeypatch):
 
 def test_the_experts_give_a_row_its_bits_in_any_company():
     """``SparseMoe`` on the kernels: each row's output alone and among 40 others (routed everywhere) is
-    the same bits; as a float layer, transformers' sum within fp32 rounding."""
+    the same bits.  Its router's logits too, also in fp32, where one product over 41 rows does not give
+    each row's bits (MKL's blocking changes with the rows: measured here for 64 to 2048 columns)."""
     _needs_kernels()
+    router = SparseMoe(512, 32, 8, 2, True, False).router_logits
+    x32 = torch.randn(41, 512, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        together32 = router(x32)
+        assert all(torch.equal(router(x32[i : i + 1])[0], together32[i]) for i in range(41))
     model = _on_kernels("qwen3moe")
     moe = model.layers[1].moe
     x = (torch.randn(41, 64, generator=torch.Generator().manual_seed(9))).to(torch.bfloat16)
@@ -280,7 +286,9 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
     with torch.no_grad():
         assert torch.equal(again(torch.tensor([ids]), again.new_cache())[0], got)
     s = support_of(str(path))
-    assert s.native is None and s.architecture == type(hf).__name__
+    assert s.native is None and s.architecture == type(hf).__name__ and s.exact
+    assert s.lines()[0] == ("architecture", f"{type(hf).__name__}: native decoder (a mixture of experts: the top "
+                            f"{top_k} of 8 experts a token on 2 of 2 layers, run op by op, not in one kernel call)", True)
     assert s.types == {"Q8_0": 1.0}  # the experts and projections in the file's blocks (the F32 router not packed)
 
 
@@ -342,3 +350,83 @@ def test_the_configuration_says_what_the_native_decoder_does_not_compute():
     for cfg, words in refused:
         with pytest.raises(NotImplementedError, match=words):
             ModelConfig.from_hf(cfg)
+
+
+def _on_disk(state: dict, mixtral: bool) -> dict:
+    """``state`` with its experts as checkpoints on disk hold them: one module per expert (Qwen3-MoE's and
+    OLMoE's ``mlp.experts.E.gate_proj``, Mixtral's ``block_sparse_moe.experts.E.w1`` (gate), ``w3`` (up),
+    ``w2`` (down) and ``block_sparse_moe.gate``)."""
+    out = {}
+    for name, tensor in state.items():
+        stem, _, last = name.rpartition("mlp.")
+        if last == "experts.gate_up_proj":
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2)
+                if mixtral:
+                    out[f"{stem}block_sparse_moe.experts.{e}.w1.weight"] = gate
+                    out[f"{stem}block_sparse_moe.experts.{e}.w3.weight"] = up
+                else:
+                    out[f"{stem}mlp.experts.{e}.gate_proj.weight"], out[f"{stem}mlp.experts.{e}.up_proj.weight"] = gate, up
+        elif last == "experts.down_proj":
+            for e, w in enumerate(tensor):
+                out[f"{stem}{'block_sparse_moe.experts.%d.w2' % e if mixtral else 'mlp.experts.%d.down_proj' % e}.weight"] = w
+        elif last == "gate.weight" and mixtral:
+            out[f"{stem}block_sparse_moe.gate.weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+def test_a_checkpoint_with_one_module_per_expert_loads_the_same_model(name, tmp_path):
+    """A checkpoint directory as the hub has it (``config.json`` and safetensors with one module per expert):
+    ``from_pretrained`` gives the logits of the model built from transformers' fused state dict."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = _hf(name)
+    cfg = {**hf.config.to_dict(), "architectures": [type(hf).__name__]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    state = {k: v.contiguous() for k, v in _on_disk(dict(hf.state_dict()), name == "mixtral").items()}
+    assert not any("gate_up_proj" in k for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = NativeCausalLM.from_pretrained(tmp_path, max_seq_len=128)
+    native = _native(hf)
+    ids = torch.tensor([_seq(11, 1)])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, loaded.new_cache())[0], native(ids, native.new_cache())[0])
+
+
+def test_int8_weights_quantize_the_experts_and_keep_a_tree_exact():
+    """``weights="int8"`` (torch's weight-only kernels): every expert quantized, the router float, and a
+    token's logits the same bits in a tree as alone."""
+    from leapdecode.models.quant import Int8Linear, quantize_model
+
+    model = _native(_hf("mixtral"))
+    quantize_model(model, "int8")
+    model.attention = "invariant"
+    moe = model.layers[0].moe
+    assert all(isinstance(m, Int8Linear) for _, m in moe.linears()) and isinstance(moe.router, torch.nn.Linear)
+    prompt, toks = _seq(20, 3), _seq(6, 4)
+    cache = model.new_cache(max_len=64)
+    model(torch.tensor([prompt]), cache)
+    cache.commit()
+    tree = model(torch.tensor([toks]), cache, parents=[-1, 0, 0, 1, 3, 2])[0]
+    cache = model.new_cache(max_len=64)
+    model(torch.tensor([prompt + [toks[0], toks[1], toks[3]]]), cache)
+    cache.commit()
+    assert torch.equal(tree[4], model(torch.tensor([[toks[4]]]), cache)[0, 0])
+
+
+def test_an_olmoe_gguf_is_refused_by_name(tmp_path, monkeypatch):
+    """transformers' GGUF reader does not read ``olmoe`` files (its configuration cannot be converted): the
+    load says so, naming the architecture, before any weight is read."""
+    import leapdecode
+    from leapdecode.errors import ModelFileError
+    from tiny_gguf import write_gguf
+
+    path = write_gguf(_hf("olmoe"), tmp_path / "olmoe.gguf")
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelFileError, match="architecture 'olmoe' is not supported by transformers' GGUF loader"):
+        leapdecode.load(str(path))

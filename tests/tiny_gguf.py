@@ -29,7 +29,7 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.experts.down_proj": "ffn_down_exps"}  # a mixture of experts' (``experts_of`` splits transformers' gate_up)
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
-        "mixtral": "llama"}
+        "mixtral": "llama", "olmoe": "olmoe"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -312,15 +312,20 @@ def quantize_model(model: NativeCausalLM, weights: str, group_size: int = 32) ->
     with torch.no_grad():
         for i, block in enumerate(model.layers):
             for name in BLOCK_LINEARS:
-                setattr(block, name, convert(f"layers.{i}.{name}", getattr(block, name), weights))
+                if getattr(block, name) is not None:  # (a sparse layer's MLP: its experts, below)
+                    setattr(block, name, convert(f"layers.{i}.{name}", getattr(block, name), weights))
+            if getattr(block, "moe", None) is not None:  # each expert's projections; the router stays float
+                for name, lin in block.moe.linears():
+                    kind, e = name.split(".")
+                    getattr(block.moe, kind)[int(e)] = convert(f"layers.{i}.moe.{name}", lin, weights)
         head = model.lm_head
         plain = model.head_weight.detach().to(ACT_DTYPE)  # proposers' subset heads slice it
         model.replace_head(convert("lm_head", head, "int8"), plain)
         to_activation_dtype(model)  # the embedding, norms and fallback layers
         if fallbacks and can_pack(model):
             for name in fallbacks:
-                parent, attr = (model, name) if "." not in name else (model.layers[int(name.split(".")[1])],
-                                                                       name.split(".")[2])
+                parent, _, attr = name.rpartition(".")
+                parent = model.get_submodule(parent)  # (the model itself for the head: "")
                 setattr(parent, attr, PackedLinear(getattr(parent, attr)))
     if fallbacks:
         warnings.warn(f"{weights}: {len(fallbacks)} layer(s) kept in bf16: "

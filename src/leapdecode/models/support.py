@@ -31,6 +31,7 @@ class Support:
     kernel: str | None  # why the exact kernel cannot run on this machine (None: it can)
     types: dict[str, float] = field(default_factory=dict)  # block type -> share of the packed weights
     requantized: list[str] = field(default_factory=list)  # the types the kernel re-quantizes to 8 bits
+    layers: str | None = None  # what the native decoder's layers are where they are not dense ones (a mixture of experts)
 
     @property
     def exact(self) -> bool:
@@ -42,7 +43,8 @@ class Support:
 
     def lines(self) -> list[tuple[str, str, bool]]:
         """(label, text, good) lines for a report."""
-        arch = (f"{self.architecture}: native decoder", True) if self.native is None else (
+        native = f"{self.architecture}: native decoder" + (f" ({self.layers})" if self.layers else "")
+        arch = (native, True) if self.native is None else (
             f"{self.architecture}: transformers backend ({self.native}); slower, and speculation is not "
             "guaranteed exact there", False)
         out = [("architecture", *arch)]
@@ -90,19 +92,23 @@ def support_of(name_or_path: str) -> Support:
     path, gguf = model_files(name_or_path)
     config = json.loads((path / "config.json").read_text())
     architecture = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
+    layers = None
     try:
-        ModelConfig.from_hf(config)
+        cfg = ModelConfig.from_hf(config)
         native = None
+        if cfg.sparse_layers is not None:
+            layers = (f"a mixture of experts: the top {cfg.experts_per_token} of {cfg.n_experts} experts a token on "
+                      f"{sum(cfg.sparse_layers)} of {cfg.n_layers} layers, run op by op, not in one kernel call")
     except (NotImplementedError, KeyError) as e:
         native = str(e).strip("'") or type(e).__name__
     kernel = exact_kernel_problem(torch.device("cpu"))
     if gguf is None:
         kernel = kernel or ("a float checkpoint keeps float weights by default, which are not batch-invariant "
                             "(--weights int4 puts it on the exact kernel)")
-        return Support(str(name_or_path), architecture, native, kernel)
+        return Support(str(name_or_path), architecture, native, kernel, layers=layers)
     with gguf() as gguf_path:
         counts = _block_types(gguf_path)
     total = sum(counts.values()) or 1
     own = set(NATIVE_TYPES.values())
     return Support(str(name_or_path), architecture, native, kernel, {t: n / total for t, n in counts.items()},
-                   sorted(t for t in counts if t not in own))
+                   sorted(t for t in counts if t not in own), layers)
