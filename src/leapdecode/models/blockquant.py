@@ -5,8 +5,10 @@ blocks (``gguf_blocks``: Q4_K / Q4_0 / Q4_1 as 4-bit codes, Q5_* / Q6_K as 6-bit
 8-bit codes, each with its exact fp32 scales and offsets): the weights are bit for bit those
 llama.cpp multiplies by.  They are packed tensor by tensor straight from the file
 (``pack_gguf``, reading through ``gguf_tensors``: llama.cpp's q/k permutation undone by the
-architecture's rule), without a float copy of the model.  From a plain float checkpoint, linear
-layers are quantized to 4-bit codes in groups of 32 (``gguf_blocks.quantize_q4``).
+architecture's rule), without a float copy of the model; a mixture of experts' 3-D expert tensors an
+expert at a time, each expert's gate/up and down a ``QLinear`` of its own (its router stays float,
+``models/moe.py``).  From a plain float checkpoint, linear layers are quantized to 4-bit codes in
+groups of 32 (``gguf_blocks.quantize_q4``).
 
 The embedding and the norms run in bf16 (the kernel's activation dtype; the embedding is the
 ``gguf`` package's dequantization of the file's rows, rounded to bf16); the output head runs on
