@@ -2,9 +2,10 @@
 
 A weight is kept in the GGUF's block form, ``w[n, k] = s[n, g] * q[n, k] + z[n, g]`` for the
 group ``g`` of column ``k`` (group 16 or 32), with the codes ``q`` as they are in the file
-(4-bit, 6-bit or 8-bit) and the scale ``s`` and offset ``z`` exact in fp32 (the GGUF's own
-products ``d * sc`` and ``dmin * m``).  So a Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K / Q6_K /
-Q8_0 tensor runs with exactly the weights llama.cpp dequantizes, without re-quantizing.
+(2-, 3-, 4-, 6- or 8-bit, or IQ4's 4-bit indices into its table of 16 values) and the scale ``s``
+and offset ``z`` exact in fp32 (the GGUF's own products ``d * sc`` and ``dmin * m``).  So a Q2_K /
+Q3_K / Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 / IQ4_NL / IQ4_XS tensor runs with
+exactly the weights llama.cpp dequantizes, at about the file's bits a weight, without re-quantizing.
 
 Activations are quantized the way llama.cpp quantizes them for these formats: each row's bf16
 values to int8 per group of 16/32 columns (``x ~ dx * xq``, ``dx = max|x| / 127``); the dot
@@ -75,8 +76,19 @@ DENSE_MIN_ROWS = 64
 # ``LEAPDECODE_DENSE_BUDGET_MB`` grants them memory (``DenseBudget``): the memory a model takes is then
 # its blocks' and its caches', predictably; a layer whose copy does not fit prefills on the kernel.
 DENSE_BUDGET_ENV = "LEAPDECODE_DENSE_BUDGET_MB"
-BITS = (4, 6, 8)
+# The code formats (kernels/qgemm.cpp): bit widths 2 (Q2_K), 3 (Q3_K), 4, 6 (stored codes of 5 and 6 bits) and 8,
+# and CODES_IQ4: 4-bit indices into IQ4_NL's and IQ4_XS's 16 signed values (``IQ4_VALUES``), looked up by the kernel
+CODES_IQ4 = 9
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 GROUPS = (16, 32)
+FORMAT_GROUPS = {2: (16,), 3: (16,), 4: GROUPS, 6: GROUPS, 8: GROUPS, CODES_IQ4: (32,)}  # the groups each runs in
+BITS = tuple(FORMAT_GROUPS)
+FORMATS = tuple((bits, group) for bits, groups in FORMAT_GROUPS.items() for group in groups)
+UNIT_BYTES = {2: 4, 3: 6, 4: 8, 6: 12, 8: 16, CODES_IQ4: 8}  # bytes of a 16-row unit's group, per column of it
+
+
+def format_name(bits: int) -> str:
+    return "IQ4 indices" if bits == CODES_IQ4 else f"{bits}-bit codes"
 
 
 class KernelUnavailable(RuntimeError):
@@ -172,7 +184,8 @@ def library_intact(target: Path) -> bool:
 # functions of each code width apart from the rest; a fresh 2-core machine's first start waits
 # about half as long as for one compiler process)
 PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD_PART=6",)),
-         (SOURCE, ("-DLD_PART=8",)), (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
+         (SOURCE, ("-DLD_PART=8",)), (SOURCE, ("-DLD_PART=2",)), (SOURCE, (f"-DLD_PART={CODES_IQ4}",)),
+         (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
 
 
 def _compile_parts(cxx: str, work: Path, target: Path) -> list[str]:
@@ -422,8 +435,9 @@ def kernel_isa() -> str:
 class BlockWeight:
     """One weight in block form: ``w = scales * codes + zeros`` per group of ``group`` columns.
 
-    ``codes``: integer ``[N, K]`` (4-bit: 0..15; 6-bit: 0..63 stored, value ``code - offset``;
-    8-bit: -128..127); ``scales``, ``zeros``: fp32 ``[N, K / group]``."""
+    ``codes``: integer ``[N, K]`` (2-bit: 0..3; 4-bit: 0..15; 3-bit: 0..7 and 6-bit: 0..63 stored, value
+    ``code - offset``; 8-bit: -128..127; ``CODES_IQ4``: indices 0..15, value ``IQ4_VALUES[code]``);
+    ``scales``, ``zeros``: fp32 ``[N, K / group]``."""
 
     codes: np.ndarray
     scales: np.ndarray
@@ -442,7 +456,9 @@ class BlockWeight:
 
     def values(self) -> np.ndarray:
         """The integer values the codes stand for."""
-        return self.codes.astype(np.int32) - (self.offset if self.bits == 6 else 0)
+        if self.bits == CODES_IQ4:
+            return IQ4_VALUES[self.codes].astype(np.int32)
+        return self.codes.astype(np.int32) - (self.offset if self.bits in (3, 6) else 0)
 
     def dequantize(self) -> np.ndarray:
         """fp32 ``[N, K]``: ``scale * value + zero`` (one rounding per product, one per sum)."""
@@ -464,7 +480,7 @@ def padded(w: BlockWeight, multiple: int = 16) -> BlockWeight:
     if not extra:
         return w
     pad = lambda a, v=0: np.concatenate([a, np.full((extra,) + a.shape[1:], v, dtype=a.dtype)])  # noqa: E731
-    code0 = w.offset if w.bits == 6 else 0  # the code whose value is 0
+    code0 = w.offset if w.bits in (3, 6) else 0  # the code whose value is 0 (IQ4: none; the scale is 0)
     f = w.factors
     return BlockWeight(pad(w.codes, code0), pad(w.scales), pad(w.zeros), w.bits, w.group, w.offset,
                        None if f is None else (pad(f[0]), pad(f[1]), pad(f[2]), pad(f[3]), f[4]))
@@ -501,8 +517,8 @@ def pack(w: BlockWeight, smode: int | None = None) -> dict[str, torch.Tensor]:
     packed in chunks of rows (a multiple of 16) with one ``smode`` is the concatenation of its parts."""
     n, k = w.codes.shape
     g = w.group
-    if w.bits not in BITS or g not in GROUPS or n % 16 or k % g:
-        raise ValueError(f"cannot pack a [{n}, {k}] weight with {w.bits}-bit codes in groups of {g}")
+    if g not in FORMAT_GROUPS.get(w.bits, ()) or n % 16 or k % g:
+        raise ValueError(f"cannot pack a [{n}, {k}] weight with {format_name(w.bits)} in groups of {g}")
     k_quant, half = scale_forms(w)
     if smode is None:
         smode = scale_mode([(k_quant, half)])
@@ -515,10 +531,18 @@ def pack(w: BlockWeight, smode: int | None = None) -> dict[str, torch.Tensor]:
         c = w.codes.astype(np.uint8, copy=False)
     # [u, j, g, q, t] -> [u, g, q, j, t]: quad vector q of unit u, group g holds (n = j, k = 4q + t)
     c = c.reshape(n // 16, 16, ng, g // 4, 4).transpose(0, 2, 3, 1, 4).reshape(n // 16, ng, g // 4, 64)
-    if w.bits in (4, 6):
+    if w.bits in (2, 3):  # 2 bits a code, four quad vectors a byte; then 3-bit codes' third bits, 8 bytes a quad
+        lo = (c & 3).reshape(n // 16, ng, g // 16, 4, 64)
+        lo = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 2) | (lo[:, :, :, 2] << 4) | (lo[:, :, :, 3] << 6))
+        c2 = lo.astype(np.uint8).reshape(n // 16, ng, -1)
+        if w.bits == 3:
+            third = np.packbits((c >> 2) & 1, axis=-1, bitorder="little").reshape(n // 16, ng, -1)
+            c2 = np.concatenate([c2, third], axis=-1)
+        c = c2
+    elif w.bits in (4, 6, CODES_IQ4):
         lo = (c & 15).reshape(n // 16, ng, g // 8, 2, 64)
         lo = (lo[:, :, :, 0, :] | (lo[:, :, :, 1, :] << 4)).astype(np.uint8).reshape(n // 16, ng, -1)
-        if w.bits == 4:
+        if w.bits != 6:
             c = lo
         else:  # then the high 2 bits, four quad vectors a byte
             hi = (c >> 4).reshape(n // 16, ng, g // 16, 4, 64)
@@ -551,12 +575,12 @@ PREFILL_PROFILE_MAX_AGE_S = 7 * 24 * 3600
 def _probe_weight(bits: int, group: int) -> BlockWeight:
     rows, k, n = PREFILL_PROBE
     rng = np.random.default_rng(0)
-    top = {4: 16, 6: 64, 8: 256}[bits]
+    top = {2: 4, 3: 8, 4: 16, 6: 64, 8: 256, CODES_IQ4: 16}[bits]
     codes = rng.integers(0, top, size=(n, k)) - (128 if bits == 8 else 0)
     scales = (rng.random((n, k // group), dtype=np.float32) * 0.01).astype(np.float32)
-    zeros = -(scales * (top // 2)).astype(np.float32) if bits == 4 else np.zeros_like(scales)
+    zeros = -(scales * (top // 2)).astype(np.float32) if bits in (2, 4) else np.zeros_like(scales)
     return BlockWeight(codes.astype(np.int16 if bits == 8 else np.uint8), scales, zeros, bits, group,
-                       32 if bits == 6 else 0)
+                       top // 2 if bits in (3, 6) else 0)
 
 
 def measure_prefill_ratio(bits: int, group: int, rounds: int = 5) -> float:
@@ -593,7 +617,7 @@ def prefill_ratios() -> dict[tuple[int, int], float]:
             return {tuple(int(v) for v in k.split("/")): float(r) for k, r in entry["ratios"].items()}
         except (KeyError, ValueError, AttributeError):
             pass
-    ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits in BITS for group in GROUPS}
+    ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits, group in FORMATS}
     now = time.time()
     # entries past their age are never read again: dropped (one per build and thread count piled up)
     stored = {k: v for k, v in (stored.items() if isinstance(stored, dict) else ())
@@ -686,10 +710,10 @@ class QPart(nn.Module):
         self.out_features, self.in_features = int(out_features), int(in_features)
         self.smode, self.gps = int(smode), int(gps)
         units, ng = out_features // 16, in_features // group
-        per_group = {4: 8, 6: 12}.get(bits, 16) * group
+        per_group = UNIT_BYTES.get(bits, 16) * group
         problem = None
-        if bits not in BITS or group not in GROUPS or out_features % 16 or in_features % group:
-            problem = f"{bits}-bit codes in groups of {group} do not fit its shape"
+        if group not in FORMAT_GROUPS.get(bits, ()) or out_features % 16 or in_features % group:
+            problem = f"{format_name(bits)} in groups of {group} do not fit its shape"
         elif codes.numel() != units * ng * per_group or scales.shape != (units, ng, 16) or zeros.shape != scales.shape:
             problem = "its tensors have the wrong sizes"
         elif self.smode not in self.SCALE_DTYPES or scales.dtype != self.SCALE_DTYPES[self.smode] \
