@@ -1141,3 +1141,19 @@ def test_every_path_of_the_kernel_sources_compiles(path, part):
     proc = subprocess.run([cxx, *flags, *march, *PATH_FLAGS[path], *extra, "-fsyntax-only", str(source)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_package_data_ships_every_kernel_source_and_header():
+    # a wheel holds what pyproject's package-data names: a header left out (bf16.h once was) makes an
+    # installed package's first kernel build fail
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["leapdecode.models"]
+    package = qkernel.SOURCE.parents[1]
+    needed = [p.relative_to(package).as_posix() for p in (*qkernel.SOURCES, *qkernel.HEADERS)]
+    assert set(needed) == {p.relative_to(package).as_posix() for p in qkernel.SOURCE.parent.iterdir()
+                           if p.suffix in (".cpp", ".h")}  # SOURCES and HEADERS name every file there
+    assert all(any(fnmatch.fnmatch(n, g) for g in globs) for n in needed), (needed, globs)
