@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidParameterError, ModelFileError
+from . import kernel_abi
 from .linear import make_linear
 from .store import (atomic_write, cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale,
                     writable, write_digest)
@@ -54,7 +55,7 @@ SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
 LAYERS_SOURCE = SOURCE.with_name("layers.cpp")  # a decoder's layers in one call (``LayerStack``)
 SOURCES = (SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE)  # compiled into one shared library
-HEADERS = (SOURCE.with_name("bf16.h"),)  # included by the sources
+HEADERS = (SOURCE.with_name("bf16.h"), kernel_abi.HEADER)  # included by the sources
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once, ``PARTS``: ~33 s on 2
 # cores); the bound only stops a hung compiler (300 s was reached on a loaded 2-core machine, and
@@ -313,7 +314,7 @@ def _open_library() -> ctypes.CDLL:
                     _build(target)
         try:
             return _bind(ctypes.CDLL(str(target)))
-        except (OSError, AttributeError) as e:
+        except (OSError, AttributeError, kernel_abi.AbiMismatch) as e:
             if attempt == 2:
                 raise KernelUnavailable(f"cannot load {target} even after building it again: {e}") from None
             say(f"cannot load the cached kernel library {target} ({e}): building it again")
@@ -359,38 +360,9 @@ def _build_lock(directory: Path):
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the library's functions (``AttributeError`` where one is missing: not our library)."""
-    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, vp, vp, i64,
-                             i32, i32, vp]
-    lib.ld_qgemm.restype = i32
-    lib.ld_work_bytes.argtypes = [i64, i32]
-    lib.ld_work_bytes.restype = i64
-    lib.ld_qdequant.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
-    lib.ld_qdequant.restype = i32
-    lib.ld_qdequant_bf16.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
-    lib.ld_qdequant_bf16.restype = i32
-    lib.ld_simd.restype = i32
-    lib.ld_attend_rows.argtypes = [vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, vp, i64, i32, i32, i32, i32,
-                                   ctypes.c_float, ctypes.c_float, vp, i32]
-    lib.ld_attend_rows.restype = i32
-    lib.ld_rmsnorm_bf16.argtypes = [vp, i64, i64, i64, vp, ctypes.c_float, vp, i64]
-    lib.ld_rmsnorm_bf16.restype = i32
-    lib.ld_rmsnorm1p_bf16.argtypes = lib.ld_rmsnorm_bf16.argtypes
-    lib.ld_rmsnorm1p_bf16.restype = i32
-    lib.ld_rope_store.argtypes = [vp, i64, i64, vp, vp, i32, i32, i32, i32, vp, vp, i64, i64, vp, i64, i64, i64]
-    lib.ld_rope_store.restype = i32
-    lib.ld_rope_attend_segments.argtypes = [vp, i64, i64, vp, vp, i32, vp, vp, vp, vp, i32, i32, i32, i32,
-                                            ctypes.c_float, vp, vp, i32]
-    lib.ld_rope_attend_segments.restype = i32
-    stack, layer = ctypes.POINTER(LdStack), ctypes.POINTER(LdLayer)
-    lib.ld_layers_scratch.argtypes = [stack, layer, i64]
-    lib.ld_layers_scratch.restype = i64
-    lib.ld_decoder_layers.argtypes = [stack, layer, vp, i64, vp, vp, i64, vp, vp, i64, vp, vp, vp, i64, vp, i32]
-    lib.ld_decoder_layers.restype = i32
-    lib.ld_silu_mul_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp]
-    lib.ld_silu_mul_bf16.restype = i32
-    return lib
+    """Type the library's functions from the ABI's one declaration (``kernel_abi``): ``AttributeError``
+    where one is missing (not our library), ``AbiMismatch`` where its version or a struct differs."""
+    return kernel_abi.bind(lib)
 
 
 REQUIRE_ENV = "LEAPDECODE_REQUIRE_KERNEL"  # "1": a kernel that cannot run is an error, never a fallback
@@ -1057,35 +1029,9 @@ def rope_attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 # --------------------------------------------------------------------------- a decoder's layers
-class LdPart(ctypes.Structure):
-    """``kernels/layers.cpp``'s LdPart: one packed part as ``ld_qgemm`` takes it."""
-
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
-                ("dsup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + \
-        [(name, ctypes.c_int64) for name in ("smode", "gps", "bits", "offset", "group", "n", "n0")]
-
-
-class LdLinear(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(LdPart)), ("n_parts", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("padded", ctypes.c_int64)]
-
-
-class LdLayer(ctypes.Structure):
-    _fields_ = [("qkv", LdLinear), ("o", LdLinear), ("gate_up", LdLinear), ("down", LdLinear),
-                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
-                ("windowed", ctypes.c_int64)]
-
-
-class LdStack(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "inter", "hq", "hkv", "d")] + \
-        [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("silu", ctypes.c_void_p),
-         ("k", ctypes.c_void_p), ("k_layer", ctypes.c_int64), ("k_head", ctypes.c_int64), ("k_slot", ctypes.c_int64),
-         ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64),
-         ("nseg", ctypes.c_int64), ("seg_start", ctypes.c_void_p), ("seg_kv", ctypes.c_void_p),
-         ("seg_kv_step", ctypes.c_void_p), ("plus_one", ctypes.c_int64), ("local_cos", ctypes.c_void_p),
-         ("local_sin", ctypes.c_void_p), ("local_idx", ctypes.c_void_p), ("local_offsets", ctypes.c_void_p),
-         ("softcap", ctypes.c_float)]
+# kernels/layers.cpp's structs, as ld_abi.h declares them: one packed part as ld_qgemm takes it, a QLinear's
+# parts, a layer, and what the layers share
+LdPart, LdLinear, LdLayer, LdStack = (kernel_abi.abi().structs[n] for n in ("LdPart", "LdLinear", "LdLayer", "LdStack"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -93,6 +93,7 @@ extern "C" int ld_simd(void) { return LD_SIMD; }
 #endif
 
 #include "bf16.h"
+#include "ld_abi.h"
 
 static inline float half_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
