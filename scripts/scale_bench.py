@@ -79,6 +79,14 @@ def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.n
         fields, scale = (208,), 1e-5
     elif qtype == T.Q8_0:  # d fp16 at 0: w = d q, q int8
         fields, scale = (0,), 3e-4
+    elif qtype == T.Q2_K:  # d, dmin fp16 at 80 and 82: w = d sc q - dmin m, sc and m 4-bit, q 2-bit
+        fields, scale = (80, 82), 5e-4
+    elif qtype == T.Q3_K:  # d fp16 at 108: w = d sc (q - 4), sc 6-bit signed, q 3-bit
+        fields, scale = (108,), 4e-4
+    elif qtype == T.IQ4_NL:  # d fp16 at 0: w = d kv[q], kv within +-127
+        fields, scale = (0,), 2e-4
+    elif qtype == T.IQ4_XS:  # d fp16 at 0: w = d sc kv[q], sc 6-bit signed
+        fields, scale = (0,), 1e-5
     else:
         raise ValueError(f"no random blocks for {qtype!r}")
     for at in fields:
@@ -87,23 +95,28 @@ def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.n
     return raw.reshape(rows, -1)
 
 
-def tensor_plan(shape: tuple, vocab: int) -> list[tuple[str, tuple[int, ...], object]]:
+MIXES = ("Q4_K_M", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "Q4_K")  # --type: Q4_K_M's mixture, or one type throughout
+
+
+def tensor_plan(shape: tuple, vocab: int, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], object]]:
     """(name, torch-order shape, ggml type or None for F32) of every tensor, in llama.cpp's order; a
     K-quant tensor whose rows are not whole 256-weight super-blocks is Q8_0 (llama.cpp falls back too:
-    Qwen2.5-0.5B's hidden size is 896)."""
+    Qwen2.5-0.5B's hidden size is 896).  ``mix``: Q4_K_M's mixture, or that type for every matrix but the
+    output head (Q6_K)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     arch, hidden, layers, heads, kv_heads, head_dim, ffn, _theta, bias = shape
     q, kv = heads * head_dim, kv_heads * head_dim
-    plan = [("token_embd.weight", (vocab, hidden), T.Q4_K)]
+    main = T.Q4_K if mix == "Q4_K_M" else T[mix]
+    plan = [("token_embd.weight", (vocab, hidden), main)]
     for i in range(layers):
-        more = T.Q6_K if use_more_bits(i, layers) else T.Q4_K
+        more = (T.Q6_K if use_more_bits(i, layers) else T.Q4_K) if mix == "Q4_K_M" else main
         b = f"blk.{i}."
-        plan += [(b + "attn_norm.weight", (hidden,), None), (b + "attn_q.weight", (q, hidden), T.Q4_K),
-                 (b + "attn_k.weight", (kv, hidden), T.Q4_K), (b + "attn_v.weight", (kv, hidden), more),
-                 (b + "attn_output.weight", (hidden, q), T.Q4_K), (b + "ffn_norm.weight", (hidden,), None),
-                 (b + "ffn_gate.weight", (ffn, hidden), T.Q4_K), (b + "ffn_up.weight", (ffn, hidden), T.Q4_K),
+        plan += [(b + "attn_norm.weight", (hidden,), None), (b + "attn_q.weight", (q, hidden), main),
+                 (b + "attn_k.weight", (kv, hidden), main), (b + "attn_v.weight", (kv, hidden), more),
+                 (b + "attn_output.weight", (hidden, q), main), (b + "ffn_norm.weight", (hidden,), None),
+                 (b + "ffn_gate.weight", (ffn, hidden), main), (b + "ffn_up.weight", (ffn, hidden), main),
                  (b + "ffn_down.weight", (hidden, ffn), more)]
         if bias:
             plan += [(b + f"attn_{p}.bias", (n,), None) for p, n in (("q", q), ("k", kv), ("v", kv))]
@@ -113,7 +126,7 @@ def tensor_plan(shape: tuple, vocab: int) -> list[tuple[str, tuple[int, ...], ob
     return [(n, s, T.Q8_0 if q is not None and s[1] % 256 else q) for n, s, q in plan]
 
 
-def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0) -> None:
+def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0, mix: str = "Q4_K_M") -> None:
     """A GGUF of shape ``name`` with random blocks and ``tokenizer_gguf``'s tokenizer, written tensor by
     tensor (nothing of it held at once)."""
     import gguf
@@ -136,14 +149,14 @@ def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0) -> No
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_file_type(gguf.LlamaFileType["MOSTLY_" + {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S"}.get(mix, mix)])
     for key, field in source.fields.items():  # the tokenizer and chat template, as the source has them
         if key.startswith("tokenizer."):
             vtype = field.types[0]
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
     del source
-    plan = tensor_plan(shape, vocab)
+    plan = tensor_plan(shape, vocab, mix)
     for tname, tshape, qtype in plan:
         if qtype is None:
             writer.add_tensor_info(tname, tshape, np.dtype(np.float32), 4 * int(np.prod(tshape)))
@@ -261,6 +274,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, help="folder for the GGUFs and caches (default: OUT/work)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--type", default="Q4_K_M", choices=MIXES,
+                    help="the GGUFs' types: Q4_K_M's mixture (default), or one type for every matrix but the head "
+                         "(Q6_K); a shape's record is then keyed SHAPE@TYPE")
     ap.add_argument("--no-peer", action="store_true", help="leapdecode only")
     ap.add_argument("--keep", action="store_true", help="keep each shape's GGUF and caches")
     ap.add_argument("--save", action="store_true", help="copy the report to docs/results/scale/ for the results page")
@@ -290,10 +306,11 @@ def main() -> int:
                   command="python scripts/scale_bench.py " + " ".join(sys.argv[1:]))
     results = report["shapes"]
     for name in shapes:
-        gguf = work / f"random-{name}.gguf"
+        key = name if args.type == "Q4_K_M" else f"{name}@{args.type}"
+        gguf = work / f"random-{key}.gguf"
         print(f"== {name}: writing {gguf.name} ...", flush=True)
         t0 = time.perf_counter()
-        write_gguf(gguf, name, tokenizer)
+        write_gguf(gguf, name, tokenizer, mix=args.type)
         size = gguf.stat().st_size
         print(f"   {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
         cache = cache_with_kernel(Path(tempfile.mkdtemp(prefix=f"cache-{name}-", dir=work)))
@@ -309,7 +326,7 @@ def main() -> int:
         if "skipped" not in peer:
             print(f"   llama-server ready {peer['ready_s']:.1f} s, peak {peer['peak'] / 1e9:.2f} GB; prefill "
                   f"{peer['prefill_tps']:.1f} t/s, decode {peer['decode_tps']:.2f} t/s", flush=True)
-        results[name] = {"shape": dict(zip(("architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
+        results[key] = {"type": args.type, "shape": dict(zip(("architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
                                             "rope_theta", "attention_bias"), SHAPES[name])),
                          "gguf_bytes": size, "first": first, "cache_bytes": disk, "warm": warm, "llama_server": peer,
                          "date": time.strftime("%Y-%m-%d")}

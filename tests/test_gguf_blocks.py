@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 
 from leapdecode.models import gguf_blocks
 from leapdecode.models.gguf_blocks import BLOCK_BYTES, decode, quantize_q4, requantize_q8, tensor_weight
+from leapdecode.models.qkernel import CODES_IQ4
 
 # type -> byte offsets of its fp16 fields in a block (d, and m / dmin where it has one)
 FP16_FIELDS = {
@@ -29,9 +30,11 @@ FP16_FIELDS = {
 # type -> (bits, group, offset) of the BlockWeight
 FORMAT = {
     T.Q4_0: (4, 32, 0), T.Q4_1: (4, 32, 0), T.Q5_0: (6, 32, 16), T.Q5_1: (6, 32, 0), T.Q8_0: (8, 32, 0),
-    T.Q4_K: (4, 32, 0), T.Q5_K: (6, 32, 0), T.Q6_K: (6, 16, 32), T.Q2_K: (4, 16, 0), T.Q3_K: (4, 16, 0),
-    T.IQ4_NL: (8, 32, 0), T.IQ4_XS: (8, 32, 0),
+    T.Q4_K: (4, 32, 0), T.Q5_K: (6, 32, 0), T.Q6_K: (6, 16, 32), T.Q2_K: (2, 16, 0), T.Q3_K: (3, 16, 4),
+    T.IQ4_NL: (CODES_IQ4, 32, 0), T.IQ4_XS: (CODES_IQ4, 32, 0),
 }
+# the codes' range per format
+CODE_RANGE = {2: (0, 3), 3: (0, 7), 4: (0, 15), 6: (0, 63), CODES_IQ4: (0, 15), 8: (-128, 127)}
 TYPES = list(FP16_FIELDS)
 
 
@@ -67,10 +70,8 @@ def test_decode_equals_gguf_dequantize(qtype, seed):
     assert (w.bits, w.group, w.offset) == (bits, group, offset)
     assert w.shape == (n, k) and w.scales.shape == w.zeros.shape == (n, k // group)
     assert w.scales.dtype == w.zeros.dtype == np.float32
-    if bits == 4:
-        assert w.codes.min() >= 0 and w.codes.max() <= 15
-    elif bits == 6:
-        assert w.codes.min() >= 0 and w.codes.max() <= 63
+    lo, hi = CODE_RANGE[bits]
+    assert w.codes.min() >= lo and w.codes.max() <= hi
     got = w.dequantize()
     assert got.dtype == np.float32
     assert np.array_equal(got, ref), np.abs(got - ref).max()
@@ -185,38 +186,26 @@ def test_decoded_blocks_run_on_the_kernel_exactly():
         assert np.array_equal(QPart.from_block(w).dequantize().numpy(), w.dequantize()), qtype.name
 
 
+# bits a code takes packed, per format
+CODE_BITS = {2: 2, 3: 3, 4: 4, 6: 6, 8: 8, CODES_IQ4: 4}
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_tensor_packed_in_chunks_of_rows_is_its_whole_packing(qtype):
-    """Issue 62's first step: a large tensor is packed from the file a chunk of rows at a time (its
-    temporaries stay small), each chunk in the form its whole tensor takes (``scale_mode`` over every
-    chunk's ``scale_forms``), and the chunks laid end to end are byte for byte its whole packing."""
-    from leapdecode.models.qkernel import BlockWeight, pack, scale_forms, scale_mode
+def test_every_type_is_packed_in_its_codes_bits_and_its_scales(qtype):
+    # codes at their bit width (Q5_* and Q5_K's 5-bit codes take the 6-bit layout) plus the scale forms: fp16 s and z
+    # per group (the legacy types: 32 bits a group), or the K-quants' int8 sub-block scale and offset per group and
+    # fp16 d and dmin per super-block; so Q2_K, Q3_K and the IQ4 types are no longer re-coded wider (5.13 or 9 bits)
+    from leapdecode.models.gguf_blocks import file_bits
+    from leapdecode.models.qkernel import QPart
 
     per = gguf.GGML_QUANT_SIZES[qtype][0]
-    n, k = 64, 2 * per
-    raw = random_raw(qtype, n, k, seed=5)
-    chunks = [decode(raw[i : i + 16], int(qtype), 16, k) for i in range(0, n, 16)]
-    # one chunk that cannot keep fp16 scales (nor, for a K-quant, its factors): the whole tensor cannot
-    spoiled = decode(raw[16:32], int(qtype), 16, k)
-    spoiled.scales[0, 0] = np.float32(1 / 3)
-    if spoiled.factors is not None:
-        spoiled.factors[2][0, 0] = np.float32(1 / 3)
-    for parts in (chunks, [chunks[0], spoiled, *chunks[2:]]):
-        whole = BlockWeight(*(np.concatenate([getattr(c, f) for c in parts])
-                              for f in ("codes", "scales", "zeros")), parts[0].bits, parts[0].group,
-                            parts[0].offset, None if parts[0].factors is None else (
-                                *(np.concatenate([c.factors[i] for c in parts]) for i in range(4)), parts[0].factors[4]))
-        ref = pack(whole)
-        mode = scale_mode([scale_forms(c) for c in parts])
-        assert mode == ref["smode"]
-        packed = [pack(c, smode=mode) for c in parts]
-        for key, value in ref.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(torch.cat([p[key] for p in packed]), value), (qtype.name, key)
-            else:
-                assert all(p[key] == value for p in packed), (qtype.name, key)
-    with pytest.raises(ValueError):  # a chunk cannot take a form its scales do not fit
-        pack(spoiled, smode=1)
+    n, k = 64, 4 * max(per, 64)
+    part = QPart.from_block(decode(random_raw(qtype, n, k, seed=13), int(qtype), n, k))
+    g = part.group
+    scale_bits = 32 / g if part.smode == 1 else 16 / g + 32 / (g * part.gps)
+    assert part.smode in (1, 2) and 8 * part.nbytes() / (n * k) == CODE_BITS[part.bits] + scale_bits, qtype.name
+    if qtype in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS):
+        assert 8 * part.nbytes() / (n * k) <= file_bits(int(qtype)) + 0.7, qtype.name
 
 
 # ------------------------------------------------------------------ tensor_weight

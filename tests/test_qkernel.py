@@ -44,14 +44,15 @@ from leapdecode.errors import ModelFileError
 from leapdecode.models import qkernel
 from leapdecode.models.store import digest_path
 from conftest import KERNEL_VARIANTS, build_kernel_variant
-from leapdecode.models.qkernel import MAX_ROWS, BlockWeight, QLinear, QPart, kernel_problem, pack, padded
+from leapdecode.models.qkernel import (CODES_IQ4, IQ4_VALUES, MAX_ROWS, UNIT_BYTES, BlockWeight, QLinear, QPart,
+                                       kernel_problem, pack, padded)
 
 from test_quant import _tree_vs_sequential as _tree_vs_one_at_a_time
 
 BF16 = torch.bfloat16
-# (bits, group, offset): Q4_*/Q4_K; Q6_K; Q5_0; Q8_0
-FORMATS = [(4, 32, 0), (6, 16, 32), (6, 32, 16), (8, 32, 0)]
-FORMAT_IDS = ["4b-g32", "6b-g16-o32", "6b-g32-o16", "8b-g32"]
+# (bits, group, offset): Q4_*/Q4_K; Q6_K; Q5_0; Q8_0; Q2_K; Q3_K; IQ4_NL/IQ4_XS
+FORMATS = [(4, 32, 0), (6, 16, 32), (6, 32, 16), (8, 32, 0), (2, 16, 0), (3, 16, 4), (CODES_IQ4, 32, 0)]
+FORMAT_IDS = ["4b-g32", "6b-g16-o32", "6b-g32-o16", "8b-g32", "2b-g16", "3b-g16-o4", "iq4-g32"]
 LOOSE = 2e-2  # QLinear vs the float product x @ W.T: at most this fraction of max|y| (int8 activations)
 
 
@@ -97,10 +98,8 @@ class _threads:
 
 def random_block(n: int, k: int, bits: int, group: int, offset: int = 0, seed: int = 0) -> BlockWeight:
     rng = np.random.default_rng(seed)
-    if bits == 4:
-        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
-    elif bits == 6:
-        codes = rng.integers(0, 64, (n, k)).astype(np.uint8)
+    if bits != 8:
+        codes = rng.integers(0, {2: 4, 3: 8, 6: 64}.get(bits, 16), (n, k)).astype(np.uint8)
     else:
         codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
     scales = (rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float32)
@@ -271,8 +270,8 @@ def test_kernel_weight_is_the_block_weight_exactly(kernel, fmt):
         got = part.dequantize()
         assert got.dtype == torch.float32 and got.shape == (n, k)
         assert np.array_equal(got.numpy(), w.dequantize()), (n, k)
-        # the values are what the format says: s * (code - offset) + z
-        v = w.codes.astype(np.float32) - (offset if bits == 6 else 0)
+        # the values are what the format says: s * (code - offset) + z, IQ4: s * IQ4_VALUES[code] + z
+        v = IQ4_VALUES[w.codes].astype(np.float32) if bits == CODES_IQ4 else w.codes.astype(np.float32) - offset
         expect = np.repeat(w.scales, group, 1) * v + np.repeat(w.zeros, group, 1)
         assert np.array_equal(w.dequantize(), expect)
 
@@ -386,7 +385,7 @@ def test_forwards_are_invariant_up_to_the_limit_and_right_beyond(prefill_path, f
 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 FACTORED = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # a super-block's fp16 d (and dmin) times int8 scales
-NO_OFFSETS = ("Q6_K", "IQ4_XS")  # factored, with every zsup +0: scale mode 3 for the kernel
+NO_OFFSETS = ("Q3_K", "Q6_K", "IQ4_XS")  # factored, with every zsup +0 (Q3_K, Q6_K: a code offset): scale mode 3 for the kernel
 
 
 def gguf_block(name: str, n: int, blocks: int, seed: int) -> BlockWeight:
@@ -409,7 +408,7 @@ def test_gguf_blocks_on_the_kernel(force_kernel, name):
     k = w.shape[1]
     part = QPart.from_block(w)
     assert part.smode == (2 if name in FACTORED else 1)  # the file's fp16 scales are exact
-    # Q6_K and IQ4_XS have no offsets: the kernel gets scale mode 3 (its few-row path skips their bytes)
+    # Q3_K, Q6_K and IQ4_XS have no offsets: the kernel gets scale mode 3 (its few-row path skips their bytes)
     assert part.pointers()[5] == (3 if name in NO_OFFSETS else part.smode)
     assert np.array_equal(part.dequantize().numpy(), w.dequantize())
     x = random_x(70, k, seed=51)
@@ -476,10 +475,11 @@ def call_qgemm(lib, part: QPart, x: torch.Tensor, bias: torch.Tensor | None, out
     return y
 
 
-PORTABLE_CASES = FORMATS + [("Q4_K",), ("Q6_K",), ("Q3_K",), ("IQ4_XS",)]
+GGUF_CASES = ["Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
+PORTABLE_CASES = FORMATS + [(name,) for name in GGUF_CASES]
 
 
-@pytest.mark.parametrize("case", PORTABLE_CASES, ids=FORMAT_IDS + ["Q4_K", "Q6_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("case", PORTABLE_CASES, ids=FORMAT_IDS + GGUF_CASES)
 def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
     # (where the library QLinear runs takes the same path, two builds of it are compared)
     if len(case) == 1:
@@ -489,7 +489,7 @@ def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
     n, k = w.shape
     part = QPart.from_block(w)
     if len(case) == 1:
-        assert part.smode == 2  # the factored K-quant scales
+        assert part.smode == (1 if case[0] == "IQ4_NL" else 2)  # the factored K-quant scales (IQ4_NL: fp16 d)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(71))
     x = random_x(70, k, seed=72)
     x[4, :32] = 0
@@ -620,7 +620,9 @@ def test_padded_adds_zero_weight_rows():
         p = padded(w)
         assert p.shape == (32, 64) and p.codes.dtype == w.codes.dtype
         assert np.array_equal(p.codes[:20], w.codes) and np.array_equal(p.scales[:20], w.scales)
-        assert np.array_equal(p.values()[20:], np.zeros((12, 64), np.int32))
+        if bits != CODES_IQ4:  # (IQ4's table has no 0: a padded row's scale 0 makes its weights 0)
+            assert np.array_equal(p.values()[20:], np.zeros((12, 64), np.int32))
+        assert np.array_equal(p.scales[20:], np.zeros((12, 64 // group), np.float32))
         assert np.array_equal(p.dequantize()[20:], np.zeros((12, 64), np.float32))
         assert np.array_equal(p.dequantize()[:20], w.dequantize())
     w = random_block(32, 64, 4, 32, seed=24)
@@ -654,10 +656,12 @@ def unpack(p: dict, bits: int, group: int, n: int, k: int) -> np.ndarray:
     quad vectors of 64 codes; element e of quad q is (row 16 u + e / 4, column G g + 4 q + e % 4);
     4-bit: quads q, q + 1 (q even) share 64 bytes (low nibble: q, high nibble: q + 1); 6-bit: the
     low nibbles so (8 G bytes), then the high 2 bits of quads q..q+3 (q % 4 == 0) in 64 bytes
-    (bits 2j, 2j+1 of byte e: element e of quad q + j); 8-bit: one byte, value + 128."""
+    (bits 2j, 2j+1 of byte e: element e of quad q + j); 8-bit: one byte, value + 128; 2-bit: quads
+    q..q+3 share 64 bytes as the 6-bit's high bits (4 G bytes); 3-bit: so its low 2 bits, then 8 bytes a
+    quad of third bits (bit e % 8 of byte e / 8: element e); IQ4: indices laid out as 4-bit codes."""
     raw = p["codes"].numpy()
     ng = k // group
-    per = {4: 8, 6: 12}.get(bits, 16) * group
+    per = UNIT_BYTES[bits] * group
     assert raw.size == (n // 16) * ng * per
     out = np.zeros((n, k), np.int32)
     for u in range(n // 16):
@@ -667,6 +671,10 @@ def unpack(p: dict, bits: int, group: int, n: int, k: int) -> np.ndarray:
                 for e in range(64):
                     if bits == 8:
                         code = int(blk[q * 64 + e]) - 128
+                    elif bits in (2, 3):
+                        code = (int(blk[(q >> 2) * 64 + e]) >> (2 * (q & 3))) & 3
+                        if bits == 3:
+                            code |= ((int(blk[4 * group + 8 * q + e // 8]) >> (e % 8)) & 1) << 2
                     else:
                         byte = int(blk[(q >> 1) * 64 + e])
                         code = byte >> 4 if q & 1 else byte & 15
@@ -689,7 +697,7 @@ def test_pack_writes_the_documented_layout(fmt):
     w = random_block(n, k, bits, group, offset, seed=30)
     p = pack(w)
     assert p["codes"].dtype == torch.uint8
-    assert p["codes"].numel() == n * k * {4: 4, 6: 6}.get(bits, 8) // 8
+    assert p["codes"].numel() == n * k * UNIT_BYTES[bits] // 16
     assert p["scales"].shape == p["zeros"].shape == (n // 16, k // group, 16)
     assert np.array_equal(unpack(p, bits, group, n, k), w.codes.astype(np.int32))
     # random fp32 scales: scale mode 0, scales[u, g, j] is row 16 u + j's scale of group g
@@ -710,20 +718,25 @@ def test_pack_writes_the_documented_layout(fmt):
 def test_one_code_lands_where_the_layout_says(fmt, row, col, code):
     bits, group, offset = fmt
     n, k = 48, 64
-    if bits == 4:
-        code = (code - 1) % 15 + 1
+    top = {2: 4, 3: 8, 6: 64, 8: 64}.get(bits, 16)
+    code = (code - 1) % (top - 1) + 1
     value = -code if bits == 8 and code % 2 else code  # 8-bit: negative values too
     codes = np.zeros((n, k), np.uint8 if bits != 8 else np.int8)
     codes[row, col] = value
     w = BlockWeight(codes, np.ones((n, k // group), np.float32), np.zeros((n, k // group), np.float32), bits,
                     group, offset)
     raw = pack(w)["codes"].numpy()
-    per = {4: 8, 6: 12}.get(bits, 16) * group
+    per = UNIT_BYTES[bits] * group
     u, g, q, e = row // 16, col // group, (col % group) // 4, 4 * (row % 16) + col % 4
     base = (u * (k // group) + g) * per
     if bits == 8:  # every other byte holds value 0 as 128
         expect = np.full_like(raw, 128)
         expect[base + q * 64 + e] = value + 128
+    elif bits in (2, 3):
+        expect = np.zeros_like(raw)
+        expect[base + (q >> 2) * 64 + e] = (code & 3) << (2 * (q & 3))
+        if bits == 3:
+            expect[base + 4 * group + 8 * q + e // 8] = (code >> 2) << (e % 8)
     else:
         expect = np.zeros_like(raw)
         expect[base + (q >> 1) * 64 + e] = (code & 15) << (4 if q & 1 else 0)
@@ -838,7 +851,7 @@ def test_qpart_refuses_tensors_of_the_wrong_size(fmt):
         ({**p, "scales": p["scales"].reshape(n // 16, -1, 8)}, args),
         (p, {**args, "out_features": 2 * n}),
         (p, {**args, "in_features": 2 * k}),
-        (p, {**args, "bits": 4 if bits != 4 else 8}),
+        (p, {**args, "bits": 8 if bits in (4, CODES_IQ4) else 4}),  # codes of another size
     ]
     for tensors, a in cases:
         with pytest.raises(ModelFileError, match="wrong sizes"):
@@ -1007,7 +1020,7 @@ def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path
     qkernel.prefill_ratios.cache_clear()
     try:
         first = qkernel.prefill_ratios()
-        assert sorted(calls) == sorted((b, g) for b in qkernel.BITS for g in qkernel.GROUPS)
+        assert sorted(calls) == sorted(qkernel.FORMATS)
         assert first[(4, 32)] == pytest.approx(0.5 + 0.4 + 0.32)
         qkernel.prefill_ratios.cache_clear()  # a new process: read back from the file
         assert qkernel.prefill_ratios() == pytest.approx(first) and len(calls) == len(first)
@@ -1075,7 +1088,7 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     assert all("-shared" not in c for c in compiles)
     objects = [c.split(" -o ")[1] for c in compiles]
     assert len(set(objects)) == len(objects) and all(o in links[0].split() for o in objects)
-    assert sorted(c.split("-DLD_PART=")[1][0] for c in compiles if "LD_PART" in c) == ["0", "4", "6", "8"]
+    assert sorted(c.split("-DLD_PART=")[1][0] for c in compiles if "LD_PART" in c) == ["0", "2", "4", "6", "8", "9"]
     # the library and the digest its build recorded (tests/test_kernel_cache.py), nothing else (an
     # earlier failure's log is gone)
     assert target.exists() and sorted(p.name for p in target.parent.iterdir()) == [target.name, digest_path(target).name]
@@ -1128,3 +1141,19 @@ def test_every_path_of_the_kernel_sources_compiles(path, part):
     proc = subprocess.run([cxx, *flags, *march, *PATH_FLAGS[path], *extra, "-fsyntax-only", str(source)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_package_data_ships_every_kernel_source_and_header():
+    # a wheel holds what pyproject's package-data names: a header left out (bf16.h once was) makes an
+    # installed package's first kernel build fail
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["leapdecode.models"]
+    package = qkernel.SOURCE.parents[1]
+    needed = [p.relative_to(package).as_posix() for p in (*qkernel.SOURCES, *qkernel.HEADERS)]
+    assert set(needed) == {p.relative_to(package).as_posix() for p in qkernel.SOURCE.parent.iterdir()
+                           if p.suffix in (".cpp", ".h")}  # SOURCES and HEADERS name every file there
+    assert all(any(fnmatch.fnmatch(n, g) for g in globs) for n in needed), (needed, globs)

@@ -40,7 +40,7 @@ from .quant import ACT_DTYPE, BLOCK_LINEARS, to_activation_dtype
 from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, progress, say, sweep_stale,
                     writable, write_digest)
 
-LAYOUT_VERSION = 5  # 5: a GGUF's embedding in its own blocks (BlockEmbedding), not in bf16
+LAYOUT_VERSION = 6  # 6: Q2_K, Q3_K and the IQ4 types in 2-bit, 3-bit codes and IQ4 indices; 5: a GGUF's embedding in its own blocks (BlockEmbedding), not in bf16
 # HF-side pieces of each fused native linear, with their GGUF names
 GGUF_PARTS = {
     "wqkv": ("attn_q", "attn_k", "attn_v"),

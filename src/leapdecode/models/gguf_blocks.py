@@ -14,15 +14,15 @@ a 6- or 8-bit integer are exact in fp32):
 * Q4_K  ``d sc q - dmin m``    -> 4-bit, s = d sc, z = -dmin m             (group 32)
 * Q5_K  ``d sc q - dmin m``    -> 6-bit storage, s = d sc, z = -dmin m     (group 32)
 * Q6_K  ``d sc (q - 32)``      -> 6-bit storage, value q - 32, s = d sc    (group 16)
-* Q2_K  ``d sc q - dmin m``    -> 4-bit storage (q = 0..3), s = d sc, z = -dmin m        (group 16)
-* Q3_K  ``d sc (q - 4)``       -> 4-bit storage (q = 0..7), s = d sc, z = -4 d sc        (group 16)
-* IQ4_NL ``d kv[q]``           -> 8-bit codes kv[q] (the type's 16 signed values), s = d (group 32)
-* IQ4_XS ``d sc kv[q]``        -> 8-bit codes kv[q], s = d sc                           (group 32)
+* Q2_K  ``d sc q - dmin m``    -> 2-bit, s = d sc, z = -dmin m             (group 16)
+* Q3_K  ``d sc (q - 4)``       -> 3-bit, value q - 4, s = d sc             (group 16)
+* IQ4_NL ``d kv[q]``           -> IQ4 indices q (``CODES_IQ4``: the kernel looks up the type's
+                                  16 signed values kv), s = d                 (group 32)
+* IQ4_XS ``d sc kv[q]``        -> IQ4 indices q, s = d sc                  (group 32)
 
-The last four keep the file's numbers but not its size: the kernel has no 2- or 3-bit code
-layout and no table lookup, so Q2_K and Q3_K take 4-bit codes (5.13 bits a weight packed where the
-file has 2.63 and 3.44) and the IQ4 types 8-bit codes (9 and 8.63 bits where it has 4.5 and 4.25).
-Any other type (F32, F16, BF16, the other IQ types, TQ*, MXFP4) is dequantized with the ``gguf``
+Packed, a weight takes about the file's bits: Q2_K 3.13 bits a weight (the file 2.63: the kernel keeps
+an int8 scale and offset per 16 weights where the file has 4 bits each), Q3_K 3.56 (3.44), IQ4_NL
+4.5 (4.5), IQ4_XS 4.56 (4.25).  Any other type (F32, F16, BF16, the other IQ types, TQ*, MXFP4) is dequantized with the ``gguf``
 package and re-quantized to symmetric 8-bit codes in groups of 32 (``requantize_q8``): near-lossless,
 but not the file's numbers, and 10 bits a weight packed (fp32 scales and offsets per group).  The block layouts
 follow ggml's ``ggml-quants.c`` (``dequantize_row_*``); tests/test_gguf_blocks.py checks every
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .qkernel import BlockWeight
+from .qkernel import CODES_IQ4, BlockWeight
 
 # GGMLQuantizationType values (gguf.constants)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -43,8 +43,6 @@ NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q
 BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
                Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
                IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
-# the 16 signed values of IQ4_NL's and IQ4_XS's 4-bit indices (ggml's kvalues_iq4nl)
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -143,28 +141,27 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
 
 
 def _decode_low(b: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
-    """Q2_K, Q3_K, IQ4_NL and IQ4_XS blocks (``b``: ``[n, blocks, bytes]``) in the kernel's 4- and
-    8-bit forms, with the file's numbers (see the module's docstring)."""
+    """Q2_K, Q3_K, IQ4_NL and IQ4_XS blocks (``b``: ``[n, blocks, bytes]``) in the kernel's 2-bit,
+    3-bit and IQ4 forms, with the file's numbers (see the module's docstring)."""
     if qtype == IQ4_NL:  # d (fp16), 16 bytes: element j < 16 the low nibble of byte j, j >= 16 the high one of j - 16
         d = _f16(b[..., 0:2])
-        codes = IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, k)
-        return BlockWeight(codes, d, np.zeros_like(d), 8, 32)
+        return BlockWeight(_nibbles(b[..., 2:18]).reshape(n, k), d, np.zeros_like(d), CODES_IQ4, 32)
     if qtype == IQ4_XS:  # d, 2 bytes of the scales' high bits, 4 of their low nibbles, 8 x 16 bytes as IQ4_NL's
         d = _f16(b[..., 0:2])  # [n, blocks]
         high = (b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, blocks, 8]
         low = np.stack([b[..., 4:8] & 15, b[..., 4:8] >> 4], axis=-1).reshape(n, -1, 8)
         sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-        codes = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(n, -1, 8, 16))].reshape(n, k)
+        codes = _nibbles(b[..., 8:136].reshape(n, -1, 8, 16)).reshape(n, k)
         s = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
         factors = (sc.reshape(n, k // 32), np.zeros((n, k // 32), np.int8), d, np.zeros_like(d), 8)
-        return BlockWeight(codes, s, np.zeros_like(s), 8, 32, factors=factors)
+        return BlockWeight(codes, s, np.zeros_like(s), CODES_IQ4, 32, factors=factors)
     if qtype == Q2_K:  # 16 bytes of scales (low nibble sc, high nibble m), 64 of 2-bit codes, d, dmin
         sc, m = (b[..., 0:16] & 15).astype(np.int8), (b[..., 0:16] >> 4).astype(np.int8)
         d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])  # [n, blocks]
         s = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 16)
         z = -(dmin[..., None] * m.astype(np.float32)).reshape(n, k // 16)
         factors = (sc.reshape(n, -1), m.reshape(n, -1), d, -dmin, 16)
-        return BlockWeight(_crumbs(b[..., 16:80]).reshape(n, k), s, z, 4, 16, factors=factors)
+        return BlockWeight(_crumbs(b[..., 16:80]).reshape(n, k), s, z, 2, 16, factors=factors)
     # Q3_K: 32 bytes of third bits (bit j of byte l: element 32 j + l), 64 of 2-bit codes, 12 of
     # 6-bit scales (16 low nibbles, then 16 pairs of high bits), d; value (q | third << 2) - 4
     hmask, scales, d = b[..., 0:32], b[..., 96:108], _f16(b[..., 108:110])
@@ -174,8 +171,8 @@ def _decode_low(b: np.ndarray, qtype: int, n: int, k: int) -> BlockWeight:
     high = (scales[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [n, blocks, 4, 4]
     sc = (low | (high.reshape(n, -1, 16) << 4)).astype(np.int8) - np.int8(32)
     s = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 16)
-    factors = (sc.reshape(n, -1), sc.reshape(n, -1), d, np.float32(-4) * d, 16)
-    return BlockWeight(codes.reshape(n, k), s, np.float32(-4) * s, 4, 16, factors=factors)
+    factors = (sc.reshape(n, -1), np.zeros_like(sc.reshape(n, -1)), d, np.zeros_like(d), 16)
+    return BlockWeight(codes.reshape(n, k), s, np.zeros_like(s), 3, 16, offset=4, factors=factors)
 
 
 def requantize_q8(w: np.ndarray, group: int = 32) -> BlockWeight:

@@ -2,9 +2,10 @@
 
 A weight is kept in the GGUF's block form, ``w[n, k] = s[n, g] * q[n, k] + z[n, g]`` for the
 group ``g`` of column ``k`` (group 16 or 32), with the codes ``q`` as they are in the file
-(4-bit, 6-bit or 8-bit) and the scale ``s`` and offset ``z`` exact in fp32 (the GGUF's own
-products ``d * sc`` and ``dmin * m``).  So a Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K / Q6_K /
-Q8_0 tensor runs with exactly the weights llama.cpp dequantizes, without re-quantizing.
+(2-, 3-, 4-, 6- or 8-bit, or IQ4's 4-bit indices into its table of 16 values) and the scale ``s``
+and offset ``z`` exact in fp32 (the GGUF's own products ``d * sc`` and ``dmin * m``).  So a Q2_K /
+Q3_K / Q4_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 / IQ4_NL / IQ4_XS tensor runs with
+exactly the weights llama.cpp dequantizes, at about the file's bits a weight, without re-quantizing.
 
 Activations are quantized the way llama.cpp quantizes them for these formats: each row's bf16
 values to int8 per group of 16/32 columns (``x ~ dx * xq``, ``dx = max|x| / 127``); the dot
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidParameterError, ModelFileError
+from . import kernel_abi
 from .linear import make_linear
 from .store import (atomic_write, cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale,
                     writable, write_digest)
@@ -53,7 +55,7 @@ SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
 ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
 LAYERS_SOURCE = SOURCE.with_name("layers.cpp")  # a decoder's layers in one call (``LayerStack``)
 SOURCES = (SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE)  # compiled into one shared library
-HEADERS = (SOURCE.with_name("bf16.h"),)  # included by the sources
+HEADERS = (SOURCE.with_name("bf16.h"), kernel_abi.HEADER)  # included by the sources
 CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once, ``PARTS``: ~33 s on 2
 # cores); the bound only stops a hung compiler (300 s was reached on a loaded 2-core machine, and
@@ -75,8 +77,19 @@ DENSE_MIN_ROWS = 64
 # ``LEAPDECODE_DENSE_BUDGET_MB`` grants them memory (``DenseBudget``): the memory a model takes is then
 # its blocks' and its caches', predictably; a layer whose copy does not fit prefills on the kernel.
 DENSE_BUDGET_ENV = "LEAPDECODE_DENSE_BUDGET_MB"
-BITS = (4, 6, 8)
+# The code formats (kernels/qgemm.cpp): bit widths 2 (Q2_K), 3 (Q3_K), 4, 6 (stored codes of 5 and 6 bits) and 8,
+# and CODES_IQ4: 4-bit indices into IQ4_NL's and IQ4_XS's 16 signed values (``IQ4_VALUES``), looked up by the kernel
+CODES_IQ4 = 9
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 GROUPS = (16, 32)
+FORMAT_GROUPS = {2: (16,), 3: (16,), 4: GROUPS, 6: GROUPS, 8: GROUPS, CODES_IQ4: (32,)}  # the groups each runs in
+BITS = tuple(FORMAT_GROUPS)
+FORMATS = tuple((bits, group) for bits, groups in FORMAT_GROUPS.items() for group in groups)
+UNIT_BYTES = {2: 4, 3: 6, 4: 8, 6: 12, 8: 16, CODES_IQ4: 8}  # bytes of a 16-row unit's group, per column of it
+
+
+def format_name(bits: int) -> str:
+    return "IQ4 indices" if bits == CODES_IQ4 else f"{bits}-bit codes"
 
 
 class KernelUnavailable(RuntimeError):
@@ -172,7 +185,8 @@ def library_intact(target: Path) -> bool:
 # functions of each code width apart from the rest; a fresh 2-core machine's first start waits
 # about half as long as for one compiler process)
 PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD_PART=6",)),
-         (SOURCE, ("-DLD_PART=8",)), (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
+         (SOURCE, ("-DLD_PART=8",)), (SOURCE, ("-DLD_PART=2",)), (SOURCE, (f"-DLD_PART={CODES_IQ4}",)),
+         (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
 
 
 def _compile_parts(cxx: str, work: Path, target: Path) -> list[str]:
@@ -300,7 +314,7 @@ def _open_library() -> ctypes.CDLL:
                     _build(target)
         try:
             return _bind(ctypes.CDLL(str(target)))
-        except (OSError, AttributeError) as e:
+        except (OSError, AttributeError, kernel_abi.AbiMismatch) as e:
             if attempt == 2:
                 raise KernelUnavailable(f"cannot load {target} even after building it again: {e}") from None
             say(f"cannot load the cached kernel library {target} ({e}): building it again")
@@ -346,38 +360,9 @@ def _build_lock(directory: Path):
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the library's functions (``AttributeError`` where one is missing: not our library)."""
-    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.ld_qgemm.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, vp, vp, i64,
-                             i32, i32, vp]
-    lib.ld_qgemm.restype = i32
-    lib.ld_work_bytes.argtypes = [i64, i32]
-    lib.ld_work_bytes.restype = i64
-    lib.ld_qdequant.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
-    lib.ld_qdequant.restype = i32
-    lib.ld_qdequant_bf16.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i64, i64, vp, i32]
-    lib.ld_qdequant_bf16.restype = i32
-    lib.ld_simd.restype = i32
-    lib.ld_attend_rows.argtypes = [vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, vp, i64, i32, i32, i32, i32,
-                                   ctypes.c_float, ctypes.c_float, vp, i32]
-    lib.ld_attend_rows.restype = i32
-    lib.ld_rmsnorm_bf16.argtypes = [vp, i64, i64, i64, vp, ctypes.c_float, vp, i64]
-    lib.ld_rmsnorm_bf16.restype = i32
-    lib.ld_rmsnorm1p_bf16.argtypes = lib.ld_rmsnorm_bf16.argtypes
-    lib.ld_rmsnorm1p_bf16.restype = i32
-    lib.ld_rope_store.argtypes = [vp, i64, i64, vp, vp, i32, i32, i32, i32, vp, vp, i64, i64, vp, i64, i64, i64]
-    lib.ld_rope_store.restype = i32
-    lib.ld_rope_attend_segments.argtypes = [vp, i64, i64, vp, vp, i32, vp, vp, vp, vp, i32, i32, i32, i32,
-                                            ctypes.c_float, vp, vp, i32]
-    lib.ld_rope_attend_segments.restype = i32
-    stack, layer = ctypes.POINTER(LdStack), ctypes.POINTER(LdLayer)
-    lib.ld_layers_scratch.argtypes = [stack, layer, i64]
-    lib.ld_layers_scratch.restype = i64
-    lib.ld_decoder_layers.argtypes = [stack, layer, vp, i64, vp, vp, i64, vp, vp, i64, vp, vp, vp, i64, vp, i32]
-    lib.ld_decoder_layers.restype = i32
-    lib.ld_silu_mul_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp]
-    lib.ld_silu_mul_bf16.restype = i32
-    return lib
+    """Type the library's functions from the ABI's one declaration (``kernel_abi``): ``AttributeError``
+    where one is missing (not our library), ``AbiMismatch`` where its version or a struct differs."""
+    return kernel_abi.bind(lib)
 
 
 REQUIRE_ENV = "LEAPDECODE_REQUIRE_KERNEL"  # "1": a kernel that cannot run is an error, never a fallback
@@ -422,8 +407,9 @@ def kernel_isa() -> str:
 class BlockWeight:
     """One weight in block form: ``w = scales * codes + zeros`` per group of ``group`` columns.
 
-    ``codes``: integer ``[N, K]`` (4-bit: 0..15; 6-bit: 0..63 stored, value ``code - offset``;
-    8-bit: -128..127); ``scales``, ``zeros``: fp32 ``[N, K / group]``."""
+    ``codes``: integer ``[N, K]`` (2-bit: 0..3; 4-bit: 0..15; 3-bit: 0..7 and 6-bit: 0..63 stored, value
+    ``code - offset``; 8-bit: -128..127; ``CODES_IQ4``: indices 0..15, value ``IQ4_VALUES[code]``);
+    ``scales``, ``zeros``: fp32 ``[N, K / group]``."""
 
     codes: np.ndarray
     scales: np.ndarray
@@ -442,7 +428,9 @@ class BlockWeight:
 
     def values(self) -> np.ndarray:
         """The integer values the codes stand for."""
-        return self.codes.astype(np.int32) - (self.offset if self.bits == 6 else 0)
+        if self.bits == CODES_IQ4:
+            return IQ4_VALUES[self.codes].astype(np.int32)
+        return self.codes.astype(np.int32) - (self.offset if self.bits in (3, 6) else 0)
 
     def dequantize(self) -> np.ndarray:
         """fp32 ``[N, K]``: ``scale * value + zero`` (one rounding per product, one per sum)."""
@@ -464,7 +452,7 @@ def padded(w: BlockWeight, multiple: int = 16) -> BlockWeight:
     if not extra:
         return w
     pad = lambda a, v=0: np.concatenate([a, np.full((extra,) + a.shape[1:], v, dtype=a.dtype)])  # noqa: E731
-    code0 = w.offset if w.bits == 6 else 0  # the code whose value is 0
+    code0 = w.offset if w.bits in (3, 6) else 0  # the code whose value is 0 (IQ4: none; the scale is 0)
     f = w.factors
     return BlockWeight(pad(w.codes, code0), pad(w.scales), pad(w.zeros), w.bits, w.group, w.offset,
                        None if f is None else (pad(f[0]), pad(f[1]), pad(f[2]), pad(f[3]), f[4]))
@@ -501,8 +489,8 @@ def pack(w: BlockWeight, smode: int | None = None) -> dict[str, torch.Tensor]:
     packed in chunks of rows (a multiple of 16) with one ``smode`` is the concatenation of its parts."""
     n, k = w.codes.shape
     g = w.group
-    if w.bits not in BITS or g not in GROUPS or n % 16 or k % g:
-        raise ValueError(f"cannot pack a [{n}, {k}] weight with {w.bits}-bit codes in groups of {g}")
+    if g not in FORMAT_GROUPS.get(w.bits, ()) or n % 16 or k % g:
+        raise ValueError(f"cannot pack a [{n}, {k}] weight with {format_name(w.bits)} in groups of {g}")
     k_quant, half = scale_forms(w)
     if smode is None:
         smode = scale_mode([(k_quant, half)])
@@ -515,10 +503,18 @@ def pack(w: BlockWeight, smode: int | None = None) -> dict[str, torch.Tensor]:
         c = w.codes.astype(np.uint8, copy=False)
     # [u, j, g, q, t] -> [u, g, q, j, t]: quad vector q of unit u, group g holds (n = j, k = 4q + t)
     c = c.reshape(n // 16, 16, ng, g // 4, 4).transpose(0, 2, 3, 1, 4).reshape(n // 16, ng, g // 4, 64)
-    if w.bits in (4, 6):
+    if w.bits in (2, 3):  # 2 bits a code, four quad vectors a byte; then 3-bit codes' third bits, 8 bytes a quad
+        lo = (c & 3).reshape(n // 16, ng, g // 16, 4, 64)
+        lo = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 2) | (lo[:, :, :, 2] << 4) | (lo[:, :, :, 3] << 6))
+        c2 = lo.astype(np.uint8).reshape(n // 16, ng, -1)
+        if w.bits == 3:
+            third = np.packbits((c >> 2) & 1, axis=-1, bitorder="little").reshape(n // 16, ng, -1)
+            c2 = np.concatenate([c2, third], axis=-1)
+        c = c2
+    elif w.bits in (4, 6, CODES_IQ4):
         lo = (c & 15).reshape(n // 16, ng, g // 8, 2, 64)
         lo = (lo[:, :, :, 0, :] | (lo[:, :, :, 1, :] << 4)).astype(np.uint8).reshape(n // 16, ng, -1)
-        if w.bits == 4:
+        if w.bits != 6:
             c = lo
         else:  # then the high 2 bits, four quad vectors a byte
             hi = (c >> 4).reshape(n // 16, ng, g // 16, 4, 64)
@@ -551,12 +547,12 @@ PREFILL_PROFILE_MAX_AGE_S = 7 * 24 * 3600
 def _probe_weight(bits: int, group: int) -> BlockWeight:
     rows, k, n = PREFILL_PROBE
     rng = np.random.default_rng(0)
-    top = {4: 16, 6: 64, 8: 256}[bits]
+    top = {2: 4, 3: 8, 4: 16, 6: 64, 8: 256, CODES_IQ4: 16}[bits]
     codes = rng.integers(0, top, size=(n, k)) - (128 if bits == 8 else 0)
     scales = (rng.random((n, k // group), dtype=np.float32) * 0.01).astype(np.float32)
-    zeros = -(scales * (top // 2)).astype(np.float32) if bits == 4 else np.zeros_like(scales)
+    zeros = -(scales * (top // 2)).astype(np.float32) if bits in (2, 4) else np.zeros_like(scales)
     return BlockWeight(codes.astype(np.int16 if bits == 8 else np.uint8), scales, zeros, bits, group,
-                       32 if bits == 6 else 0)
+                       top // 2 if bits in (3, 6) else 0)
 
 
 def measure_prefill_ratio(bits: int, group: int, rounds: int = 5) -> float:
@@ -593,7 +589,7 @@ def prefill_ratios() -> dict[tuple[int, int], float]:
             return {tuple(int(v) for v in k.split("/")): float(r) for k, r in entry["ratios"].items()}
         except (KeyError, ValueError, AttributeError):
             pass
-    ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits in BITS for group in GROUPS}
+    ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits, group in FORMATS}
     now = time.time()
     # entries past their age are never read again: dropped (one per build and thread count piled up)
     stored = {k: v for k, v in (stored.items() if isinstance(stored, dict) else ())
@@ -686,10 +682,10 @@ class QPart(nn.Module):
         self.out_features, self.in_features = int(out_features), int(in_features)
         self.smode, self.gps = int(smode), int(gps)
         units, ng = out_features // 16, in_features // group
-        per_group = {4: 8, 6: 12}.get(bits, 16) * group
+        per_group = UNIT_BYTES.get(bits, 16) * group
         problem = None
-        if bits not in BITS or group not in GROUPS or out_features % 16 or in_features % group:
-            problem = f"{bits}-bit codes in groups of {group} do not fit its shape"
+        if group not in FORMAT_GROUPS.get(bits, ()) or out_features % 16 or in_features % group:
+            problem = f"{format_name(bits)} in groups of {group} do not fit its shape"
         elif codes.numel() != units * ng * per_group or scales.shape != (units, ng, 16) or zeros.shape != scales.shape:
             problem = "its tensors have the wrong sizes"
         elif self.smode not in self.SCALE_DTYPES or scales.dtype != self.SCALE_DTYPES[self.smode] \
@@ -1033,35 +1029,9 @@ def rope_attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 # --------------------------------------------------------------------------- a decoder's layers
-class LdPart(ctypes.Structure):
-    """``kernels/layers.cpp``'s LdPart: one packed part as ``ld_qgemm`` takes it."""
-
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
-                ("dsup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bias", ctypes.c_void_p)] + \
-        [(name, ctypes.c_int64) for name in ("smode", "gps", "bits", "offset", "group", "n", "n0")]
-
-
-class LdLinear(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(LdPart)), ("n_parts", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("padded", ctypes.c_int64)]
-
-
-class LdLayer(ctypes.Structure):
-    _fields_ = [("qkv", LdLinear), ("o", LdLinear), ("gate_up", LdLinear), ("down", LdLinear),
-                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
-                ("windowed", ctypes.c_int64)]
-
-
-class LdStack(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "inter", "hq", "hkv", "d")] + \
-        [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("silu", ctypes.c_void_p),
-         ("k", ctypes.c_void_p), ("k_layer", ctypes.c_int64), ("k_head", ctypes.c_int64), ("k_slot", ctypes.c_int64),
-         ("v", ctypes.c_void_p), ("v_layer", ctypes.c_int64), ("v_head", ctypes.c_int64), ("v_slot", ctypes.c_int64),
-         ("nseg", ctypes.c_int64), ("seg_start", ctypes.c_void_p), ("seg_kv", ctypes.c_void_p),
-         ("seg_kv_step", ctypes.c_void_p), ("plus_one", ctypes.c_int64), ("local_cos", ctypes.c_void_p),
-         ("local_sin", ctypes.c_void_p), ("local_idx", ctypes.c_void_p), ("local_offsets", ctypes.c_void_p),
-         ("softcap", ctypes.c_float)]
+# kernels/layers.cpp's structs, as ld_abi.h declares them: one packed part as ld_qgemm takes it, a QLinear's
+# parts, a layer, and what the layers share
+LdPart, LdLinear, LdLayer, LdStack = (kernel_abi.abi().structs[n] for n in ("LdPart", "LdLinear", "LdLayer", "LdStack"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,6 +61,7 @@ static inline V vfma1(float a, V b, V c) { for (int l = 0; l < 16; ++l) c.x[l] =
 #define MAX_G 16
 
 #include "bf16.h"
+#include "ld_abi.h"
 
 // row of D values as fp32
 static inline void load_row(const void* p, int64_t at, int D, int dtype, float* out) {

@@ -22,8 +22,10 @@
 // Run op by op from Python, the same calls made a 1-token forward of qwen2.5-coder-1.5b 56.2 ms
 // instead of 43.4 on 2 cores (docs/lab-notes/benchmarks.md section 35).
 #include <stdint.h>
+#include <string.h>
 #include <vector>
 #include "bf16.h"
+#include "ld_abi.h"
 #if defined(__AVX2__) && !defined(LD_PORTABLE)
 #include <immintrin.h>
 #define LD_LAYERS_AVX2 1
@@ -31,79 +33,15 @@
 #define LD_LAYERS_AVX2 0
 #endif
 
-extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes,
-                        const void* scales, const void* zeros, const void* dsup, const void* zsup, int smode, int gps,
-                        int bits, int offset, int group, int64_t N, const float* bias, void* y, int64_t ldy,
-                        int out_fp32, int nthreads, void* work);
-extern "C" int ld_rmsnorm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
-                               uint16_t* y, int64_t ldy);
-extern "C" int ld_rmsnorm1p_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, float eps,
-                                 uint16_t* y, int64_t ldy);
-extern "C" int ld_rope_store(const void* qkv, int64_t T, int64_t ld, const void* cos, const void* sin, int Hq,
-                             int Hkv, int D, int dtype, void* q_out, void* k, int64_t k_head, int64_t k_slot,
-                             void* v, int64_t v_head, int64_t v_slot, int64_t slot0);
-extern "C" int ld_rope_attend_segments(const void* qkv, int64_t N, int64_t ld, const void* cos, const void* sin,
-                                       int nseg, const int64_t* seg_start, const int64_t* kv, const int64_t* idx,
-                                       const int64_t* offsets, int Hq, int Hkv, int D, int dtype, float scale,
-                                       void* q_tmp, void* out, int nthreads);
-extern "C" int ld_attend_rows(const void* q, int64_t q_row, int64_t q_head, const void* k, int64_t k_head,
-                              int64_t k_slot, const void* v, int64_t v_head, int64_t v_slot, const int64_t* idx,
-                              const int64_t* offsets, int64_t T, int Hq, int Hkv, int D, int dtype, float scale,
-                              float softcap, void* out, int nthreads);
+extern "C" int ld_abi_version(void) { return LD_ABI_VERSION; }
 
-// One packed weight part, as ld_qgemm takes it (models/qkernel.py QPart.pointers), its rows'
-// bias (or null) and its first output column.  The layout is mirrored by qkernel.LdPart.
-struct LdPart {
-    const uint8_t* codes;
-    const void* scales;
-    const void* zeros;
-    const void* dsup;
-    const void* zsup;
-    const float* bias;
-    int64_t smode, gps, bits, offset, group, n, n0;
-};
-
-// A QLinear: its parts side by side in rows of `padded` outputs; k inputs.
-struct LdLinear {
-    const LdPart* parts;
-    int64_t n_parts, k, padded;
-};
-
-struct LdLayer {
-    LdLinear qkv, o, gate_up, down;
-    const uint16_t* attn_norm;
-    const uint16_t* mlp_norm;
-    const uint16_t* q_norm;  // [d] each, or null: no per-head norm of q and k
-    const uint16_t* k_norm;
-    const uint16_t* post_attn_norm;  // [hidden] each, or null (Gemma 3's norms of the attention's and MLP's outputs)
-    const uint16_t* post_mlp_norm;
-    int64_t windowed;  // 1: a sliding-window layer (the stack's local_* rope tables and slots)
-};
-
-// What every layer shares, and this call's cache: layer l's keys of head h, slot i at
-// k + l * k_layer + h * k_head + i * k_slot (bf16 elements), the same for values.  Or, with
-// nseg > 0, the rows of nseg sequences side by side (a batched forward: NativeCausalLM.forward_batch),
-// rows seg_start[s] .. seg_start[s+1]-1 being sequence s's, each on its own cache: for layer l,
-// ld_rope_attend_segments's table kv[7 s + e] = seg_kv[7 s + e] + l * seg_kv_step[7 s + e].
-struct LdStack {
-    int64_t hidden, inter, hq, hkv, d;
-    float eps, scale;
-    const uint16_t* silu;  // silu(bf16 x) for every bit pattern x, as torch rounds it (65536 + 2 entries)
-    uint16_t* k;
-    int64_t k_layer, k_head, k_slot;
-    uint16_t* v;
-    int64_t v_layer, v_head, v_slot;
-    int64_t nseg;
-    const int64_t* seg_start;
-    const int64_t* seg_kv;
-    const int64_t* seg_kv_step;
-    int64_t plus_one;  // every norm x * (1 + w) (Gemma)
-    const uint16_t* local_cos;  // the windowed layers' rope tables [T][d] and attended slots (as cos, idx, offsets)
-    const uint16_t* local_sin;
-    const int64_t* local_idx;
-    const int64_t* local_offsets;
-    float softcap;  // 0, or the cap of the attention's scores (Gemma 2)
-};
+extern "C" int64_t ld_abi_sizeof(const char* name) {
+    if (!strcmp(name, "LdPart")) return sizeof(LdPart);
+    if (!strcmp(name, "LdLinear")) return sizeof(LdLinear);
+    if (!strcmp(name, "LdLayer")) return sizeof(LdLayer);
+    if (!strcmp(name, "LdStack")) return sizeof(LdStack);
+    return -1;
+}
 
 static int linear(const LdLinear& w, const uint16_t* x, int64_t T, uint16_t* y, int nthreads, void* work) {
     for (int64_t p = 0; p < w.n_parts; ++p) {

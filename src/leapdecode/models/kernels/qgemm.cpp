@@ -28,6 +28,14 @@
 //          the high 2 bits: quads q..q+3 (q % 4 == 0) share 64 bytes, byte e holding element e of
 //          quad q + j in bits 2j, 2j+1 (4 G bytes).  12 G bytes.
 //   8-bit (signed value v stored as v + 128): one byte per code.  16 G bytes.
+//   2-bit (codes 0..3, Q2_K; groups of 16): quads q..q+3 (q % 4 == 0) share 64 bytes, byte e
+//          holding element e of quad q + j in bits 2j, 2j+1.  4 G bytes.
+//   3-bit (codes 0..7, value c - offset, Q3_K; groups of 16): the low 2 bits laid out as 2-bit
+//          (4 G bytes), then the third bits: 8 bytes a quad, bit e of the little-endian 64-bit
+//          word being element e (an AVX-512 mask register as it is).  6 G bytes.
+//   IQ4 (format CODES_IQ4; 4-bit indices i into IQ4_NL's 16 signed values kIQ4, value kIQ4[i];
+//          groups of 32): the indices laid out as 4-bit codes.  8 G bytes.  The kernel looks the
+//          values up (vpshufb) and goes on as with 8-bit codes (stored code kIQ4[i] + 128).
 // Scales and offsets, by scale mode (u, g, 16 columns):
 //   0: s, z fp32 [N/16][K/G][16]
 //   1: s, z fp16 [N/16][K/G][16] (the legacy GGUF types: d, m and 8 d are fp16 values)
@@ -72,9 +80,10 @@
 #endif
 
 // One translation unit, or several compiled at once (models/qkernel.py builds it so: the few-row
-// functions' ~300 instantiations take about a minute of one core): LD_PART unset, everything;
-// LD_PART = 4, 6 or 8, only that code width's few-row functions (unit_rows_of_<bits>); LD_PART = 0,
-// everything else, calling them.  The same code either way, so the same bits.
+// functions' ~450 instantiations take about a minute and a half of one core): LD_PART unset,
+// everything; LD_PART = 4, 6, 8 or 9 (CODES_IQ4), only that format's few-row functions
+// (unit_rows_of_<bits>); LD_PART = 2, those of the 2- and 3-bit codes; LD_PART = 0, everything else,
+// calling them.  The same code either way, so the same bits.
 #ifndef LD_PART
 #define LD_PART -1
 #endif
@@ -84,6 +93,7 @@ extern "C" int ld_simd(void) { return LD_SIMD; }
 #endif
 
 #include "bf16.h"
+#include "ld_abi.h"
 
 static inline float half_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
@@ -101,17 +111,40 @@ static inline float half_to_f32(uint16_t h) {
     return f;
 }
 
-static constexpr inline int64_t unit_bytes(int bits, int group) { return bits == 4 ? 8 * group : bits == 6 ? 12 * group : 16 * group; }
+// The code formats: 2, 3, 4, 6 and 8 are bit widths; CODES_IQ4, 4-bit indices into kIQ4
+#define CODES_IQ4 9
+// IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl)
+alignas(16) static const int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// whether a code format runs in groups of `group` columns (Q2_K and Q3_K: 16; the IQ4 types: 32)
+static inline bool format_ok(int bits, int group) {
+    if (bits == 2 || bits == 3) return group == 16;
+    if (bits == CODES_IQ4) return group == 32;
+    return (bits == 4 || bits == 6 || bits == 8) && (group == 16 || group == 32);
+}
+
+static constexpr inline int64_t unit_bytes(int bits, int group) {
+    return bits == 2 ? 4 * group : bits == 3 ? 6 * group : (bits == 4 || bits == CODES_IQ4) ? 8 * group
+         : bits == 6 ? 12 * group : 16 * group;
+}
 
 // the code offset: value = stored code - offset
-static inline int code_offset(int bits, int offset) { return bits == 4 ? 0 : bits == 6 ? offset : 128; }
+static inline int code_offset(int bits, int offset) {
+    return (bits == 2 || bits == 4) ? 0 : (bits == 3 || bits == 6) ? offset : 128;
+}
 
-// stored code of element e (0..63) of quad q inside one (unit, group) block
+// stored code of element e (0..63) of quad q inside one (unit, group) block (IQ4: kIQ4[i] + 128)
 static inline int code_at(const uint8_t* blk, int bits, int group, int q, int e) {
     if (bits == 8) return blk[q * 64 + e];
+    if (bits == 2 || bits == 3) {
+        int c = (blk[(q >> 2) * 64 + e] >> (2 * (q & 3))) & 3;
+        if (bits == 3) c |= ((blk[4 * group + 8 * q + (e >> 3)] >> (e & 7)) & 1) << 2;
+        return c;
+    }
     uint8_t b = blk[(q >> 1) * 64 + e];
     int lo = (q & 1) ? (b >> 4) : (b & 15);
     if (bits == 4) return lo;
+    if (bits == CODES_IQ4) return kIQ4[lo] + 128;
     return lo | (((blk[8 * group + (q >> 2) * 64 + e] >> (2 * (q & 3))) & 3) << 4);
 }
 
@@ -341,11 +374,31 @@ static inline void prefetch_ahead(const uint8_t* blk, const uint8_t* end, int64_
 static inline void decode_block(const uint8_t* blk, int bits, int group, __m512i* out) {
     const int quads = group / 4;
     const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
-    if (bits == 4) {
+    if (bits == 2 || bits == 3) {
+        const __m512i low2 = _mm512_set1_epi8(3);
+        for (int q = 0; q < quads; q += 4) {
+            __m512i v = _mm512_loadu_si512(blk + (q >> 2) * 64);
+            out[q] = _mm512_and_si512(v, low2);
+            out[q + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 2), low2);
+            out[q + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low2);
+            out[q + 3] = _mm512_and_si512(_mm512_srli_epi16(v, 6), low2);
+        }
+        if (bits == 3)  // the third bits: a quad's 64 of them are a mask, bit e for element e
+            for (int q = 0; q < quads; ++q) {
+                uint64_t m;
+                memcpy(&m, blk + 4 * group + 8 * q, 8);
+                out[q] = _mm512_mask_add_epi8(out[q], _cvtu64_mask64(m), out[q], _mm512_set1_epi8(4));
+            }
+    } else if (bits == 4 || bits == CODES_IQ4) {
         for (int q = 0; q < quads; q += 2) {
             __m512i v = _mm512_loadu_si512(blk + (q >> 1) * 64);
             out[q] = _mm512_and_si512(v, low4);
             out[q + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        if (bits == CODES_IQ4) {  // the values, stored as value + 128 (as 8-bit codes)
+            const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)kIQ4)),
+                                                   _mm512_set1_epi8((char)0x80));
+            for (int q = 0; q < quads; ++q) out[q] = _mm512_shuffle_epi8(table, out[q]);
         }
     } else if (bits == 6) {
         const uint8_t* hib = blk + 8 * group;
@@ -416,7 +469,7 @@ template <int BITS, int SMODE, int RB, int Q>
 __attribute__((always_inline)) static inline void rows_group(const int8_t* x, const float* dx, const int32_t* ncorr,
                               const float* bx, const __m512i* w, __m512 s, __m512 z, __m512* acc) {
     __m512i dot[RB];
-    for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncorr[r]);
+    for (int r = 0; r < RB; ++r) dot[r] = BITS == 4 || BITS == 2 ? _mm512_setzero_si512() : _mm512_set1_epi32(ncorr[r]);
     for (int q = 0; q < Q; ++q)
         for (int r = 0; r < RB; ++r) {
             int32_t four;
@@ -486,21 +539,47 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
 // AVX2 (no VNNI): a 16-column unit is two 8-lane halves (columns 0-7 are bytes 0-31 of a quad
 // vector, columns 8-15 bytes 32-63).  vpmaddubsw multiplies unsigned code bytes by the signed
 // activation bytes and adds adjacent pairs into int16 with saturation, which is never reached here:
-// a pair is at most 2 * 63 * 127 for codes of up to 6 bits, and 8-bit codes go in as |v| with the
-// activation's sign moved onto them (vpsignb; at most 2 * 128 * 127).  QACC quads of pairs are
-// added in int16 (4-bit: 8 * 3810 < 32768) before vpmaddwd with ones widens them to int32.  So the
+// a pair is at most 2 * 63 * 127 for codes of up to 6 bits, and 8-bit codes and IQ4's values go in
+// as |v| with the activation's sign moved onto them (vpsignb; at most 2 * 128 * 127).  QACC quads of
+// pairs are added in int16 (4-bit: 8 * 3810 < 32768; 3-bit: 8 * 1778) before vpmaddwd with ones
+// widens them to int32.  So the
 // dot products are the same exact integers as vpdpbusd's and the portable loop's, and the
 // epilogue is the same FMAs lane by lane: the same bits.
 
+// the codes' values go in signed (|v| and the activations' signs), not as unsigned codes
+template <int BITS>
+constexpr bool signed_values() { return BITS == 8 || BITS == CODES_IQ4; }
+
+// 32 bits -> 32 bytes, byte i 0xff where bit i is set
+static inline __m256i bit_bytes(uint32_t b) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)b), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+
 // half h (columns 8 h .. 8 h + 7) of quad q of one (unit, group) block as bytes: unsigned codes
-// (4, 6 bits), or the signed values (8 bits: stored code - 128)
+// (2, 3, 4, 6 bits), or the signed values (8 bits: stored code - 128; IQ4: kIQ4[i])
 template <int BITS, int GROUP>
 __attribute__((always_inline)) static inline __m256i decode_half(const uint8_t* blk, int q, int h) {
     if (BITS == 8)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + q * 64 + 32 * h)), _mm256_set1_epi8((char)0x80));
+    if (BITS == 2 || BITS == 3) {
+        __m256i a = _mm256_loadu_si256((const __m256i*)(blk + (q >> 2) * 64 + 32 * h));
+        a = _mm256_and_si256(_mm256_srli_epi16(a, 2 * (q & 3)), _mm256_set1_epi8(3));
+        if (BITS == 3) {  // the third bits of elements 32 h .. 32 h + 31: bytes 4 h .. 4 h + 3 of the quad's 8
+            uint32_t b;
+            memcpy(&b, blk + 4 * GROUP + 8 * q + 4 * h, 4);
+            a = _mm256_or_si256(a, _mm256_and_si256(bit_bytes(b), _mm256_set1_epi8(4)));
+        }
+        return a;
+    }
     __m256i a = _mm256_loadu_si256((const __m256i*)(blk + (q >> 1) * 64 + 32 * h));
     if (q & 1) a = _mm256_srli_epi16(a, 4);
     a = _mm256_and_si256(a, _mm256_set1_epi8(15));
+    if (BITS == CODES_IQ4)
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)kIQ4)), a);
     if (BITS == 6) {  // bits 2j, 2j+1 of the high-bits byte (j = q % 4) become bits 4, 5
         const __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 8 * GROUP + (q >> 2) * 64 + 32 * h));
         a = _mm256_or_si256(a, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (q & 3)), _mm256_set1_epi8(3)), 4));
@@ -573,23 +652,24 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, c
                                                               const float* bx, const uint8_t* blk, const __m256* s,
                                                               const __m256* z, __m256* acc) {
     constexpr int Q = GROUP / 4;
-    constexpr int QACC = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;
+    constexpr int QACC = BITS == 6 ? 2 : signed_values<BITS>() ? 1 : 8;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i dot[2 * RB], p16[2 * RB];
 #pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r)  // 6 bits: start at -offset * isum; 4 bits: offset 0; 8 bits: signed values
-        dot[2 * r + 0] = dot[2 * r + 1] = BITS == 6 ? _mm256_set1_epi32(ncorr[r]) : _mm256_setzero_si256();
+    for (int r = 0; r < RB; ++r)  // 3, 6 bits: start at -offset * isum; 2, 4 bits: offset 0; 8 bits, IQ4: signed values
+        dot[2 * r + 0] = dot[2 * r + 1] = BITS == 6 || BITS == 3 ? _mm256_set1_epi32(ncorr[r]) : _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) {
         const __m256i w0 = decode_half<BITS, GROUP>(blk, q, 0), w1 = decode_half<BITS, GROUP>(blk, q, 1);
-        const __m256i a0 = BITS == 8 ? _mm256_abs_epi8(w0) : w0, a1 = BITS == 8 ? _mm256_abs_epi8(w1) : w1;
+        constexpr bool sv = signed_values<BITS>();
+        const __m256i a0 = sv ? _mm256_abs_epi8(w0) : w0, a1 = sv ? _mm256_abs_epi8(w1) : w1;
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
             int32_t four;
             memcpy(&four, x + r * GROUP + 4 * q, 4);
             const __m256i xb = _mm256_set1_epi32(four);
-            const __m256i m0 = _mm256_maddubs_epi16(a0, BITS == 8 ? _mm256_sign_epi8(xb, w0) : xb);
-            const __m256i m1 = _mm256_maddubs_epi16(a1, BITS == 8 ? _mm256_sign_epi8(xb, w1) : xb);
+            const __m256i m0 = _mm256_maddubs_epi16(a0, sv ? _mm256_sign_epi8(xb, w0) : xb);
+            const __m256i m1 = _mm256_maddubs_epi16(a1, sv ? _mm256_sign_epi8(xb, w1) : xb);
             p16[2 * r + 0] = q % QACC == 0 ? m0 : _mm256_add_epi16(p16[2 * r + 0], m0);
             p16[2 * r + 1] = q % QACC == 0 ? m1 : _mm256_add_epi16(p16[2 * r + 1], m1);
             // keep each sum where it is written (here and below): without this GCC defers the adds
@@ -618,7 +698,7 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, c
 // rows per rows_group2 call: their int16 and int32 sums, the decoded quad and the broadcast
 // activations within the 16 ymm registers
 template <int BITS>
-constexpr int rblk2() { return BITS == 4 ? RBLK2_4 : RBLK2_68; }
+constexpr int rblk2() { return BITS == 6 || signed_values<BITS>() ? RBLK2_68 : RBLK2_4; }
 
 template <int BITS, int GROUP, int SMODE, int RB, int B0>
 __attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, const float* dx, const int32_t* nc,
@@ -662,7 +742,7 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
     }
 }
 
-// Many rows (4- and 6-bit codes): each (unit, group) block is decoded once for all the pass's rows,
+// Many rows (2-, 3-, 4- and 6-bit codes): each (unit, group) block is decoded once for all the pass's rows,
 // QH quads at a time (2 QH registers), and a plain loop over the rows runs inside; a row's sums
 // cross from one slice of quads to the next, and its accumulators from one group to the next, in
 // small buffers that stay in L1.  Per row and group that is the vpmaddubsw and vpaddw the dot
@@ -672,7 +752,8 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
 template <int BITS, int GROUP, int SMODE>
 static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
                            int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    static_assert(BITS == 4 || BITS == 6, "8-bit codes take unit_rows");
+    static_assert(!signed_values<BITS>(), "8-bit codes and IQ4 take unit_rows");
+    constexpr bool I16 = BITS != 6;  // a row's sums in int16 pairs within a group (2, 3, 4 bits), or in int32
     constexpr int Q = GROUP / 4;       // quads of a group: 4 or 8
     constexpr int QH = Q < 4 ? Q : 4;  // quads of a slice
     constexpr int NS = Q / QH;         // slices of a group
@@ -681,7 +762,7 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
     const uint8_t* blk = codes + u * ng * UB;
     const uint8_t* end = blk + ng * UB;
     alignas(32) float acc[MAX_ROWS][16];
-    // a row's sums between slices: int16 pairs (4 bits: 8 quads stay below 2^15) or int32 (6 bits)
+    // a row's sums between slices: int16 pairs (2, 3, 4 bits: 8 quads stay below 2^15) or int32 (6 bits)
     alignas(32) int32_t part[MAX_ROWS][16];
     for (int64_t r = 0; r < rows; ++r)
         for (int j = 0; j < 16; ++j) acc[r][j] = 0.f;
@@ -705,8 +786,8 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
             }
             for (int64_t r = 0; r < rows; ++r) {
                 const int8_t* xr = xg + r * GROUP + 4 * QH * sl;
-                __m256i d0, d1;  // 4 bits: int16 pair sums; 6 bits: int32 sums
-                if (BITS == 4) {
+                __m256i d0, d1;  // 2, 3, 4 bits: int16 pair sums; 6 bits: int32 sums
+                if (I16) {
                     d0 = sl ? _mm256_load_si256((const __m256i*)part[r]) : _mm256_setzero_si256();
                     d1 = sl ? _mm256_load_si256((const __m256i*)part[r] + 1) : _mm256_setzero_si256();
                 } else {
@@ -721,7 +802,7 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
                     const __m256i xb = _mm256_set1_epi32(four);
                     const __m256i m0 = _mm256_maddubs_epi16(w[2 * j], xb);
                     const __m256i m1 = _mm256_maddubs_epi16(w[2 * j + 1], xb);
-                    if (BITS == 4) {
+                    if (I16) {
                         d0 = _mm256_add_epi16(d0, m0);
                         d1 = _mm256_add_epi16(d1, m1);
                         asm("" : "+x"(d0), "+x"(d1));  // (as in rows_group2: the adds where they are written)
@@ -741,9 +822,13 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
                     _mm256_store_si256((__m256i*)part[r] + 1, d1);
                     continue;
                 }
-                if (BITS == 4) {
+                if (I16) {
                     d0 = _mm256_madd_epi16(d0, ones);
                     d1 = _mm256_madd_epi16(d1, ones);
+                    if (BITS == 3) {  // the codes' offset: -offset * isum
+                        d0 = _mm256_add_epi32(d0, _mm256_set1_epi32(nc[r]));
+                        d1 = _mm256_add_epi32(d1, _mm256_set1_epi32(nc[r]));
+                    }
                 }
                 const __m256 d = _mm256_set1_ps(dx[r]);
                 __m256 a0 = _mm256_fmadd_ps(s[0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(d0)), _mm256_load_ps(acc[r]));
@@ -790,6 +875,11 @@ static UnitRowsFn unit_rows_fn(int smode, int rb) {
     __attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_##B(int group, int smode, int rb) {  \
         return group == 16 ? unit_rows_fn<B, 16>(smode, rb) : unit_rows_fn<B, 32>(smode, rb);           \
     }
+// a format of one group size only (format_ok)
+#define LD_UNIT_ROWS_OF_GROUP(B, G)                                                                     \
+    __attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_##B(int group, int smode, int rb) {  \
+        return group == G ? unit_rows_fn<B, G>(smode, rb) : nullptr;                                    \
+    }
 #if LD_PART == -1 || LD_PART == 4
 LD_UNIT_ROWS_OF(4)
 #endif
@@ -799,16 +889,32 @@ LD_UNIT_ROWS_OF(6)
 #if LD_PART == -1 || LD_PART == 8
 LD_UNIT_ROWS_OF(8)
 #endif
+#if LD_PART == -1 || LD_PART == 2
+LD_UNIT_ROWS_OF_GROUP(2, 16)
+LD_UNIT_ROWS_OF_GROUP(3, 16)
+#endif
+#if LD_PART == -1 || LD_PART == CODES_IQ4
+LD_UNIT_ROWS_OF_GROUP(9, 32)
+#endif
 
 #if LD_PART <= 0
+__attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_2(int group, int smode, int rb);
+__attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_3(int group, int smode, int rb);
 __attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_4(int group, int smode, int rb);
 __attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_6(int group, int smode, int rb);
 __attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_8(int group, int smode, int rb);
+__attribute__((visibility("hidden"))) UnitRowsFn unit_rows_of_9(int group, int smode, int rb);
 
 // the specialized few-row function for a format and a block of rb rows (1..RB_ROWS)
 static UnitRowsFn select_unit_rows(int bits, int group, int smode, int rb) {
-    return bits == 4 ? unit_rows_of_4(group, smode, rb) : bits == 6 ? unit_rows_of_6(group, smode, rb)
-                                                         : unit_rows_of_8(group, smode, rb);
+    switch (bits) {
+        case 2: return unit_rows_of_2(group, smode, rb);
+        case 3: return unit_rows_of_3(group, smode, rb);
+        case 4: return unit_rows_of_4(group, smode, rb);
+        case 6: return unit_rows_of_6(group, smode, rb);
+        case CODES_IQ4: return unit_rows_of_9(group, smode, rb);
+        default: return unit_rows_of_8(group, smode, rb);
+    }
 }
 #endif
 #endif
@@ -825,8 +931,10 @@ static ManyRowsFn many_rows_fn(int smode) {
          : smode == 2 ? unit_rows_many<BITS, GROUP, 2> : unit_rows_many<BITS, GROUP, 3>;
 }
 
-// the many-row function of a format (none for 8-bit codes)
+// the many-row function of a format (none for 8-bit codes and IQ4)
 static ManyRowsFn select_many_rows(int bits, int group, int smode) {
+    if (bits == 2) return many_rows_fn<2, 16>(smode);
+    if (bits == 3) return many_rows_fn<3, 16>(smode);
     if (bits == 4) return group == 16 ? many_rows_fn<4, 16>(smode) : many_rows_fn<4, 32>(smode);
     if (bits == 6) return group == 16 ? many_rows_fn<6, 16>(smode) : many_rows_fn<6, 32>(smode);
     return nullptr;
@@ -844,8 +952,8 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
                         int64_t N, const float* bias, void* y, int64_t ldy, int out_fp32, int nthreads,
                         void* work) {
     if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
-    if (bits != 4 && bits != 6 && bits != 8) return -2;
-    if (bits == 6 && (offset < 0 || offset > 63)) return -3;
+    if (!format_ok(bits, group)) return -2;
+    if ((bits == 6 && (offset < 0 || offset > 63)) || (bits == 3 && (offset < 0 || offset > 7))) return -3;
     if (smode < 0 || smode > 3 || (smode >= 2 && (gps <= 0 || (K / group) % gps))) return -4;
     if (nthreads < 1) nthreads = 1;
     const Scales sc = {scales, zeros, (const uint16_t*)dsup, (const uint16_t*)zsup, smode, gps};
@@ -890,20 +998,8 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
 
 // the stored codes of one (unit, group) block as c[row j][column k within the group]
 static void codes_of_block(const uint8_t* blk, int bits, int group, int c[16][32]) {
-    for (int q = 0; q < group / 4; ++q) {
-        if (bits == 8) {
-            for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = blk[q * 64 + e];
-            continue;
-        }
-        const uint8_t* lo = blk + (q >> 1) * 64;
-        const int shift = (q & 1) * 4;
-        for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = (lo[e] >> shift) & 15;
-        if (bits == 6) {
-            const uint8_t* hi = blk + 8 * group + (q >> 2) * 64;
-            const int hs = 2 * (q & 3);
-            for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] |= ((hi[e] >> hs) & 3) << 4;
-        }
-    }
+    for (int q = 0; q < group / 4; ++q)
+        for (int e = 0; e < 64; ++e) c[e / 4][4 * q + e % 4] = code_at(blk, bits, group, q, e);
 }
 
 // the weight [N, K], s * value + z in fp32 (one rounding per product and per sum), stored as
@@ -912,7 +1008,7 @@ template <typename T>
 static int dequant(const uint8_t* codes, const void* scales, const void* zeros, const void* dsup, const void* zsup,
                    int smode, int gps, int bits, int offset, int group, int64_t N, int64_t K, T* out, int nthreads) {
     if (N % 16 || (group != 16 && group != 32) || K % group) return -1;
-    if (bits != 4 && bits != 6 && bits != 8) return -2;
+    if (!format_ok(bits, group)) return -2;
     if (smode < 0 || smode > 3 || (smode >= 2 && (gps <= 0 || (K / group) % gps))) return -4;
     const Scales sc = {scales, zeros, (const uint16_t*)dsup, (const uint16_t*)zsup, smode, gps};
     const int64_t ng = K / group;
