@@ -53,7 +53,11 @@ SHAPES = {
     "qwen3-8b-shape": ("qwen2", 4096, 36, 32, 8, 128, 12288, 1e6, True),  # Qwen3-8B's layer shapes
     "qwen3-1.7b": ("qwen3", 2048, 28, 16, 8, 128, 6144, 1e6, False),  # with its per-head q/k norms
     "qwen2.5-14b": ("qwen2", 5120, 48, 40, 8, 128, 13824, 1e6, True),
+    # a mixture of experts: OLMoE-1B-7B's sizes (64 experts of width 1024, the top 8; 6.9B weights, 1.3B a token)
+    # as a Qwen3-MoE (per-head q/k norms), the ffn column being an expert's width
+    "olmoe-1b-7b-shape": ("qwen3moe", 2048, 16, 16, 16, 128, 1024, 1e4, False),
 }
+EXPERTS = {"olmoe-1b-7b-shape": (64, 8)}  # a mixture of experts' shapes: (experts, experts a token)
 DEFAULT_SHAPES = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b,qwen2.5-7b,llama-3.1-8b,qwen3-8b-shape"
 TOKENIZER_MODEL = "qwen2.5-coder-1.5b"  # whose GGUF lends its tokenizer and chat template
 ROWS = (1, 4, 8, 16)
@@ -115,15 +119,22 @@ def tensor_plan(shape: tuple, vocab: int, mix: str = "Q4_K_M") -> list[tuple[str
         b = f"blk.{i}."
         plan += [(b + "attn_norm.weight", (hidden,), None), (b + "attn_q.weight", (q, hidden), main),
                  (b + "attn_k.weight", (kv, hidden), main), (b + "attn_v.weight", (kv, hidden), more),
-                 (b + "attn_output.weight", (hidden, q), main), (b + "ffn_norm.weight", (hidden,), None),
-                 (b + "ffn_gate.weight", (ffn, hidden), main), (b + "ffn_up.weight", (ffn, hidden), main),
-                 (b + "ffn_down.weight", (hidden, ffn), more)]
+                 (b + "attn_output.weight", (hidden, q), main), (b + "ffn_norm.weight", (hidden,), None)]
+        if arch == "qwen3moe":  # the router in F32 (llama.cpp keeps it so), the experts stacked [experts, rows, cols]
+            experts = next(e for name, (e, _) in EXPERTS.items() if SHAPES[name] == shape)
+            plan += [(b + "ffn_gate_inp.weight", (experts, hidden), None),
+                     (b + "ffn_gate_exps.weight", (experts, ffn, hidden), main),
+                     (b + "ffn_up_exps.weight", (experts, ffn, hidden), main),
+                     (b + "ffn_down_exps.weight", (experts, hidden, ffn), more)]
+        else:
+            plan += [(b + "ffn_gate.weight", (ffn, hidden), main), (b + "ffn_up.weight", (ffn, hidden), main),
+                     (b + "ffn_down.weight", (hidden, ffn), more)]
         if bias:
             plan += [(b + f"attn_{p}.bias", (n,), None) for p, n in (("q", q), ("k", kv), ("v", kv))]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             plan += [(b + "attn_q_norm.weight", (head_dim,), None), (b + "attn_k_norm.weight", (head_dim,), None)]
     plan += [("output_norm.weight", (hidden,), None), ("output.weight", (vocab, hidden), T.Q6_K)]
-    return [(n, s, T.Q8_0 if q is not None and s[1] % 256 else q) for n, s, q in plan]
+    return [(n, s, T.Q8_0 if q is not None and s[-1] % 256 else q) for n, s, q in plan]
 
 
 def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0, mix: str = "Q4_K_M") -> None:
@@ -149,6 +160,10 @@ def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0, mix: 
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(vocab)
+    if name in EXPERTS:
+        writer.add_expert_count(EXPERTS[name][0])
+        writer.add_expert_used_count(EXPERTS[name][1])
+        writer.add_expert_feed_forward_length(ffn)
     writer.add_file_type(gguf.LlamaFileType["MOSTLY_" + {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S"}.get(mix, mix)])
     for key, field in source.fields.items():  # the tokenizer and chat template, as the source has them
         if key.startswith("tokenizer."):
@@ -162,8 +177,9 @@ def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0, mix: 
             writer.add_tensor_info(tname, tshape, np.dtype(np.float32), 4 * int(np.prod(tshape)))
         else:
             per, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-            row_bytes = tshape[1] // per * nbytes  # a quantized tensor's shape is given in bytes
-            writer.add_tensor_info(tname, (tshape[0], row_bytes), np.dtype(np.uint8), tshape[0] * row_bytes,
+            row_bytes = tshape[-1] // per * nbytes  # a quantized tensor's shape is given in bytes
+            rows = int(np.prod(tshape[:-1]))
+            writer.add_tensor_info(tname, (*tshape[:-1], row_bytes), np.dtype(np.uint8), rows * row_bytes,
                                    raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -174,8 +190,10 @@ def write_gguf(path: Path, name: str, tokenizer_gguf: Path, seed: int = 0, mix: 
             data = (np.ones(tshape, np.float32) if tname.endswith("norm.weight")
                     else (0.02 * rng.standard_normal(tshape)).astype(np.float32))
         else:
-            data = np.concatenate([random_blocks(qtype, min(4096, tshape[0] - r), tshape[1], rng)
-                                   for r in range(0, tshape[0], 4096)])
+            rows = int(np.prod(tshape[:-1]))
+            data = np.concatenate([random_blocks(qtype, min(4096, rows - r), tshape[-1], rng)
+                                   for r in range(0, rows, 4096)])
+            data = data.reshape(*tshape[:-1], -1)
         writer.write_tensor_data(data)
     writer.close()
 
