@@ -237,7 +237,14 @@ def test_the_configuration_says_what_the_native_decoder_does_not_compute():
                ({**base, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
                ({**base, "partial_rotary_factor": 0.1875}, "rotary embedding of 3 of 16 dims"),
                ({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-               ({**base, "architectures": ["Gemma3nForCausalLM"]}, "Gemma3nForCausalLM")]
+               ({**base, "architectures": ["Gemma3nForCausalLM"]}, "Gemma3nForCausalLM"),
+               # Llama's and Qwen3's attention_bias puts a bias on o_proj too, and mlp_bias on the MLP: refused
+               ({**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True},
+                "output projection"),
+               ({**base, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
+                "output projection"),
+               ({**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": True}, "mlp_bias")]
+    assert ModelConfig.from_hf({**qwen2, "attention_bias": True}).attention_bias  # Qwen2's q/k/v biases run
     for cfg, words in refused:
         with pytest.raises(NotImplementedError, match=words):
             ModelConfig.from_hf(cfg)

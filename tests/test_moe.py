@@ -341,7 +341,7 @@ def test_the_configuration_says_what_the_native_decoder_does_not_compute():
     assert ModelConfig.from_hf({**qwen, "mlp_only_layers": [1]}).sparse_layers == (True, False)
     dense = ModelConfig.from_hf({**qwen, "mlp_only_layers": [0, 1]})  # no sparse layer: Qwen3's own layers
     assert dense.sparse_layers is None and not dense.op_by_op
-    refused = [({**qwen, "attention_bias": True}, "attention biases"),
+    refused = [({**qwen, "attention_bias": True}, "output projection"),
                ({**mixtral, "hidden_act": "gelu"}, "activation 'gelu'"),
                ({**qwen, "num_experts_per_tok": 9}, "9 of 8 experts"),
                ({**mixtral, "num_local_experts": 0}, "of 0 experts"),

@@ -103,6 +103,11 @@ class ModelConfig:
         rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or rope_scaling.get("partial_rotary_factor") or 1.0))
         if rotary % 2 or not 0 < rotary <= head_dim:
             raise NotImplementedError(f"native backend does not implement a rotary embedding of {rotary} of {head_dim} dims")
+        if cfg.get("mlp_bias"):
+            raise NotImplementedError("native backend does not implement biases on the MLP's projections (mlp_bias)")
+        if cfg.get("attention_bias") and cfg.get("model_type", "") != "qwen2":  # Qwen2's: q, k, v only, as computed
+            raise NotImplementedError("native backend does not implement a bias on the attention's output projection "
+                                      "(attention_bias)")
         window = cfg.get("sliding_window")
         if window and cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
             raise NotImplementedError("native backend does not implement sliding-window attention")
@@ -191,14 +196,13 @@ class ModelConfig:
 
 def moe_settings(cfg: dict, archs: list[str]) -> dict:
     """``ModelConfig``'s mixture-of-experts fields of a Qwen3-MoE, Mixtral or OLMoE configuration ({} for
-    another); ``NotImplementedError`` naming what the native decoder does not compute (attention biases,
-    a hidden activation other than SiLU, a shared expert)."""
+    another); ``NotImplementedError`` naming what the native decoder does not compute (a hidden activation
+    other than SiLU, a shared expert; attention biases are refused for every architecture but Qwen2 by
+    ``ModelConfig.from_hf``)."""
     model_type = cfg.get("model_type", "")
     if not (set(archs) & MOE_ARCHITECTURES or model_type in MOE_MODEL_TYPES):
         return {}
     name = (sorted(set(archs) & MOE_ARCHITECTURES) or [model_type])[0]
-    if cfg.get("attention_bias"):
-        raise NotImplementedError(f"native backend does not implement {name} with attention biases")
     if cfg.get("hidden_act", "silu") != "silu":
         raise NotImplementedError(f"native backend does not implement {name} with the activation {cfg['hidden_act']!r}")
     if cfg.get("shared_expert_intermediate_size"):
