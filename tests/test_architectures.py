@@ -87,23 +87,30 @@ def _hf(name: str) -> torch.nn.Module:
     return _MODELS[name]
 
 
-def _native(hf: torch.nn.Module) -> NativeCausalLM:
+def native_of(hf: torch.nn.Module) -> NativeCausalLM:
+    """The fp32 native decoder of a transformers model, from its configuration and state dict."""
     cfg = hf.config.to_dict()
     cfg["architectures"] = [type(hf).__name__]
     return NativeCausalLM.from_state_dict(ModelConfig.from_hf(cfg), dict(hf.state_dict()), max_seq_len=128)
 
 
-def _seq(n: int, seed: int) -> list[int]:
+def token_seq(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_native_fp32_gives_transformers_logits_and_greedy_tokens(name):
     hf = _hf(name)
-    native = _native(hf)
+    native = native_of(hf)
     if name == "qwen3":
         assert native.cfg.qk_norm and native.layers[0].q_norm is not None
-    prompt, toks = _seq(11, 1), _seq(5, 2)
+    assert_transformers_logits_and_tokens(hf, native, name)
+
+
+def assert_transformers_logits_and_tokens(hf: torch.nn.Module, native: NativeCausalLM, name: str) -> None:
+    """The fp32 native decoder gives ``hf``'s logits (within 1e-4) over a prompt, each node of a token tree
+    after it, and ``hf``'s 12 greedy tokens (``leapdecode.generate``, vanilla); also tests/test_moe.py's."""
+    prompt, toks = token_seq(11, 1), token_seq(5, 2)
     parents = [-1, -1, 0, 2, 1]
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt])).logits[0]
@@ -119,8 +126,8 @@ def test_native_fp32_gives_transformers_logits_and_greedy_tokens(name):
         hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                 eos_token_id=VOCAB, pad_token_id=0)[0, len(prompt):].tolist()  # no EOS
     import leapdecode
-    from leapdecode.models.tiny import byte_tokenizer
     from leapdecode.models.decoder import LoadedModel
+    from leapdecode.models.tiny import byte_tokenizer
 
     lm = LoadedModel(name=name, model=native, tokenizer=byte_tokenizer())
     out = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=12, method="vanilla")
@@ -130,7 +137,7 @@ def test_native_fp32_gives_transformers_logits_and_greedy_tokens(name):
 def _on_kernels(name: str) -> NativeCausalLM:
     from leapdecode.models.blockquant import quantize_native
 
-    model = _native(_hf(name))
+    model = native_of(_hf(name))
     quantize_native(model)
     model.attention = "invariant"
     return model
@@ -142,7 +149,7 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name):
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
     model = _on_kernels(name)
-    prompt, toks = _seq(20, 3), _seq(6, 4)
+    prompt, toks = token_seq(20, 3), token_seq(6, 4)
     parents = [-1, 0, 0, 1, 3, 2]
     paths = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [0, 2, 5]]
     trees = []
@@ -185,7 +192,7 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
                                             add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ref_model = _with_file_weights(_hf(name), path)
-    ids = _seq(48, 5)
+    ids = token_seq(48, 5)
     with torch.no_grad():
         ref = ref_model(input_ids=torch.tensor([ids])).logits[0]
         got = model(torch.tensor([ids]), model.new_cache())[0].float()
@@ -276,12 +283,18 @@ def test_speculation_gives_vanillas_tokens_on_the_kernels(name):
     problem = qkernel.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
+    assert_speculation_gives_vanillas_tokens(_on_kernels(name), name)
+
+
+def assert_speculation_gives_vanillas_tokens(model: NativeCausalLM, name: str) -> None:
+    """pld, sam and auto with their default options give vanilla's 32 greedy tokens after a repetitive prompt
+    (trees their drafters build from it); also tests/test_moe.py's."""
     import leapdecode
     from leapdecode.models.decoder import LoadedModel
     from leapdecode.models.tiny import byte_tokenizer
 
-    lm = LoadedModel(name=name, model=_on_kernels(name), tokenizer=byte_tokenizer())
-    prompt = _seq(8, 6) * 3
+    lm = LoadedModel(name=name, model=model, tokenizer=byte_tokenizer())
+    prompt = token_seq(8, 6) * 3
     vanilla = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=32, method="vanilla").tokens
     assert len(vanilla) == 32
     for method in ("pld", "sam", "auto"):

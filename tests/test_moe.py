@@ -27,6 +27,8 @@ from leapdecode.models import qkernel
 from leapdecode.models.architecture import ModelConfig
 from leapdecode.models.moe import SparseMoe
 from leapdecode.models.native import NativeCausalLM
+from test_architectures import (assert_speculation_gives_vanillas_tokens, assert_transformers_logits_and_tokens,
+                                native_of, token_seq)
 
 VOCAB = 288  # the byte symbols, two merges and the specials of tests/tiny_gguf.py, and spare ids
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -65,16 +67,6 @@ def _hf(name: str) -> torch.nn.Module:
     return _MODELS[name]
 
 
-def _native(hf: torch.nn.Module) -> NativeCausalLM:
-    cfg = hf.config.to_dict()
-    cfg["architectures"] = [type(hf).__name__]
-    return NativeCausalLM.from_state_dict(ModelConfig.from_hf(cfg), dict(hf.state_dict()), max_seq_len=128)
-
-
-def _seq(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _routes(model: NativeCausalLM, monkeypatch) -> list[torch.Tensor]:
     """Records each call's experts per row (``SparseMoe.route``'s ids) from now on."""
     calls: list[torch.Tensor] = []
@@ -92,34 +84,13 @@ def _routes(model: NativeCausalLM, monkeypatch) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", NAMES)
 def test_native_fp32_gives_transformers_logits_and_greedy_tokens(name):
     hf = _hf(name)
-    native = _native(hf)
+    native = native_of(hf)
     cfg = native.cfg
     assert cfg.op_by_op and not cfg.plain_layers  # neither the fused layer stack nor the batched route
     assert [b.moe is not None for b in native.layers] == ([False, True] if name == "qwen3moe-mixed" else [True, True])
     assert cfg.qk_norm == (name != "mixtral") and cfg.qk_norm_whole == (name == "olmoe")
     assert cfg.norm_topk_prob == (name in ("qwen3moe", "mixtral"))
-    prompt, toks = _seq(11, 1), _seq(5, 2)
-    parents = [-1, -1, 0, 2, 1]
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([prompt])).logits[0]
-        cache = native.new_cache()
-        got = native(torch.tensor([prompt]), cache)[0]
-        assert (got - ref).abs().max().item() < 1e-4
-        cache.commit()
-        tree = native(torch.tensor([toks]), cache, parents=parents)[0]
-        for i, path in enumerate([[0], [1], [0, 2], [0, 2, 3], [1, 4]]):  # each node: its path after the prompt
-            want = hf(input_ids=torch.tensor([prompt + [toks[j] for j in path]])).logits[0, -1]
-            assert (tree[path[-1]] - want).abs().max().item() < 1e-4, i
-        ids = torch.tensor([prompt])
-        hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                eos_token_id=VOCAB, pad_token_id=0)[0, len(prompt):].tolist()  # no EOS
-    import leapdecode
-    from leapdecode.models.decoder import LoadedModel
-    from leapdecode.models.tiny import byte_tokenizer
-
-    lm = LoadedModel(name=name, model=native, tokenizer=byte_tokenizer())
-    out = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=12, method="vanilla")
-    assert out.tokens == hf_tokens
+    assert_transformers_logits_and_tokens(hf, native, name)
 
 
 def test_olmoe_clips_q_k_and_v():
@@ -127,8 +98,8 @@ def test_olmoe_clips_q_k_and_v():
     import dataclasses
 
     hf = _hf("olmoe")
-    native = _native(hf)
-    ids = torch.tensor([_seq(11, 1)])
+    native = native_of(hf)
+    ids = torch.tensor([token_seq(11, 1)])
     seen = []
     hook = hf.model.layers[0].self_attn.v_proj.register_forward_hook(lambda m, i, o: seen.append(o.abs().max().item()))
     with torch.no_grad():
@@ -146,7 +117,7 @@ def test_olmoe_clips_q_k_and_v():
 def _on_kernels(name: str) -> NativeCausalLM:
     from leapdecode.models.blockquant import quantize_native
 
-    model = _native(_hf(name))
+    model = native_of(_hf(name))
     quantize_native(model)
     model.attention = "invariant"
     return model
@@ -165,7 +136,7 @@ def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name, monkeypatch):
     _needs_kernels()
     model = _on_kernels(name)
     assert isinstance(next(b for b in model.layers if b.moe is not None).moe.gate_up[0], qkernel.QLinear)
-    prompt, toks = _seq(20, 3), _seq(6, 4)
+    prompt, toks = token_seq(20, 3), token_seq(6, 4)
     parents = [-1, 0, 0, 1, 3, 2]
     paths = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [0, 2, 5]]
     cache = model.new_cache(max_len=64)
@@ -213,17 +184,7 @@ def test_speculation_gives_vanillas_tokens_on_the_kernels(name):
     methods with their default options give plain decoding's greedy tokens, with trees the drafters build
     from a repetitive prompt."""
     _needs_kernels()
-    import leapdecode
-    from leapdecode.models.decoder import LoadedModel
-    from leapdecode.models.tiny import byte_tokenizer
-
-    lm = LoadedModel(name=name, model=_on_kernels(name), tokenizer=byte_tokenizer())
-    prompt = _seq(8, 6) * 3
-    vanilla = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=32, method="vanilla").tokens
-    assert len(vanilla) == 32
-    for method in ("pld", "sam", "auto"):
-        out = leapdecode.generate(lm, prompt_ids=prompt, max_new_tokens=32, method=method)
-        assert out.tokens == vanilla, method
+    assert_speculation_gives_vanillas_tokens(_on_kernels(name), name)
 
 
 def test_a_batched_forward_gives_each_sequence_its_own_bits():
@@ -233,7 +194,7 @@ def test_a_batched_forward_gives_each_sequence_its_own_bits():
     from leapdecode.models.native import BatchItem
 
     model = _on_kernels("mixtral")
-    seqs = [_seq(9, 10), _seq(5, 11), _seq(13, 12)]
+    seqs = [token_seq(9, 10), token_seq(5, 11), token_seq(13, 12)]
     alone = [model(torch.tensor([s]), model.new_cache(max_len=64))[0] for s in seqs]
     items = [BatchItem(torch.tensor(s), model.new_cache(max_len=64)) for s in seqs]
     for got, want in zip(model.forward_batch(items), alone):
@@ -263,7 +224,7 @@ def test_a_gguf_of_the_architecture_loads_natively_on_the_kernels(name, tmp_path
     assert cfg.norm_topk_prob and cfg.qk_norm == (name == "qwen3moe")
     assert isinstance(model.layers[0].moe.down[7], qkernel.QLinear)
     ref_model = _with_file_weights(hf, path)
-    ids = _seq(48, 5)
+    ids = token_seq(48, 5)
     with torch.no_grad():
         ref = ref_model(input_ids=torch.tensor([ids])).logits[0]
         got = model(torch.tensor([ids]), model.new_cache())[0].float()
@@ -392,8 +353,8 @@ def test_a_checkpoint_with_one_module_per_expert_loads_the_same_model(name, tmp_
     assert not any("gate_up_proj" in k for k in state)
     save_file(state, str(tmp_path / "model.safetensors"))
     loaded = NativeCausalLM.from_pretrained(tmp_path, max_seq_len=128)
-    native = _native(hf)
-    ids = torch.tensor([_seq(11, 1)])
+    native = native_of(hf)
+    ids = torch.tensor([token_seq(11, 1)])
     with torch.no_grad():
         assert torch.equal(loaded(ids, loaded.new_cache())[0], native(ids, native.new_cache())[0])
 
@@ -403,12 +364,12 @@ def test_int8_weights_quantize_the_experts_and_keep_a_tree_exact():
     token's logits the same bits in a tree as alone."""
     from leapdecode.models.quant import Int8Linear, quantize_model
 
-    model = _native(_hf("mixtral"))
+    model = native_of(_hf("mixtral"))
     quantize_model(model, "int8")
     model.attention = "invariant"
     moe = model.layers[0].moe
     assert all(isinstance(m, Int8Linear) for _, m in moe.linears()) and isinstance(moe.router, torch.nn.Linear)
-    prompt, toks = _seq(20, 3), _seq(6, 4)
+    prompt, toks = token_seq(20, 3), token_seq(6, 4)
     cache = model.new_cache(max_len=64)
     model(torch.tensor([prompt]), cache)
     cache.commit()
