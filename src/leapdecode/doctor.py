@@ -150,10 +150,12 @@ def print_report(r: dict, out=None) -> None:
     line("torch", f"{r['torch']}, {r['threads']} thread{'s' if r['threads'] != 1 else ''} on {r['cpus']} CPUs"
          + (f"; CUDA: {r['cuda']}" if r["cuda"] else ""))
     line("processor", f"{r['cpu']['model']}; {' '.join(r['cpu']['flags']) or 'none of ' + ', '.join(FLAGS)}")
-    line("C++ compiler", r["compiler"] or "none found (set CXX or install g++): the exact kernel cannot build",
-         ok if r["compiler"] else bad)
+    prebuilt = k["variant"].startswith("the package's")
+    line("C++ compiler", r["compiler"] or ("none found (not needed: the package ships its kernel built)" if prebuilt else
+                                           "none found (set CXX or install g++): the exact kernel cannot build"),
+         ok if r["compiler"] or prebuilt else bad)
     if k["problem"] is None:
-        line("kernel", f"built ({k['isa']} path), {k['library']}", ok)
+        line("kernel", f"{k['variant']}: {k['isa']} path, {k['library']}", ok)
     else:
         line("kernel", f"cannot run: {k['problem']}", bad)
     if k["build_log"]:

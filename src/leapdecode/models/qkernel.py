@@ -46,21 +46,21 @@ import torch
 from torch import nn
 
 from ..errors import InvalidParameterError, ModelFileError
-from . import kernel_abi
+from . import kernel_abi, kernel_build
 from .linear import make_linear
 from .store import (atomic_write, cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale,
                     writable, write_digest)
 
-SOURCE = Path(__file__).with_name("kernels") / "qgemm.cpp"
-ATTENTION_SOURCE = SOURCE.with_name("attention.cpp")  # the invariant attention (``attend_rows``)
-LAYERS_SOURCE = SOURCE.with_name("layers.cpp")  # a decoder's layers in one call (``LayerStack``)
-SOURCES = (SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE)  # compiled into one shared library
-HEADERS = (SOURCE.with_name("bf16.h"), kernel_abi.HEADER)  # included by the sources
-CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# the sources, flags and translation units of the library (models/kernel_build.py; the first-use build is for
+# this CPU: -march=native)
+SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE = kernel_build.SOURCE, kernel_build.ATTENTION_SOURCE, kernel_build.LAYERS_SOURCE
+SOURCES, HEADERS, PARTS = kernel_build.SOURCES, kernel_build.HEADERS, kernel_build.PARTS
+CXXFLAGS = kernel_build.BASE_FLAGS + kernel_build.NATIVE_FLAGS
+assert kernel_abi.HEADER in HEADERS
 # ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once, ``PARTS``: ~33 s on 2
 # cores); the bound only stops a hung compiler (300 s was reached on a loaded 2-core machine, and
 # the kernel then looked unavailable: bf16 fallback)
-BUILD_TIMEOUT_S = 1800
+BUILD_TIMEOUT_S = kernel_build.BUILD_TIMEOUT_S
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
 # Forwards of up to this many rows (decoding, tree verification: NativeCausalLM's
 # INVARIANT_MAX_TOKENS is the same 64) run on the batch-invariant kernel.  Larger ones (prefill
@@ -181,35 +181,13 @@ def library_intact(target: Path) -> bool:
     return digest_problem(target, full=True) is None
 
 
-# The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row
-# functions of each code width apart from the rest; a fresh 2-core machine's first start waits
-# about half as long as for one compiler process)
-PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD_PART=6",)),
-         (SOURCE, ("-DLD_PART=8",)), (SOURCE, ("-DLD_PART=2",)), (SOURCE, (f"-DLD_PART={CODES_IQ4}",)),
-         (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
-
-
 def _compile_parts(cxx: str, work: Path, target: Path) -> list[str]:
-    """Compile every part of ``PARTS`` to an object file in ``work``, all at once; returns their paths."""
-    flags = [f for f in CXXFLAGS if f != "-shared"]
-    jobs = []
+    """Compile every part of ``PARTS`` for this CPU to an object file in ``work``, all at once; returns their
+    paths (a failure keeps the compiler's output beside ``target``: ``build_log``)."""
     try:
-        for i, (src, extra) in enumerate(PARTS):
-            obj, err = work / f"part{i}.o", work / f"part{i}.err"
-            with open(err, "w") as f:  # a file, not a pipe: a chatty compiler never blocks on it
-                jobs.append((str(obj), err, subprocess.Popen([cxx, *flags, *extra, "-c", str(src), "-o", str(obj)],
-                                                             stdout=subprocess.DEVNULL, stderr=f)))
-        deadline = time.monotonic() + BUILD_TIMEOUT_S
-        for _, err, proc in jobs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                raise KernelUnavailable(f"{cxx} failed: {_last_line(_keep_log(err.read_text(), target), proc.returncode)}")
-    finally:
-        for _, _, proc in jobs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [obj for obj, _, _ in jobs]
+        return kernel_build.compile_objects(cxx, work)
+    except kernel_build.BuildError as e:
+        raise KernelUnavailable(f"{e}: {_last_line(_keep_log(e.output, target), e.code)}") from None
 
 
 def _run(cmd: list[str], cxx: str, target: Path) -> None:
@@ -300,6 +278,9 @@ def _open_library() -> ctypes.CDLL:
     library in the cache is removed and built again, once."""
     if os.environ.get("LEAPDECODE_NO_QKERNEL"):
         raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
+    prebuilt = _prebuilt_library()
+    if prebuilt is not None:
+        return prebuilt
     target = _target()
     sweep_stale(target.parent, ".qgemm-")  # left by a process that ended mid-build
     for attempt in (1, 2):
@@ -322,6 +303,35 @@ def _open_library() -> ctypes.CDLL:
             if target.is_file():  # a read-only cache keeps it: build elsewhere
                 target = _elsewhere(target)
     raise AssertionError("unreachable")
+
+
+# "native": build for this CPU at first use even where the package ships variants; a variant's name
+# (kernel_build.VARIANTS: "avx2", "portable", ...): that prebuilt variant where the CPU runs it
+KERNEL_ENV = "LEAPDECODE_KERNEL"
+
+
+def prebuilt_variant() -> tuple[str, Path] | None:
+    """The package's prebuilt variant this CPU runs (``kernel_build.best_variant``: a wheel's, built at
+    install), as (name, library); None in a source checkout, or with ``LEAPDECODE_KERNEL=native``."""
+    wanted = os.environ.get(KERNEL_ENV, "").strip().lower() or None
+    if wanted == "native":
+        return None
+    names = [n for n, _, _ in kernel_build.VARIANTS]
+    if wanted is not None and wanted not in names:
+        raise InvalidParameterError(f"{KERNEL_ENV}={wanted!r}: expected 'native' or one of {', '.join(names)}")
+    return kernel_build.best_variant(set(cpu_flags().split()), only=wanted)
+
+
+def _prebuilt_library() -> ctypes.CDLL | None:
+    choice = prebuilt_variant()
+    if choice is None:
+        return None
+    name, path = choice
+    try:
+        return _bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError, kernel_abi.AbiMismatch) as e:
+        say(f"cannot load the package's {name} kernel variant ({e}): building one for this CPU instead")
+        return None
 
 
 def _buildable(target: Path) -> Path:
@@ -388,8 +398,11 @@ def kernel_status() -> dict:
     target = _target()
     problem = kernel_problem()
     log = build_log()
+    prebuilt = prebuilt_variant()
     return {
-        "compiler": compiler(), "library": str(target), "built": target.is_file(),
+        "variant": f"the package's prebuilt {prebuilt[0]} variant" if prebuilt else "built for this CPU (-march=native)",
+        "compiler": compiler(), "library": str(prebuilt[1] if prebuilt else target),
+        "built": bool(prebuilt) or target.is_file(),
         "intact": target.is_file() and library_intact(target), "cache_writable": writable(target.parent),
         "isa": kernel_isa() if problem is None else None, "problem": problem,
         "build_log": str(log) if log.is_file() else None,

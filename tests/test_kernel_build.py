@@ -1,0 +1,142 @@
+"""The kernel built ahead of time (issue 64): a package build compiles instruction-set variants
+(``models/kernel_build.py``, ``setup.py``), the library picks the best one the CPU runs, and an installed
+wheel runs exactly on a machine with no compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from leapdecode.errors import InvalidParameterError
+from leapdecode.models import kernel_build, qkernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_prebuilt(tmp_path: Path, names=("avx512-vnni", "avx2", "portable"), sources=None) -> Path:
+    out = tmp_path / "prebuilt"
+    out.mkdir()
+    variants = {}
+    for name, flags, needs in kernel_build.VARIANTS:
+        if name in names:
+            (out / f"qgemm-{name}.so").write_bytes(b"")
+            variants[name] = {"file": f"qgemm-{name}.so", "cpu_flags": list(needs), "flags": list(flags)}
+    (out / "manifest.json").write_text(json.dumps({"sources": sources or kernel_build.sources_digest(),
+                                                   "variants": variants}))
+    return out
+
+
+def test_the_best_variant_the_cpu_runs_is_chosen(tmp_path):
+    out = _fake_prebuilt(tmp_path)
+    avx512 = set(kernel_build.VARIANTS[0][2])
+    avx2 = set(kernel_build.VARIANTS[1][2])
+    assert kernel_build.best_variant(avx512 | {"amx_int8"}, out) == ("avx512-vnni", out / "qgemm-avx512-vnni.so")
+    assert kernel_build.best_variant(avx512 - {"avx512_vnni"}, out)[0] == "avx2"  # AVX-512 without VNNI
+    assert kernel_build.best_variant(avx2, out)[0] == "avx2"
+    assert kernel_build.best_variant({"sse2"}, out)[0] == "portable"
+    assert kernel_build.best_variant(avx512, out, only="avx2")[0] == "avx2"
+    assert kernel_build.best_variant(avx2, out, only="avx512-vnni") is None  # this CPU cannot run it
+    (out / "qgemm-avx2.so").unlink()  # a variant's file missing: the next one
+    assert kernel_build.best_variant(avx2, out)[0] == "portable"
+
+
+def test_prebuilt_variants_of_other_sources_or_none_are_not_used(tmp_path):
+    flags = set(kernel_build.VARIANTS[0][2])
+    assert kernel_build.best_variant(flags, _fake_prebuilt(tmp_path, sources="0" * 64)) is None  # stale
+    assert kernel_build.best_variant(flags, tmp_path / "nothing") is None  # a source checkout
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text("{not json")
+    assert kernel_build.best_variant(flags, tmp_path / "bad") is None
+
+
+def test_leapdecode_kernel_picks_a_variant_or_the_native_build(tmp_path, monkeypatch):
+    out = _fake_prebuilt(tmp_path)
+    monkeypatch.setattr(kernel_build, "PREBUILT", out)
+    monkeypatch.setattr(qkernel, "cpu_flags", lambda: " ".join(kernel_build.VARIANTS[0][2]))
+    monkeypatch.delenv(qkernel.KERNEL_ENV, raising=False)
+    assert qkernel.prebuilt_variant()[0] == "avx512-vnni"
+    monkeypatch.setenv(qkernel.KERNEL_ENV, "avx2")
+    assert qkernel.prebuilt_variant()[0] == "avx2"
+    monkeypatch.setenv(qkernel.KERNEL_ENV, "native")
+    assert qkernel.prebuilt_variant() is None
+    monkeypatch.setenv(qkernel.KERNEL_ENV, "sse9")
+    with pytest.raises(InvalidParameterError, match="LEAPDECODE_KERNEL='sse9'"):
+        qkernel.prebuilt_variant()
+
+
+def test_a_prebuilt_variant_loads_and_gives_the_native_builds_bits(tmp_path, monkeypatch):
+    # the AVX2 variant as a package build compiles it (x86-64-v3, not -march=native), chosen by the loader:
+    # its ABI checks pass and a product of every code format gives the bits of the library built here
+    if qkernel.kernel_problem() is not None:
+        pytest.skip(f"the kernel is not available here: {qkernel.kernel_problem()}")
+    cxx = qkernel.compiler()
+    if cxx is None or not set(kernel_build.VARIANTS[1][2]) <= set(qkernel.cpu_flags().split()):
+        pytest.skip("no compiler, or a CPU that does not run the AVX2 variant")
+    out = tmp_path / "prebuilt"
+    manifest = kernel_build.build_prebuilt(cxx, out, say=lambda _: None, names=("avx2",))
+    assert list(manifest["variants"]) == ["avx2"] and not any(p.name.startswith(".work") for p in out.iterdir())
+    monkeypatch.setattr(kernel_build, "PREBUILT", out)
+    monkeypatch.setenv(qkernel.KERNEL_ENV, "avx2")
+    lib = qkernel._prebuilt_library()
+    assert lib is not None and lib.ld_simd() == 2
+    from test_qkernel import FORMATS, random_block, random_x
+
+    native = qkernel._library()
+    for bits, group, offset in FORMATS:
+        part = qkernel.QPart.from_block(random_block(48, 128, bits, group, offset, seed=90))
+        x = random_x(5, 128, seed=91)
+        ys = []
+        for library in (native, lib):
+            y = torch.empty(5, 48, dtype=torch.float32)
+            work = torch.empty(library.ld_work_bytes(128, group), dtype=torch.uint8)
+            assert library.ld_qgemm(x.data_ptr(), 5, 128, 128, *part.pointers(), 48, None, y.data_ptr(), 48, 1, 1,
+                                    work.data_ptr()) == 0
+            ys.append(y)
+        assert torch.equal(*ys), (bits, group)
+
+
+@pytest.mark.integration
+def test_a_wheel_installs_and_runs_exactly_without_a_compiler(tmp_path):
+    """`pip wheel .` builds the variants; installed in a fresh venv and run with no compiler on PATH,
+    `leapdecode generate --require-exact` runs on the prebuilt kernel and gives the tokens of this
+    checkout's own build."""
+    if qkernel.kernel_problem() is not None or qkernel.compiler() is None:
+        pytest.skip("needs the kernel and a compiler here (to build the wheel)")
+    import leapdecode
+
+    lm = leapdecode.load("smollm2-135m")
+    want = leapdecode.generate(lm, "def fib(n):", max_new_tokens=24).tokens
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAPDECODE_KERNEL", "PYTHONPATH"))}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "wheel"), str(ROOT)], check=True, env=env, timeout=900)
+    wheel = next((tmp_path / "wheel").glob("leapdecode-*.whl"))
+    assert wheel.name.endswith("-py3-none-linux_x86_64.whl")  # a platform wheel: it holds x86-64 libraries
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    site = Path(subprocess.check_output([str(venv / "bin" / "python"), "-c",
+                                         "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, env=env, timeout=300)
+    # the dependencies from this environment (after the wheel's own package on the path)
+    (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run_env = {"HOME": os.environ.get("HOME", str(tmp_path)), "PATH": str(venv / "bin")}  # no compiler on PATH
+    if "LEAPDECODE_CACHE" in os.environ:
+        run_env["LEAPDECODE_CACHE"] = os.environ["LEAPDECODE_CACHE"]
+    cli = [str(venv / "bin" / "python"), "-m", "leapdecode.cli"]  # (--target installs no console scripts)
+    proc = subprocess.run([*cli, "generate", "-m", "smollm2-135m", "--require-exact",
+                           "--max-new-tokens", "24", "--json", "def fib(n):"], capture_output=True, text=True,
+                          env=run_env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["tokens"] == want
+    doctor = subprocess.run([*cli, "doctor", "--json"], capture_output=True, text=True,
+                            env=run_env, timeout=600)
+    report = json.loads(doctor.stdout)
+    assert report["compiler"] is None and report["kernel"]["variant"].startswith("the package's prebuilt")
+    assert str(site) in report["kernel"]["library"]
