@@ -16,9 +16,10 @@ import ctypes
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
-HEADER = Path(__file__).with_name("kernels") / "ld_abi.h"
+from .kernel_build import ABI_HEADER
+
+HEADER = ABI_HEADER
 SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "uint8_t": ctypes.c_uint8,
            "uint16_t": ctypes.c_uint16}
 

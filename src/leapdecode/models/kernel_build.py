@@ -22,7 +22,8 @@ SOURCE = KERNELS / "qgemm.cpp"
 ATTENTION_SOURCE = KERNELS / "attention.cpp"  # the invariant attention (``attend_rows``)
 LAYERS_SOURCE = KERNELS / "layers.cpp"  # a decoder's layers in one call (``LayerStack``)
 SOURCES = (SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE)  # compiled into one shared library
-HEADERS = (KERNELS / "bf16.h", KERNELS / "ld_abi.h")  # included by the sources
+ABI_HEADER = KERNELS / "ld_abi.h"  # every exported function and struct, declared once (models/kernel_abi.py reads it)
+HEADERS = (KERNELS / "bf16.h", ABI_HEADER)  # included by the sources
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_FLAGS = ("-march=native",)  # the first-use build: the machine that runs it builds it
 # The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row
