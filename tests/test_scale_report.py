@@ -8,6 +8,7 @@ import json
 import pytest
 
 from leapdecode.bench import results_page
+from leapdecode.errors import InvalidParameterError
 from leapdecode.bench.scale_report import projected_speedup, rows_cost, scale_section
 
 
@@ -63,3 +64,25 @@ def test_the_page_shows_the_measurements_and_the_projection_apart(tmp_path):
     for line in (auto, draft):
         at_15, at_7 = (float(c.split("x")[0]) for c in line.split("|")[2:4])
         assert at_7 > at_15 > 1.0, line
+
+
+def test_the_row_cost_section_shows_each_variants_curve_per_machine(tmp_path):
+    # scripts/row_cost.py --save reports: per machine its latest, each variant's rows in ms and relative to one row
+    def report(date: str, avx2_16: float) -> dict:
+        return {"report": "row-cost", "machine": "Test CPU, 2 cores", "cpu_flags": ["avx2"], "model": "m",
+                "context": 256, "date": date, "command": "python scripts/row_cost.py --save",
+                "variants": {"native (-march=native)": {"1": 40.0, "4": 50.0, "16": 120.0},
+                             "avx2": {"1": 50.0, "4": 70.0, "16": avx2_16}}}
+    (tmp_path / "row_cost").mkdir()
+    (tmp_path / "row_cost" / "old.json").write_text(json.dumps(report("2026-12-01", 300.0)))
+    (tmp_path / "row_cost" / "new.json").write_text(json.dumps(report("2026-12-06", 200.0)))
+    reports = results_page.read_row_cost_reports(tmp_path / "row_cost")
+    page = results_page.render([], [], plots=False, row_cost_reports=reports)
+    assert "## Verified rows per instruction set" in page and "(2026-12-06, m, 256 tokens of context)" in page
+    assert "| kernel | 1 row | 4 rows | 16 rows |" in page
+    assert "| avx2 | 50.0 ms | 70.0 ms (1.40x) | 200.0 ms (4.00x) |" in page  # the latest report only
+    assert "300.0 ms" not in page and "    python scripts/row_cost.py --save" in page
+    assert "Verified rows per instruction set" not in results_page.render([], [], plots=False)
+    (tmp_path / "row_cost" / "bad.json").write_text(json.dumps({"report": "scale", "shapes": {}}))
+    with pytest.raises(InvalidParameterError, match="not a row-cost report"):
+        results_page.read_row_cost_reports(tmp_path / "row_cost")

@@ -256,6 +256,39 @@ def _latest(reports: list[dict], key) -> dict:
     return latest
 
 
+ROW_COST_DIR = "row_cost"  # docs/results/row_cost/: `scripts/row_cost.py --save` reports
+
+
+def read_row_cost_reports(directory: Path) -> list[dict]:
+    """Every ``scripts/row_cost.py --save`` report (``*.json``) in ``directory`` (none: [])."""
+    return _read_reports(directory, "row-cost", "variants", "scripts/row_cost.py --save")
+
+
+def row_cost_section(reports: list[dict]) -> list[str]:
+    """Per machine (its latest report), what a forward of n verified rows costs on each kernel variant it
+    runs, in ms and relative to one row."""
+    latest = _latest(reports, cpu_of)
+    if not latest:
+        return []
+    lines = ["## Verified rows per instruction set", "",
+             "The engine's own verification profile (a forward of n tree nodes after a prompt, `measure_verify_cost`) on "
+             "each variant of the kernel a wheel ships that the machine runs, and on the first-use `-march=native` "
+             "build; every variant gives the same bits.", ""]
+    for cpu, r in sorted(latest.items()):
+        sizes = sorted({int(n) for v in r["variants"].values() for n in v})
+        lines += [f"### {cpu} ({r.get('date')}, {r.get('model')}, {r.get('context')} tokens of context)", "",
+                  f"    {r.get('command')}", "",
+                  "| kernel | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in sizes) + " |",
+                  "|---|" + "---:|" * len(sizes)]
+        for name, ms in r["variants"].items():
+            one = ms.get(str(sizes[0]))
+            cells = [f"{ms[str(n)]:.1f} ms" + (f" ({ms[str(n)] / one:.2f}x)" if one and n != sizes[0] else "")
+                     if str(n) in ms else "-" for n in sizes]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def read_ceiling_reports(directory: Path) -> list[dict]:
     """Every ``scripts/draft_ceiling.py --save`` report (``*.json``) in ``directory`` (none: [])."""
     return _read_reports(directory, "draft-ceiling", "ceilings", "scripts/draft_ceiling.py --save")
@@ -405,7 +438,8 @@ def targets_section(runs: list[dict], head_report: dict | None, ceilings: dict[s
 
 def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
            head_reports: list[dict] | None = None, ceiling_reports: list[dict] | None = None,
-           drawn: frozenset[str] = frozenset(), scale_reports: list[dict] | None = None) -> str:
+           drawn: frozenset[str] = frozenset(), scale_reports: list[dict] | None = None,
+           row_cost_reports: list[dict] | None = None) -> str:
     """The page. A run's plot is linked where ``plots`` (they are being drawn) or where its file name is
     in ``drawn`` (the plots already in the page's ``img/``: see ``cmd_results``)."""
     parts = ["# Results: what holds now",
@@ -436,6 +470,7 @@ def render(summaries: list[dict], notes: list[tuple[str, str]], plots: bool,
     dev_runs = {cpu: s for cpu, runs in latest_runs(summaries).items() for s in runs
                 if workload_name(s) == DEFAULT_WORKLOAD_NAME}
     parts += scale_section(latest_scale_reports(scale_reports or []), dev_runs)
+    parts += row_cost_section(row_cost_reports or [])
     for name, text in notes:
         parts += [text.strip(), ""]
     return "\n".join(parts).rstrip() + "\n"
@@ -525,7 +560,8 @@ def cmd_results(a: argparse.Namespace) -> int:
     drawn = frozenset(p.name for p in (out.parent / "img").glob("results-*.png")) if a.no_plots else frozenset()
     page = render(summaries, notes, plots=not a.no_plots, head_reports=read_head_reports(directory / HEADS_DIR),
                   ceiling_reports=read_ceiling_reports(directory / CEILINGS_DIR), drawn=drawn,
-                  scale_reports=read_scale_reports(directory / SCALE_DIR))
+                  scale_reports=read_scale_reports(directory / SCALE_DIR),
+                  row_cost_reports=read_row_cost_reports(directory / ROW_COST_DIR))
     readme_path = Path(a.readme) if a.readme else None
     readme_old = readme_path.read_text() if readme_path and readme_path.is_file() else None
     readme_new = replace_headline(readme_old, headline(summaries)) if readme_old is not None else None

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""What a verified row costs on each instruction-set variant of the kernel this CPU runs (issue 64): the
+engine's own verification profile (``measure_verify_cost``: a forward of n tree nodes at a prompt's
+context, the median ratio to one row times one row's fastest time) of a registered model, once per
+variant, in one process.
+
+The variants are the ones a wheel ships (``models/kernel_build.py``: AVX-512 VNNI, AVX2; the portable one is
+left out, the loader never runs it by default), compiled here into a temporary folder, each used for every
+kernel call (products, attention, the layer stack) in turn; the first-use ``-march=native`` build is
+measured beside them.  Every variant gives the same bits (tests/test_kernel_build.py, tests/test_qkernel.py),
+so only the time differs.
+
+    python scripts/row_cost.py --rows 1,2,4,8,16,32            # print
+    python scripts/row_cost.py --save                          # and docs/results/row_cost/DATE-MACHINE.json
+
+``leapdecode results`` draws the results page's row-cost section from the saved reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="a registered model (default %(default)s)")
+    ap.add_argument("--rows", default="1,2,4,8,16,32", help="verified rows, comma-separated (default %(default)s)")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the rows (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of the profile per variant (default %(default)s)")
+    ap.add_argument("--save", action="store_true", help="write the report to docs/results/row_cost/ for the results page")
+    args = ap.parse_args()
+    import ctypes
+
+    import leapdecode
+    from leapdecode.core.cost_model import machine_description, measure_verify_cost
+    from leapdecode.models import kernel_abi, kernel_build, qkernel
+
+    sizes = tuple(int(r) for r in args.rows.split(","))
+    flags = set(qkernel.cpu_flags().split())
+    if qkernel.kernel_problem() is not None:
+        raise SystemExit(f"the kernel is not available here: {qkernel.kernel_problem()}")
+    cxx = qkernel.compiler()
+    if cxx is None:
+        raise SystemExit("no C++ compiler to build the variants")
+    libs = {"native (-march=native)": qkernel._library()}
+    with tempfile.TemporaryDirectory() as tmp:
+        runnable = tuple(n for n, _, needs in kernel_build.VARIANTS if n != "portable" and set(needs) <= flags)
+        print(f"building the variants {', '.join(runnable)} ...", file=sys.stderr)
+        kernel_build.build_prebuilt(cxx, Path(tmp), say=lambda s: print(s, file=sys.stderr), names=runnable)
+        for name in runnable:
+            libs[name] = kernel_abi.bind(ctypes.CDLL(str(Path(tmp) / f"qgemm-{name}.so")))
+        lm = leapdecode.load(args.model)
+        model = lm.model
+        ids = torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0))
+        results = {}
+        for name, lib in libs.items():
+            qkernel._library = lambda lib=lib: lib  # every kernel call of the model looks the library up
+            cache = model.new_cache(max_len=args.context + max(sizes) + 8)
+            for start in range(0, args.context, 64):
+                model.forward(ids[start:start + 64].view(1, -1), cache)
+                cache.commit()
+            cost = measure_verify_cost(lm, cache, sizes=sizes, repeats=args.repeats)
+            results[name] = {str(n): round(1000 * cost.profile(n), 2) for n in cost.sizes}
+            one = results[name][str(sizes[0])]
+            print(f"{name:>24}: " + "  ".join(f"{n} rows {ms:.1f} ms ({ms / one:.2f}x)" for n, ms in
+                                              ((n, results[name][str(n)]) for n in cost.sizes)), flush=True)
+    machine = machine_description(torch.device("cpu"))
+    report = {"report": "row-cost", "machine": machine, "cpu_flags": qkernel.isa_flags(), "model": args.model,
+              "context": args.context, "date": time.strftime("%Y-%m-%d"), "variants": results,
+              "command": "python scripts/row_cost.py " + " ".join(sys.argv[1:])}
+    if args.save:
+        from leapdecode.bench.results_page import RESULTS_DIR, ROW_COST_DIR, slug
+        from leapdecode.models.store import atomic_write
+
+        path = RESULTS_DIR / ROW_COST_DIR / f"{report['date']}-{slug(machine.split(',')[0])}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(report, indent=1) + "\n")
+        print(f"saved {path} (run `leapdecode results` to redraw the page)", file=sys.stderr)
+    else:
+        print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
