@@ -391,3 +391,23 @@ def test_an_olmoe_gguf_is_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelFileError, match="architecture 'olmoe' is not supported by transformers' GGUF loader"):
         leapdecode.load(str(path))
+
+
+def test_a_gguf_without_the_stacked_expert_tensors_is_a_clear_error_with_float_weights(tmp_path, monkeypatch):
+    """A Mixtral GGUF of early 2024 keeps one 2-D tensor per expert, not the 3-D ones the reader takes: the fp32
+    load names the missing weight in a ``ModelFileError`` (it raised a bare ``KeyError``)."""
+    import leapdecode
+    from leapdecode.errors import ModelFileError
+    from leapdecode.models.gguf_tensors import GGUFTensors
+    from tiny_gguf import write_gguf
+
+    path = write_gguf(_hf("mixtral"), tmp_path / "mixtral.gguf")
+    monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
+    stacked = GGUFTensors.float_state
+
+    def without_stacked_experts(self, dtype):  # as such a file reads: no mlp.experts.* of layer 1
+        return ((n, t) for n, t in stacked(self, dtype) if not n.startswith("model.layers.1.mlp.experts."))
+
+    monkeypatch.setattr(GGUFTensors, "float_state", without_stacked_experts)
+    with pytest.raises(ModelFileError, match=r"mixtral\.gguf: no weight 'model\.layers\.1\.mlp\.experts\."):
+        leapdecode.load(str(path), weights="fp32")

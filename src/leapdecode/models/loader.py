@@ -472,7 +472,12 @@ def _float_native(path: Path, gguf, dtype: torch.dtype, device: torch.device, ma
         say(f"reading {gguf_path.name}'s weights into {str(dtype).removeprefix('torch.')} (float weights: "
             "the default int4 keeps the file's blocks)")
         state = dict(GGUFTensors(gguf_path, heads_of(cfg)).check_against(cfg).float_state(dtype))
-    return NativeCausalLM.from_state_dict(cfg, state, dtype=dtype, device=device, max_seq_len=max_seq_len)
+        name = gguf_path.name
+    try:
+        return NativeCausalLM.from_state_dict(cfg, state, dtype=dtype, device=device, max_seq_len=max_seq_len)
+    except KeyError as e:  # a weight the configuration needs is not in the file (e.g. a 2-D tensor per expert)
+        raise ModelFileError(f"{name}: no weight {e.args[0]!r} for the native decoder (its tensors are not the ones "
+                             "its configuration calls for)") from None
 
 
 def _check_exact(native: bool, device: torch.device, quantized: str | None, attention: str) -> None:
