@@ -126,11 +126,11 @@ def quantize_native(model: NativeCausalLM) -> dict[str, int]:
                 setattr(block, name, _fused(name, [part(ref) for ref in pieces], lin.bias,
                                             [ref.shape[0] for ref in pieces]))
             if block.moe is not None:  # each expert's gate/up and down on the kernel; the router stays float
-                for name, lin in block.moe.linears():
-                    kind, e = name.split(".")
-                    pieces = list(lin.weight.chunk(2)) if kind == "gate_up" else [lin.weight]
-                    getattr(block.moe, kind)[int(e)] = _fused(name, [part(ref) for ref in pieces], None,
-                                                              [ref.shape[0] for ref in pieces])
+                def expert(name: str, lin: nn.Module) -> QLinear:
+                    pieces = _split(cfg, "w_" + name.split(".")[0], lin.weight)  # gate and up as two parts
+                    return _fused(name, [part(ref) for ref in pieces], None, [ref.shape[0] for ref in pieces])
+
+                block.moe.replace_linears(expert)
         head_ref = model.head_weight
         model.replace_head(_fused("lm_head", [part(head_ref)], None, [head_ref.shape[0]], out_fp32=True))
         to_activation_dtype(model)  # head_weight: dequantized from the kernel's head on demand

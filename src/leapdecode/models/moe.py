@@ -92,6 +92,13 @@ class SparseMoe(nn.Module):
         """The experts' projections by their names under this module (``gate_up.E``, ``down.E``)."""
         return [(f"{kind}.{e}", m) for kind in ("gate_up", "down") for e, m in enumerate(getattr(self, kind))]
 
+    def replace_linears(self, make: Callable[[str, nn.Module], nn.Module]) -> None:
+        """Each expert's projection ``name`` (as ``linears`` names it) replaced by ``make(name, layer)``: what
+        quantizing a model does to them; the router stays as it is."""
+        for name, layer in self.linears():
+            kind, e = name.split(".")
+            getattr(self, kind)[int(e)] = make(name, layer)
+
 
 def _call(layer: nn.Module, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     fn = getattr(layer, "rowwise", None) if rowwise else None

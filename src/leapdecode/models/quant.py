@@ -315,9 +315,7 @@ def quantize_model(model: NativeCausalLM, weights: str, group_size: int = 32) ->
                 if getattr(block, name) is not None:  # (a sparse layer's MLP: its experts, below)
                     setattr(block, name, convert(f"layers.{i}.{name}", getattr(block, name), weights))
             if getattr(block, "moe", None) is not None:  # each expert's projections; the router stays float
-                for name, lin in block.moe.linears():
-                    kind, e = name.split(".")
-                    getattr(block.moe, kind)[int(e)] = convert(f"layers.{i}.moe.{name}", lin, weights)
+                block.moe.replace_linears(lambda name, lin: convert(f"layers.{i}.moe.{name}", lin, weights))
         head = model.lm_head
         plain = model.head_weight.detach().to(ACT_DTYPE)  # proposers' subset heads slice it
         model.replace_head(convert("lm_head", head, "int8"), plain)
