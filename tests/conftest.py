@@ -324,8 +324,9 @@ def chi2():
 
 
 # The other builds of a kernel source that tests compare with the library, by name: the
-# portable C++ path, and the AVX2 path (AVX-512 switched off, so an AVX-512 machine checks it too).
-KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f",)}
+# portable C++ path, the AVX2 path (AVX-512 switched off, so an AVX-512 machine checks it too), and
+# on a CPU where the library runs AMX tiles, its AVX-512 path without them (qgemm.cpp only).
+KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f",), "no-amx": ("-DLD_NO_AMX",)}
 
 
 def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], variant: str = "portable"):
@@ -351,6 +352,9 @@ def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], v
         pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
     if variant == "avx2" and "avx512f" not in flags:
         return qkernel._library()
+    assert variant != "no-amx" or source == qkernel.SOURCE, "only qgemm.cpp has an AMX path"
+    if variant == "no-amx" and not qkernel._library().ld_amx():
+        pytest.skip("the library runs no AMX tiles here: its AVX-512 path is the library's own")
     target = tmp_path_factory.mktemp(variant) / f"{source.stem}-{variant}.so"
     proc = subprocess.run([cxx, *qkernel.CXXFLAGS, *KERNEL_VARIANTS[variant], str(source), "-o", str(target)],
                           capture_output=True, text=True, timeout=qkernel.BUILD_TIMEOUT_S)

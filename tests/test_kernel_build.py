@@ -21,7 +21,10 @@ from leapdecode.models import kernel_build, qkernel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _fake_prebuilt(tmp_path: Path, names=("avx512-vnni", "avx2", "portable"), sources=None) -> Path:
+NEEDS = {name: set(needs) for name, _, needs in kernel_build.VARIANTS}  # each variant's CPU flags
+
+
+def _fake_prebuilt(tmp_path: Path, names=("amx", "avx512-vnni", "avx2", "portable"), sources=None) -> Path:
     out = tmp_path / "prebuilt"
     out.mkdir()
     variants = {}
@@ -36,8 +39,8 @@ def _fake_prebuilt(tmp_path: Path, names=("avx512-vnni", "avx2", "portable"), so
 
 def test_the_best_variant_the_cpu_runs_is_chosen(tmp_path):
     out = _fake_prebuilt(tmp_path)
-    avx512 = set(kernel_build.VARIANTS[0][2])
-    avx2 = set(kernel_build.VARIANTS[1][2])
+    avx512, avx2 = NEEDS["avx512-vnni"], NEEDS["avx2"]
+    assert kernel_build.best_variant(avx512 | {"amx_tile", "amx_int8"}, out) == ("amx", out / "qgemm-amx.so")
     assert kernel_build.best_variant(avx512 | {"amx_int8"}, out) == ("avx512-vnni", out / "qgemm-avx512-vnni.so")
     assert kernel_build.best_variant(avx512 - {"avx512_vnni"}, out)[0] == "avx2"  # AVX-512 without VNNI
     assert kernel_build.best_variant(avx2, out)[0] == "avx2"
@@ -46,10 +49,11 @@ def test_the_best_variant_the_cpu_runs_is_chosen(tmp_path):
     assert kernel_build.best_variant(avx2, out, only="avx512-vnni") is None  # this CPU cannot run it
     (out / "qgemm-avx2.so").unlink()  # a variant's file missing: the next one
     assert kernel_build.best_variant(avx2, out)[0] == "portable"
+    assert NEEDS["avx512-vnni"] < NEEDS["amx"] and NEEDS["avx2"] < NEEDS["avx512-vnni"]  # best first, each a superset
 
 
 def test_prebuilt_variants_of_other_sources_or_none_are_not_used(tmp_path):
-    flags = set(kernel_build.VARIANTS[0][2])
+    flags = NEEDS["amx"]
     assert kernel_build.best_variant(flags, _fake_prebuilt(tmp_path, sources="0" * 64)) is None  # stale
     assert kernel_build.best_variant(flags, tmp_path / "nothing") is None  # a source checkout
     (tmp_path / "bad").mkdir()
@@ -60,7 +64,7 @@ def test_prebuilt_variants_of_other_sources_or_none_are_not_used(tmp_path):
 def test_leapdecode_kernel_picks_a_variant_or_the_native_build(tmp_path, monkeypatch):
     out = _fake_prebuilt(tmp_path)
     monkeypatch.setattr(kernel_build, "PREBUILT", out)
-    monkeypatch.setattr(qkernel, "cpu_flags", lambda: " ".join(kernel_build.VARIANTS[0][2]))
+    monkeypatch.setattr(qkernel, "cpu_flags", lambda: " ".join(NEEDS["avx512-vnni"]))
     monkeypatch.delenv(qkernel.KERNEL_ENV, raising=False)
     assert qkernel.prebuilt_variant()[0] == "avx512-vnni"
     monkeypatch.setenv(qkernel.KERNEL_ENV, "avx2")
@@ -78,7 +82,7 @@ def test_a_prebuilt_variant_loads_and_gives_the_native_builds_bits(tmp_path, mon
     if qkernel.kernel_problem() is not None:
         pytest.skip(f"the kernel is not available here: {qkernel.kernel_problem()}")
     cxx = qkernel.compiler()
-    if cxx is None or not set(kernel_build.VARIANTS[1][2]) <= set(qkernel.cpu_flags().split()):
+    if cxx is None or not NEEDS["avx2"] <= set(qkernel.cpu_flags().split()):
         pytest.skip("no compiler, or a CPU that does not run the AVX2 variant")
     out = tmp_path / "prebuilt"
     manifest = kernel_build.build_prebuilt(cxx, out, say=lambda _: None, names=("avx2",))

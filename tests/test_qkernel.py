@@ -450,12 +450,12 @@ def test_random_shapes_are_exact_and_batch_invariant(force_kernel, fmt, units, n
 
 # ------------------------------------------------------------------ 3. the other code paths
 # ld_simd() of each other build of kernels/qgemm.cpp (conftest.KERNEL_VARIANTS)
-VARIANT_SIMD = {"portable": 0, "avx2": 2}
+VARIANT_SIMD = {"portable": 0, "avx2": 2, "no-amx": 1}
 
 
 @pytest.fixture(scope="module", params=sorted(KERNEL_VARIANTS))
 def other_path(request, tmp_path_factory):
-    """The portable and the AVX2 builds of kernels/qgemm.cpp, loaded."""
+    """The portable, the AVX2 and (on an AMX CPU) the tile-less AVX-512 builds of kernels/qgemm.cpp, loaded."""
     lib = build_kernel_variant(tmp_path_factory, qkernel.SOURCE, ("ld_qgemm", "ld_work_bytes"), request.param)
     lib.ld_simd.restype = ctypes.c_int
     assert lib.ld_simd() == VARIANT_SIMD[request.param], request.param
@@ -495,7 +495,7 @@ def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
     x[4, :32] = 0
     for out_fp32 in (False, True):
         layer = QLinear([part], bias, out_fp32=out_fp32)
-        for m in (1, 5, 70):
+        for m in (1, 5, 14, 20, 70):  # (AMX: 14 on tiles; 20 = 16 on tiles + 4 not; 70 = 4 x 16 + 6)
             y = layer(x[:m])
             assert torch.equal(call_qgemm(qkernel._library(), part, x[:m], bias, out_fp32), y), m
             for threads in (1, 2):
@@ -1119,6 +1119,7 @@ def test_a_build_keeps_only_the_most_recent_other_libraries(tmp_path, monkeypatc
 # (templates instantiated, no code generated: ~1 s each), so an edit that breaks the AVX-512 path
 # fails here on an AVX2 machine and the other way round; LD_PART=0 checks the split build's guards
 PATH_FLAGS = {"avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+              "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
               "avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ("-DLD_PORTABLE",)}
 
 

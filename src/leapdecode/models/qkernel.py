@@ -409,9 +409,13 @@ def kernel_status() -> dict:
 
 
 def kernel_isa() -> str:
-    """'avx512-vnni', 'avx2' or 'portable': which code path the compiled kernel runs (the same
-    results on each)."""
-    return {1: "avx512-vnni", 2: "avx2"}.get(_library().ld_simd(), "portable")
+    """'amx' (AVX512-VNNI, with AMX tiles for products of many rows), 'avx512-vnni', 'avx2' or 'portable':
+    which code path the compiled kernel runs (the same results on each)."""
+    lib = _library()
+    simd = lib.ld_simd()
+    if simd == 1 and lib.ld_amx():
+        return "amx"
+    return {1: "avx512-vnni", 2: "avx2"}.get(simd, "portable")
 
 
 # --------------------------------------------------------------------------- packing

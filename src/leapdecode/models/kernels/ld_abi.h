@@ -9,7 +9,7 @@
 #pragma once
 #include <stdint.h>
 
-#define LD_ABI_VERSION 1
+#define LD_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -70,9 +70,11 @@ struct LdStack {
 };
 
 // the ABI's version (LD_ABI_VERSION), the SIMD path compiled in (1: AVX512-VNNI, 2: AVX2, 0: portable),
-// and sizeof a struct above by name (-1: none such), for the binding's checks
+// whether products of several rows take AMX tiles (1: an AMX build on a CPU and kernel that allow
+// them), and sizeof a struct above by name (-1: none such), for the binding's checks
 int ld_abi_version(void);
 int ld_simd(void);
+int ld_amx(void);
 int64_t ld_abi_sizeof(const char* name);
 
 // qgemm.cpp: block-quantized products and dequantization

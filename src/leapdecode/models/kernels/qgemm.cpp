@@ -58,6 +58,15 @@
 #else
 #define LD_SIMD 0
 #endif
+// LD_AMX: the AVX-512 path with AMX tiles for products of several rows (a build for a CPU with
+// AMX-INT8: the amx variant, or -march=native on such a CPU).  The same bits (below, unit_rows_amx).
+#if LD_SIMD == 1 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(LD_NO_AMX)
+#define LD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define LD_AMX 0
+#endif
 
 #define MAX_ROWS 64  // rows handled per pass (more rows: several passes, same arithmetic)
 // Each thread works on one 16-column unit at a time (it then streams one unit's codes and scales:
@@ -74,6 +83,15 @@
 #endif
 #ifndef MANY_ROWS
 #define MANY_ROWS 12  // AVX2: from this many rows on, 4- and 6-bit codes take unit_rows_many
+#endif
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 12  // AMX builds: blocks of this many rows or more (up to 16) take unit_rows_amx
+#endif
+#if AMX_MIN_ROWS > RB_ROWS || AMX_MIN_ROWS < 1
+#error "AMX_MIN_ROWS: 1 .. RB_ROWS (the rows left to unit_rows)"
+#endif
+#ifndef AMX_CHUNK
+#define AMX_CHUNK 8  // AMX builds: groups decoded, multiplied and finished at a time
 #endif
 #ifndef PREFETCH_GROUPS
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
@@ -941,6 +959,155 @@ static ManyRowsFn select_many_rows(int bits, int group, int smode) {
 }
 #endif
 
+#if LD_AMX
+// AMX (the tile extension of Intel's Xeons since Sapphire Rapids): TDPBSUD multiplies a tile of up to
+// 16 rows of signed bytes (A: the activations of nr rows in one group, G bytes each, adjacent in the
+// group-major buffer) by a tile of unsigned bytes (B: one unit's decoded group, its quad vectors as
+// they are, quad q being B's row q: byte e is column e / 4, k = 4 q + e % 4), each of the nr x 16
+// int32 outputs the exact sum of its G products: the integer dot products of nr rows in one
+// instruction.  Then the rows' epilogue as rows_group's, row by row, in the same order (the dot
+// product plus -offset * isum is the same exact integer as when it starts there): the same bits.
+// Tiles 0 and 1 hold the dot products of a pair of groups, 2 and 3 their activations, 4 and 5
+// their codes.  Measured on a 2-core Xeon VM (docs/lab-notes/benchmarks.md section 55): storing a
+// product tile (1 KB for 16 rows) costs about as much as the tile loads and TDPBSUD together, and
+// the epilogue's fp32 operations per row and group are as many as the tile part's time again, so
+// 16 rows cost about 0.75-0.8x the AVX-512 path's time, and fewer than 12 rows more than it.
+
+// whether this process may use the tiles (Linux gives a process their state when it asks)
+static bool amx_ready() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// this thread's tiles for groups of `group` columns (the layout above)
+static void amx_configure(int group, int nr) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) {
+        cfg.rows[t] = t < 4 ? nr : group / 4;
+        cfg.colsb[t] = t == 2 || t == 3 ? group : 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// a group's product: codes b into tile B, activations a into tile A, their dot products into tile C
+// (GCC's tile intrinsics take the tiles' numbers as literals)
+#define AMX_PRODUCT(C, A, B, a, b)       \
+    do {                                 \
+        _tile_loadd(B, b, 64);           \
+        _tile_loadd(A, a, GROUP);        \
+        _tile_zero(C);                   \
+        _tile_dpbsud(C, A, B);           \
+    } while (0)
+
+// rows_group's epilogue for nr rows of dot products dot[r][16] (without -offset * isum: added here)
+template <int SMODE, bool NC>
+__attribute__((always_inline)) static inline void amx_epilogue(const int32_t* dot, int nr, const float* dx,
+                                                               const int32_t* nc, const float* bx, __m512 s,
+                                                               __m512 z, __m512* acc) {
+    for (int r = 0; r < nr; ++r) {
+        __m512i d = _mm512_load_si512(dot + 16 * r);
+        if (NC) d = _mm512_add_epi32(d, _mm512_set1_epi32(nc[r]));
+        const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dx[r]), _mm512_cvtepi32_ps(d));
+        acc[r] = _mm512_fmadd_ps(s, a, acc[r]);
+        if (SMODE != 3) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(bx[r]), acc[r]);
+    }
+}
+
+// A unit's rows m0 .. m0 + nr - 1 (nr <= 16, the rows the tiles are configured for: amx_configure)
+template <int BITS, int GROUP, int SMODE>
+static void unit_rows_amx(int64_t m0, int nr, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
+                          int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
+    constexpr int Q = GROUP / 4;
+    constexpr int64_t UB = unit_bytes(BITS, GROUP);
+    constexpr bool NC = !(BITS == 4 || BITS == 2);  // codes with an offset
+    const int64_t ng = K / GROUP, rows = act.rows;
+    const uint8_t* blk = codes + u * ng * UB;
+    const uint8_t* end = blk + ng * UB;
+    const int8_t* x = act.q + m0 * GROUP;
+    const float* dx = act.dx + m0;
+    const float* bx = act.bx + m0;
+    const int32_t* nc = act.ncorr + m0;
+    // The groups in chunks of AMX_CHUNK: decoded, then multiplied, then finished (so that a tile load
+    // never waits on the stores just before it, nor a vector load on the tile store just before it)
+    alignas(64) uint8_t wb[AMX_CHUNK][Q * 64];
+    alignas(64) int32_t dot[AMX_CHUNK][16 * 16];
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    ScaleWalk<SMODE> scales(sc, u, ng);
+    for (int64_t c0 = 0; c0 < ng; c0 += AMX_CHUNK) {
+        const int n = ng - c0 < AMX_CHUNK ? (int)(ng - c0) : AMX_CHUNK;
+        for (int i = 0; i < n; ++i) {
+            const uint8_t* b = blk + (c0 + i) * UB;
+            prefetch_ahead(b, end, UB);
+            __m512i w[Q];
+            decode_block(b, BITS, GROUP, w);
+            for (int q = 0; q < Q; ++q) _mm512_store_si512(wb[i] + 64 * q, w[q]);
+        }
+        const int8_t* xc = x + c0 * rows * GROUP;
+        int i = 0;
+        for (; i + 1 < n; i += 2) {
+            AMX_PRODUCT(0, 2, 4, xc + i * rows * GROUP, wb[i]);
+            AMX_PRODUCT(1, 3, 5, xc + (i + 1) * rows * GROUP, wb[i + 1]);
+            _tile_stored(0, dot[i], 64);
+            _tile_stored(1, dot[i + 1], 64);
+        }
+        if (i < n) {
+            AMX_PRODUCT(0, 2, 4, xc + i * rows * GROUP, wb[i]);
+            _tile_stored(0, dot[i], 64);
+        }
+        for (i = 0; i < n; ++i) {
+            const int64_t g = c0 + i;
+            __m512 s, z;
+            scales.next(g, s, z);
+            amx_epilogue<SMODE, NC>(dot[i], nr, dx + g * rows, nc + g * rows, bx + g * rows, s, z, acc);
+        }
+    }
+    alignas(64) float tmp[16];
+    for (int r = 0; r < nr; ++r) {
+        _mm512_store_ps(tmp, acc[r]);
+        store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
+    }
+}
+
+typedef void (*AmxRowsFn)(int64_t, int, const Act&, int64_t, const uint8_t*, const Scales&, int64_t, const float*,
+                          void*, int64_t, int);
+
+template <int BITS, int GROUP>
+static AmxRowsFn amx_rows_fn(int smode) {
+    return smode == 0 ? unit_rows_amx<BITS, GROUP, 0> : smode == 1 ? unit_rows_amx<BITS, GROUP, 1>
+         : smode == 2 ? unit_rows_amx<BITS, GROUP, 2> : unit_rows_amx<BITS, GROUP, 3>;
+}
+
+// the tile function of a format (format_ok)
+static AmxRowsFn select_amx_rows(int bits, int group, int smode) {
+    switch (bits) {
+        case 2: return amx_rows_fn<2, 16>(smode);
+        case 3: return amx_rows_fn<3, 16>(smode);
+        case 4: return group == 16 ? amx_rows_fn<4, 16>(smode) : amx_rows_fn<4, 32>(smode);
+        case 6: return group == 16 ? amx_rows_fn<6, 16>(smode) : amx_rows_fn<6, 32>(smode);
+        case CODES_IQ4: return amx_rows_fn<CODES_IQ4, 32>(smode);
+        default: return group == 16 ? amx_rows_fn<8, 16>(smode) : amx_rows_fn<8, 32>(smode);
+    }
+}
+#endif
+
+// whether products of several rows take AMX tiles here (an AMX build on a CPU and kernel that allow them)
+extern "C" int ld_amx(void) {
+#if LD_AMX
+    return amx_ready() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 // bytes of the work buffer ld_qgemm needs for K columns in groups of `group`
 extern "C" int64_t ld_work_bytes(int64_t K, int group) { return MAX_ROWS * (K + 16 * (K / group)); }
 
@@ -975,6 +1142,29 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
         if (many) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
             for (int64_t u = 0; u < units; ++u) many(rows, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
+            continue;
+        }
+#endif
+#if LD_AMX
+        const AmxRowsFn amx = rows >= AMX_MIN_ROWS && amx_ready() ? select_amx_rows(bits, group, smode) : nullptr;
+        if (amx) {
+            // blocks of 16 rows, and a last block of AMX_MIN_ROWS or more, on tiles; fewer last rows on unit_rows
+            const int64_t tiled = rows % 16 >= AMX_MIN_ROWS ? rows : rows - rows % 16;
+            const UnitRowsFn rest = tiled < rows ? select_unit_rows(bits, group, smode, (int)(rows - tiled)) : nullptr;
+#pragma omp parallel num_threads(nthreads)
+            {
+                int configured = 0;  // the rows this thread's tiles are configured for
+#pragma omp for schedule(static)
+                for (int64_t u = 0; u < units; ++u) {
+                    for (int64_t m0 = 0; m0 < tiled; m0 += 16) {
+                        const int nr = (int)(tiled - m0 < 16 ? tiled - m0 : 16);
+                        if (nr != configured) amx_configure(group, configured = nr);
+                        amx(m0, nr, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
+                    }
+                    if (rest) rest(tiled, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
+                }
+                if (configured) _tile_release();
+            }
             continue;
         }
 #endif
