@@ -264,9 +264,16 @@ def read_row_cost_reports(directory: Path) -> list[dict]:
     return _read_reports(directory, "row-cost", "variants", "scripts/row_cost.py --save")
 
 
+# what each peak of `scripts/isa_peak.cpp` measures, by its key in a row-cost report's "peaks"
+PEAK_NAMES = {"vnni512": "vpdpbusd zmm", "vnni256": "vpdpbusd ymm (AVX-VNNI)", "avx2": "vpmaddubsw + vpaddw ymm",
+              "amx": "AMX tdpbsud", "read": "streaming read", "copy": "memcpy (read + written)"}
+
+
 def row_cost_section(reports: list[dict]) -> list[str]:
     """Per machine (its latest report), what a forward of n verified rows costs on each kernel variant it
-    runs, in ms and relative to one row."""
+    runs, in ms and relative to one row; where the report measured them, the int8 multiply-adds a second
+    of its products against the peak of the instruction each variant uses, and one row's weight bytes a
+    second against the memory bandwidth."""
     latest = _latest(reports, cpu_of)
     if not latest:
         return []
@@ -286,7 +293,40 @@ def row_cost_section(reports: list[dict]) -> list[str]:
                      if str(n) in ms else "-" for n in sizes]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+        lines += _peak_lines(r, sizes)
     return lines
+
+
+def _peak_lines(r: dict, sizes: list[int]) -> list[str]:
+    """A row-cost report's products against its measured peaks (none measured: no lines)."""
+    peaks, macs, nbytes = r.get("peaks") or {}, r.get("macs_per_row"), r.get("weight_bytes")
+    if not peaks or not macs:
+        return []
+    threads = peaks.get("threads")
+    lines = [f"Peaks measured on the same machine ({threads} threads, `scripts/isa_peak.cpp`: independent chains of one "
+             "instruction, so its throughput; multiply-adds of an int8 activation and a code byte a second): "
+             + ", ".join(f"{PEAK_NAMES.get(k, k)} {v / 1e9:,.0f} G{'B' if k in ('read', 'copy') else ''}/s"
+                         for k, v in peaks.items() if k != "threads" and v and v > 0) + ".", "",
+             f"A verified row is {macs / 1e9:.2f} G multiply-adds of the linear layers and reads {nbytes / 1e9:.2f} GB of "
+             "packed weights; the products' rate at n rows is n x that over the forward's time (attention and the "
+             "rest included, so a lower bound):", "",
+             "| kernel | instruction | " + " | ".join(f"{n} rows" for n in sizes if n >= 8) + " | 1 row: weights read |",
+             "|---|---|" + "---:|" * (len([n for n in sizes if n >= 8]) + 1)]
+    for name, ms in r["variants"].items():
+        key = (r.get("isa") or {}).get(name)
+        peak = peaks.get(key) if key else None
+        cells = []
+        for n in sizes:
+            if n < 8:
+                continue
+            rate = n * macs / (ms[str(n)] / 1000) if str(n) in ms else None
+            cells.append("-" if rate is None else f"{rate / 1e9:,.0f} G/s" + (f" ({100 * rate / peak:.0f}%)" if peak else ""))
+        one = ms.get(str(sizes[0])) if sizes[0] == 1 else None
+        copy = peaks.get("copy")
+        read = nbytes / (one / 1000) if one and nbytes else None
+        cells.append("-" if read is None else f"{read / 1e9:.1f} GB/s" + (f" ({100 * read / copy:.0f}% of memcpy)" if copy else ""))
+        lines.append(f"| {name} | {PEAK_NAMES.get(key, '-') if key else '-'} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def read_ceiling_reports(directory: Path) -> list[dict]:

@@ -23,7 +23,8 @@ ATTENTION_SOURCE = KERNELS / "attention.cpp"  # the invariant attention (``atten
 LAYERS_SOURCE = KERNELS / "layers.cpp"  # a decoder's layers in one call (``LayerStack``)
 SOURCES = (SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE)  # compiled into one shared library
 ABI_HEADER = KERNELS / "ld_abi.h"  # every exported function and struct, declared once (models/kernel_abi.py reads it)
-HEADERS = (KERNELS / "bf16.h", ABI_HEADER)  # included by the sources
+ISA_HEADER = KERNELS / "ld_isa.h"  # the one place that decides the instruction-set path (LD_SIMD, LD_AMX)
+HEADERS = (KERNELS / "bf16.h", ABI_HEADER, ISA_HEADER)  # included by the sources
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_FLAGS = ("-march=native",)  # the first-use build: the machine that runs it builds it
 # The library's translation units, compiled at the same time (qgemm.cpp's LD_PART: its few-row

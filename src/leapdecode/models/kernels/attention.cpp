@@ -21,22 +21,13 @@
 #include <string.h>
 #include <math.h>
 #include <vector>
-#if defined(__AVX512F__) && !defined(LD_PORTABLE)
-#include <immintrin.h>
-#define LD_AVX512 1
-#else
-#define LD_AVX512 0
-#endif
+#include "ld_isa.h"  // LD_SIMD: the instruction-set path, decided there for every source
+#define LD_AVX512 (LD_SIMD == 1)
 // AVX2 without AVX-512: the two hot loops below in 8-lane registers, a few keys or columns at a
 // time so that their accumulators fit the 16 ymm registers (each lane's FMA chain unchanged), the
 // scores' fixed-tree sums with hadd (sums16) and the exponentials 8 lanes at a time (exp_neg8):
 // the scalar versions were half of a tree row's attention time (perf, qwen2.5-coder-1.5b shapes)
-#if !LD_AVX512 && defined(__AVX2__) && defined(__FMA__) && !defined(LD_PORTABLE)
-#include <immintrin.h>
-#define LD_AVX2 1
-#else
-#define LD_AVX2 0
-#endif
+#define LD_AVX2 (LD_SIMD == 2)
 
 #define LANES 16
 

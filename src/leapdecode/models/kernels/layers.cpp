@@ -26,12 +26,8 @@
 #include <vector>
 #include "bf16.h"
 #include "ld_abi.h"
-#if defined(__AVX2__) && !defined(LD_PORTABLE)
-#include <immintrin.h>
-#define LD_LAYERS_AVX2 1
-#else
-#define LD_LAYERS_AVX2 0
-#endif
+#include "ld_isa.h"  // LD_SIMD: the instruction-set path, decided there for every source
+#define LD_LAYERS_AVX2 (LD_SIMD != 0)  // AVX2 instructions (on the AVX-512 path too)
 
 extern "C" int ld_abi_version(void) { return LD_ABI_VERSION; }
 

@@ -47,25 +47,13 @@
 #include <string.h>
 #include <math.h>
 #include <utility>
-// LD_SIMD: 1 = AVX512-VNNI (vpdpbusd), 2 = AVX2 (vpmaddubsw + vpmaddwd, exact in int16 as used
-// below), 0 = portable C++.  All three give the same bits.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(LD_PORTABLE)
-#include <immintrin.h>
-#define LD_SIMD 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LD_PORTABLE)
-#include <immintrin.h>
-#define LD_SIMD 2
-#else
-#define LD_SIMD 0
-#endif
-// LD_AMX: the AVX-512 path with AMX tiles for products of several rows (a build for a CPU with
-// AMX-INT8: the amx variant, or -march=native on such a CPU).  The same bits (below, unit_rows_amx).
-#if LD_SIMD == 1 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(LD_NO_AMX)
-#define LD_AMX 1
+// LD_SIMD (ld_isa.h: the one place that decides it): 1 = AVX512-VNNI (vpdpbusd), 2 = AVX2
+// (vpmaddubsw + vpmaddwd, exact in int16 as used below), 0 = portable C++; LD_AMX: the AVX-512 path
+// with AMX tiles for products of several rows (unit_rows_amx).  All give the same bits.
+#include "ld_isa.h"
+#if LD_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
-#define LD_AMX 0
 #endif
 
 #define MAX_ROWS 64  // rows handled per pass (more rows: several passes, same arithmetic)
