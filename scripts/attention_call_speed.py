@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.models.native import Block
-from leapdecode.models.qkernel import attend_rows, kernel_problem
+from leapdecode.models.kernel_library import kernel_problem
+from leapdecode.models.qkernel import attend_rows
 
 
 def main() -> None:

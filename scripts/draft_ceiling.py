@@ -239,7 +239,7 @@ def run_vanilla(a: argparse.Namespace) -> dict:
     from leapdecode.bench.workloads import load_workload, select
     from leapdecode.core.cost_model import machine_description
     from leapdecode.core.runner import ModelRunner
-    from leapdecode.models.qkernel import isa_flags
+    from leapdecode.models.kernel_library import isa_flags
 
     questions, workload = load_workload(a.workload)  # (an unknown workload or category fails before the model loads)
     questions = select(questions, a.limit, a.categories.split(",") if a.categories else None, a.seed)

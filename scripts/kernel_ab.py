@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import leapdecode
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.quant import BLOCK_LINEARS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ FUNCS = ("ld_qgemm", "ld_qdequant", "ld_qdequant_bf16", "ld_attend_rows", "ld_rm
 def source(spec: str | None, work: Path, name: str) -> Path:
     """qgemm.cpp of the working tree (None), of a file, or of a git revision."""
     if spec is None:
-        return qkernel.SOURCES[0]
+        return kernel_library.SOURCES[0]
     if os.path.exists(spec):
         return Path(spec)
     out = work / f"{name}.cpp"
@@ -55,11 +55,11 @@ def source(spec: str | None, work: Path, name: str) -> Path:
 
 
 def build(src: Path, flags: str, out: Path) -> ctypes.CDLL:
-    """The kernel library from ``src`` (plus the tree's other sources), typed like qkernel's."""
+    """The kernel library from ``src`` (plus the tree's other sources), typed like kernel_library's."""
     # (-I: the tree's bf16.h for a revision's source copied elsewhere)
-    subprocess.check_call(["g++", *qkernel.CXXFLAGS, *flags.split(), f"-I{qkernel.SOURCE.parent}", str(src),
-                           *map(str, qkernel.SOURCES[1:]), "-o", str(out)])
-    ref = qkernel._library()
+    subprocess.check_call(["g++", *kernel_library.CXXFLAGS, *flags.split(), f"-I{kernel_library.SOURCE.parent}",
+                           str(src), *map(str, kernel_library.SOURCES[1:]), "-o", str(out)])
+    ref = kernel_library.library()
     lib = ctypes.CDLL(str(out))
     for name in FUNCS:
         getattr(lib, name).argtypes = getattr(ref, name).argtypes
@@ -68,7 +68,7 @@ def build(src: Path, flags: str, out: Path) -> ctypes.CDLL:
 
 
 def use(lib: ctypes.CDLL) -> None:
-    qkernel._library = lambda: lib  # QLinear looks the library up on every call
+    kernel_library.library = lambda: lib  # QLinear looks the library up on every call
 
 
 def layers_mode(a, libs, model) -> None:

@@ -40,16 +40,16 @@ def main() -> int:
 
     import leapdecode
     from leapdecode.core.cost_model import machine_description, measure_verify_cost
-    from leapdecode.models import kernel_abi, kernel_build, qkernel
+    from leapdecode.models import kernel_abi, kernel_build, kernel_library
 
     sizes = tuple(int(r) for r in args.rows.split(","))
-    flags = set(qkernel.cpu_flags().split())
-    if qkernel.kernel_problem() is not None:
-        raise SystemExit(f"the kernel is not available here: {qkernel.kernel_problem()}")
-    cxx = qkernel.compiler()
+    flags = set(kernel_library.cpu_flags().split())
+    if kernel_library.kernel_problem() is not None:
+        raise SystemExit(f"the kernel is not available here: {kernel_library.kernel_problem()}")
+    cxx = kernel_library.compiler()
     if cxx is None:
         raise SystemExit("no C++ compiler to build the variants")
-    libs = {"native (-march=native)": qkernel._library()}
+    libs = {"native (-march=native)": kernel_library.library()}
     with tempfile.TemporaryDirectory() as tmp:
         runnable = tuple(n for n, _, needs in kernel_build.VARIANTS if n != "portable" and set(needs) <= flags)
         print(f"building the variants {', '.join(runnable)} ...", file=sys.stderr)
@@ -61,7 +61,7 @@ def main() -> int:
         ids = torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0))
         results = {}
         for name, lib in libs.items():
-            qkernel._library = lambda lib=lib: lib  # every kernel call of the model looks the library up
+            kernel_library.library = lambda lib=lib: lib  # every kernel call of the model looks the library up
             cache = model.new_cache(max_len=args.context + max(sizes) + 8)
             for start in range(0, args.context, 64):
                 model.forward(ids[start:start + 64].view(1, -1), cache)
@@ -72,7 +72,7 @@ def main() -> int:
             print(f"{name:>24}: " + "  ".join(f"{n} rows {ms:.1f} ms ({ms / one:.2f}x)" for n, ms in
                                               ((n, results[name][str(n)]) for n in cost.sizes)), flush=True)
     machine = machine_description(torch.device("cpu"))
-    report = {"report": "row-cost", "machine": machine, "cpu_flags": qkernel.isa_flags(), "model": args.model,
+    report = {"report": "row-cost", "machine": machine, "cpu_flags": kernel_library.isa_flags(), "model": args.model,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "variants": results,
               "command": "python scripts/row_cost.py " + " ".join(sys.argv[1:])}
     if args.save:

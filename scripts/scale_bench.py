@@ -247,9 +247,9 @@ def run_child(gguf: Path, mode: str, cache: Path, args) -> dict:
 
 def cache_with_kernel(cache: Path) -> Path:
     """An empty cache holding this machine's verified kernel library (no compiler run)."""
-    from leapdecode.models import qkernel, store
+    from leapdecode.models import kernel_library, store
 
-    real = Path(qkernel.kernel_status()["library"])
+    real = Path(kernel_library.kernel_status()["library"])
     (cache / "kernels").mkdir(parents=True)
     for f in (real, store.digest_path(real)):
         shutil.copy2(f, cache / "kernels" / f.name)
@@ -303,7 +303,7 @@ def main() -> int:
 
     from leapdecode.core.cost_model import machine_description
     from leapdecode.models import registry
-    from leapdecode.models.qkernel import isa_flags
+    from leapdecode.models.kernel_library import isa_flags
     from leapdecode.models.store import atomic_write
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from leapdecode.models import gguf_blocks
-from leapdecode.models.qkernel import CODES_IQ4, BlockWeight, QLinear, QPart, kernel_isa, kernel_problem
+from leapdecode.models.kernel_library import kernel_isa, kernel_problem
+from leapdecode.models.kernel_pack import CODES_IQ4, BlockWeight
+from leapdecode.models.qkernel import QLinear, QPart
 
 T = gguf.GGMLQuantizationType
 HIDDEN, KV, FFN = 1536, 256, 8960

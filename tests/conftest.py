@@ -98,12 +98,12 @@ def cache_with_kernel():
     import shutil
     from pathlib import Path
 
-    from leapdecode.models import qkernel, store
+    from leapdecode.models import kernel_library, store
 
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"no kernel here: {problem}")
-    real = Path(qkernel.kernel_status()["library"])
+    real = Path(kernel_library.kernel_status()["library"])
 
     def make(cache: Path) -> Path:
         (cache / "kernels").mkdir(parents=True)
@@ -119,9 +119,9 @@ def q4_tiny():
     """``tiny-random`` on the int4 block kernel with the invariant attention: batch-invariant, so
     a sequence's greedy output in a batch is its solo output bit for bit (skipped where the kernel
     cannot build)."""
-    from leapdecode.models import qkernel
+    from leapdecode.models import kernel_library
 
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the block-quantized kernel is not available here: {problem}")
     from leapdecode.models.loader import load
@@ -330,7 +330,7 @@ KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f",), "n
 
 
 def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], variant: str = "portable"):
-    """``source`` (one of ``qkernel.SOURCES``) built with qkernel's compiler and flags plus those
+    """``source`` (one of ``kernel_library.SOURCES``) built with kernel_library's compiler and flags plus those
     of ``KERNEL_VARIANTS[variant]``, loaded, with ``functions`` typed as in the real library;
     skips where no compiler or kernel is available, or (``"avx2"``) the CPU has no AVX2, FMA and
     F16C to run that path.  On a CPU with AVX2 and no AVX-512 the library itself is the AVX2
@@ -339,28 +339,28 @@ def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], v
     import ctypes
     import subprocess
 
-    from leapdecode.models import qkernel
+    from leapdecode.models import kernel_library
 
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
-    cxx = qkernel.compiler()
+    cxx = kernel_library.compiler()
     if cxx is None:
         pytest.skip(f"no C++ compiler to build the {variant} kernel")
-    flags = set(qkernel.cpu_flags().split())
+    flags = set(kernel_library.cpu_flags().split())
     if variant == "avx2" and not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
     if variant == "avx2" and "avx512f" not in flags:
-        return qkernel._library()
-    assert variant != "no-amx" or source == qkernel.SOURCE, "only qgemm.cpp has an AMX path"
-    if variant == "no-amx" and not qkernel._library().ld_amx():
+        return kernel_library.library()
+    assert variant != "no-amx" or source == kernel_library.SOURCE, "only qgemm.cpp has an AMX path"
+    if variant == "no-amx" and not kernel_library.library().ld_amx():
         pytest.skip("the library runs no AMX tiles here: its AVX-512 path is the library's own")
     target = tmp_path_factory.mktemp(variant) / f"{source.stem}-{variant}.so"
-    proc = subprocess.run([cxx, *qkernel.CXXFLAGS, *KERNEL_VARIANTS[variant], str(source), "-o", str(target)],
-                          capture_output=True, text=True, timeout=qkernel.BUILD_TIMEOUT_S)
+    proc = subprocess.run([cxx, *kernel_library.CXXFLAGS, *KERNEL_VARIANTS[variant], str(source), "-o", str(target)],
+                          capture_output=True, text=True, timeout=kernel_library.BUILD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(target))
-    ref = qkernel._library()
+    ref = kernel_library.library()
     for name in functions:
         getattr(lib, name).argtypes = getattr(ref, name).argtypes
         getattr(lib, name).restype = getattr(ref, name).restype

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.architecture import ModelConfig
 from leapdecode.models.native import NativeCausalLM
 
@@ -145,7 +145,7 @@ def _on_kernels(name: str) -> NativeCausalLM:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_on_the_kernels_a_tree_gives_each_token_its_own_bits(name):
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
     model = _on_kernels(name)
@@ -280,7 +280,7 @@ def test_speculation_gives_vanillas_tokens_on_the_kernels(name):
     """The default configuration of each new layer (the model's blocks on the kernels, the invariant
     attention): speculative methods with their default options give plain decoding's greedy tokens,
     past the windowed layers' window (6) and with trees the drafters build from a repetitive prompt."""
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
     assert_speculation_gives_vanillas_tokens(_on_kernels(name), name)

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import KERNEL_VARIANTS, build_kernel_variant
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.loader import load
-from leapdecode.models.qkernel import attend_rows, attention_supported, kernel_problem
+from leapdecode.models.kernel_library import kernel_problem
+from leapdecode.models.qkernel import attend_rows, attention_supported
 
 pytestmark = pytest.mark.skipif(kernel_problem() is not None, reason=f"no kernel here: {kernel_problem()}")
 
@@ -129,7 +130,7 @@ def test_unsupported_inputs_are_refused_or_routed_elsewhere():
 def other_build(request, tmp_path_factory):
     """kernels/attention.cpp built as the plain C++ loops (``-DLD_PORTABLE``) and as the AVX2 path
     (``-mno-avx512f``, so an AVX-512 machine checks it too)."""
-    return build_kernel_variant(tmp_path_factory, qkernel.ATTENTION_SOURCE, ("ld_attend_rows",), request.param)
+    return build_kernel_variant(tmp_path_factory, kernel_library.ATTENTION_SOURCE, ("ld_attend_rows",), request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,7 +138,7 @@ def test_the_other_builds_give_the_same_bits(other_build, dtype, monkeypatch):
     q, keys, values = _inputs(7, 12, 2, 128, 130, 6, dtype)
     lists = _lists(7, 130, 6)
     fast = attend_rows(q, keys, values, *_flat(lists))
-    monkeypatch.setattr(qkernel, "_library", lambda: other_build)
+    monkeypatch.setattr(kernel_library, "library", lambda: other_build)
     slow = attend_rows(q, keys, values, *_flat(lists))
     assert torch.equal(fast, slow)
 
@@ -151,7 +152,7 @@ def test_the_other_builds_agree_on_far_apart_and_non_finite_scores(other_build, 
     q[0, 7, 2, 0] = float("inf")
     lists = _lists(11, 77, 5)
     fast = attend_rows(q, keys, values, *_flat(lists))
-    monkeypatch.setattr(qkernel, "_library", lambda: other_build)
+    monkeypatch.setattr(kernel_library, "library", lambda: other_build)
     slow = attend_rows(q, keys, values, *_flat(lists))
     assert torch.equal(fast.isnan(), slow.isnan()) and fast.isnan().any() and not fast.isnan().all()
     assert torch.equal(fast.nan_to_num(0.0), slow.nan_to_num(0.0))

@@ -39,7 +39,7 @@ from leapdecode.core.prefill import PREFILL_CHUNK, prefill_chunk
 from leapdecode.core.kv_blocks import chain_key
 from leapdecode.core.prefix_cache import PrefixCache
 from leapdecode.core.sampling import SamplingParams
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.kv_cache import KVCache
 from leapdecode.models.native import BatchItem
 from leapdecode.proposers import method_config
@@ -69,7 +69,7 @@ WORDS = ["the cat ", "sat on ", "the mat ", "abc", "hello ", "xyz ", "def f(x):"
 def q4():
     """The int4 tiny model on the block kernel (and a second object with the same weights: a draft
     whose greedy guesses are all right)."""
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the block-quantized kernel is not available here: {problem}")
     from leapdecode.models.loader import load

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from leapdecode.models import qkernel, store
+from leapdecode.models import kernel_library, store
 
 CLI = "import sys; from leapdecode.cli import main; sys.exit(main(sys.argv[1:]))"
 FAULT_ENV = "LEAPDECODE_FAULT_AT"  # store.fault_point kills a process at the stage this names
@@ -38,7 +38,7 @@ PERMANENT = {".build.lock", ".locks"}  # lock files stay by design (a lock, not 
 
 
 def kernel_needed() -> None:
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"no kernel here: {problem}")
 
@@ -74,7 +74,7 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 # --------------------------------------------------------------------------- a cache and a model on disk
 def _real_library() -> Path:
     kernel_needed()
-    status = qkernel.kernel_status()
+    status = kernel_library.kernel_status()
     return Path(status["library"])
 
 
@@ -226,7 +226,7 @@ if [ "$compile" = 1 ]; then : > "$out"; else cp "{real}" "$out"; fi
     return cxx
 
 
-OPEN_KERNEL = "from leapdecode.models import qkernel; print(qkernel.kernel_problem())"
+OPEN_KERNEL = "from leapdecode.models import kernel_library; print(kernel_library.kernel_problem())"
 
 
 def test_F27_kill_during_the_first_kernel_build_leaves_nothing_after_the_next_run(tmp_path):
@@ -238,7 +238,7 @@ def test_F27_kill_during_the_first_kernel_build_leaves_nothing_after_the_next_ru
     ok(proc)
     assert proc.stdout.decode().strip() == "None"
     assert leftovers(cache) == []
-    library = f"qgemm-{qkernel.build_key()}.so"
+    library = f"qgemm-{kernel_library.build_key()}.so"
     assert sorted(p.name for p in (cache / "kernels").iterdir() if p.name not in PERMANENT) == [
         library, library + ".digest.json"]
 

@@ -94,11 +94,11 @@ def test_chat_keeps_the_conversation_and_reports_what_the_prefix_cache_gave(monk
     import io
     import re
 
-    from leapdecode.models import qkernel
+    from leapdecode.models import kernel_library
     from leapdecode.models.native import NativeCausalLM
 
-    if qkernel.kernel_problem() is not None:
-        pytest.skip(f"the block-quantized kernel is not available here: {qkernel.kernel_problem()}")
+    if kernel_library.kernel_problem() is not None:
+        pytest.skip(f"the block-quantized kernel is not available here: {kernel_library.kernel_problem()}")
     monkeypatch.setattr(NativeCausalLM, "prefill_cut_invariant", property(lambda self: self.cut_invariant_tokens > 0))
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nand then?\n\n"))
     rc = cli.main(["chat", "-m", "tiny-random", "--weights", "int4", "--method", "pld", "--max-new-tokens", "40",

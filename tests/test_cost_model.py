@@ -355,7 +355,8 @@ def test_subset_of_a_quantized_head_is_the_heads_own_rows():
     """On the default format's block-quantized head (``QLinear``) the subset slices the packed rows:
     its logits are the target's own logits for those ids, bit for bit, and the head is never
     dequantized to a float copy (``model.head_weight``)."""
-    from leapdecode.models.qkernel import QLinear, kernel_problem
+    from leapdecode.models.kernel_library import kernel_problem
+    from leapdecode.models.qkernel import QLinear
 
     if kernel_problem() is not None:
         pytest.skip(f"the block-quantized kernel is not available here: {kernel_problem()}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import leapdecode
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.qkernel import QLinear
 
 from test_invariant_attention import _divergences
@@ -27,8 +27,8 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smol():
-    if qkernel.kernel_problem() is not None:
-        pytest.skip(f"the block kernel cannot run here: {qkernel.kernel_problem()}")
+    if kernel_library.kernel_problem() is not None:
+        pytest.skip(f"the block kernel cannot run here: {kernel_library.kernel_problem()}")
     return leapdecode.load("smollm2-135m")
 
 
@@ -95,7 +95,7 @@ def test_retrieval_and_autos_trie_copier_give_vanilla_tokens(smol, tmp_path):
 
 def test_auto_keeps_float_weights_where_only_the_portable_kernel_runs(monkeypatch):
     # the portable path gives the same bits but is far slower than bf16: auto does not pick it
-    monkeypatch.setattr(qkernel, "kernel_isa", lambda: "portable")
+    monkeypatch.setattr(kernel_library, "kernel_isa", lambda: "portable")
     lm = leapdecode.load("smollm2-135m")
     assert lm.weights in ("bf16", "fp32") and lm.model.attention == "sdpa"
     assert leapdecode.load("smollm2-135m", weights="int4").weights == "int4"  # asked for: runs

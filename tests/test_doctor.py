@@ -15,20 +15,20 @@ import leapdecode
 from leapdecode import doctor
 from leapdecode.cli import main
 from leapdecode.errors import ExactnessError
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.invariance import QUICK_CASES, TREE, CHAIN, configuration_problem
 
 
 def test_report_matches_the_machine(capsys):
     assert main(["doctor", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["threads"] == torch.get_num_threads() and r["kernel"]["problem"] == qkernel.kernel_problem()
+    assert r["threads"] == torch.get_num_threads() and r["kernel"]["problem"] == kernel_library.kernel_problem()
     assert r["kernel"]["library"].endswith(".so") and r["cache"]["writable"] is True
     assert set(r["cpu"]["flags"]) <= set(doctor.FLAGS)
     assert r["default"]["rows_checked"] == len(QUICK_CASES) * (len(TREE) + len(CHAIN))
     assert r["exact"] == (r["default"]["problem"] is None and r["default"]["rows_differing"] == 0)
-    if qkernel.kernel_problem() is None:  # the default configuration here: int4 blocks, invariant attention
-        assert r["kernel"]["isa"] == qkernel.kernel_isa() and r["kernel"]["built"] and r["kernel"]["intact"]
+    if kernel_library.kernel_problem() is None:  # the default configuration here: int4 blocks, invariant attention
+        assert r["kernel"]["isa"] == kernel_library.kernel_isa() and r["kernel"]["built"] and r["kernel"]["intact"]
         assert (r["default"]["weights"], r["default"]["attention"]) == ("int4", "invariant") and r["exact"]
         assert main(["doctor", "--strict"]) == 0
         assert "✓ exact speculation      guaranteed" in capsys.readouterr().out
@@ -122,7 +122,7 @@ def test_doctor_says_whether_a_model_runs_natively_and_in_its_files_blocks(tmp_p
     good = write_gguf(qwen3, tmp_path / "q8.gguf")
     s = support_of(str(good))
     assert (s.architecture, s.native, s.requantized, s.types) == ("Qwen3ForCausalLM", None, [], {"Q8_0": 1.0})
-    assert s.exact == (qkernel.kernel_problem() is None)
+    assert s.exact == (kernel_library.kernel_problem() is None)
     half = support_of(str(write_gguf(qwen3, tmp_path / "f16.gguf", gguf.GGMLQuantizationType.F16)))
     assert half.native is None and half.requantized == ["F16"]
     assert any(label == "weights" and "F16 re-quantized" in text and not fine for label, text, fine in half.lines())

@@ -26,7 +26,7 @@ from leapdecode.errors import HeadMismatchError, InvalidParameterError
 from leapdecode.training.accuracy import chain_hits
 from leapdecode.training.train import eagle_loss
 from leapdecode.proposers.heads.eagle import ttt_outputs
-from leapdecode.models.qkernel import kernel_problem
+from leapdecode.models.kernel_library import kernel_problem
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, EagleProposer, default_layers

@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 
 from leapdecode.models import gguf_blocks
 from leapdecode.models.gguf_blocks import BLOCK_BYTES, decode, quantize_q4, requantize_q8, tensor_weight
-from leapdecode.models.qkernel import CODES_IQ4
+from leapdecode.models.kernel_pack import CODES_IQ4
 
 # type -> byte offsets of its fp16 fields in a block (d, and m / dmin where it has one)
 FP16_FIELDS = {
@@ -175,7 +175,8 @@ def test_quantize_q4_is_within_half_a_step(group, seed):
 
 
 def test_decoded_blocks_run_on_the_kernel_exactly():
-    from leapdecode.models.qkernel import QPart, kernel_problem
+    from leapdecode.models.kernel_library import kernel_problem
+    from leapdecode.models.qkernel import QPart
 
     problem = kernel_problem()
     if problem is not None:

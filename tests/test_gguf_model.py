@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 
-pytestmark = pytest.mark.skipif(qkernel.kernel_problem() is not None, reason="the block kernel cannot run here")
+pytestmark = pytest.mark.skipif(kernel_library.kernel_problem() is not None, reason="the block kernel cannot run here")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ import leapdecode
 from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.errors import HeadFileError, HeadNotFoundError, InvalidParameterError
-from leapdecode.models.qkernel import QLinear, kernel_problem
+from leapdecode.models.kernel_library import kernel_problem
+from leapdecode.models.qkernel import QLinear
 from leapdecode.models.quant import Int8Linear, quantize_model
 from leapdecode.models.tiny import tiny_loaded
 from leapdecode.proposers import METHODS
@@ -353,9 +354,9 @@ def test_head_weights_is_a_typed_option(tiny, tmp_path):
 
 def test_int4_needs_the_block_kernel(tiny, monkeypatch):
     """``head_weights=int4`` where the block kernel cannot run is a typed error naming why."""
-    from leapdecode.models import qkernel
+    from leapdecode.models import kernel_library
 
-    monkeypatch.setattr(qkernel, "kernel_problem", lambda: "no compiler (planted)")
+    monkeypatch.setattr(kernel_library, "kernel_problem", lambda: "no compiler (planted)")
     with pytest.raises(InvalidParameterError, match="planted"):
         head_weights_for("int4", tiny(seed=0))
 

@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from leapdecode.models import kernel_abi, qkernel
+from leapdecode.models import kernel_abi, kernel_library, qkernel
 
 
 def test_the_header_declares_every_exported_function_of_the_sources():
     defined = set()
-    for src in qkernel.SOURCES:
+    for src in kernel_library.SOURCES:
         defined |= set(re.findall(r'extern "C"\s+[\w\s*]+?\b(ld_\w+)\s*\(', src.read_text()))
     assert defined == set(kernel_abi.abi().functions)
     # and no source declares a function or struct of the ABI again (the header is the one place)
-    for src in qkernel.SOURCES:
+    for src in kernel_library.SOURCES:
         text = src.read_text()
         assert '#include "ld_abi.h"' in text, src.name
         assert not re.search(r"^struct\s+Ld\w+\s*\{", text, flags=re.M), src.name
@@ -44,10 +44,10 @@ def test_the_binding_is_the_headers():
 
 
 def test_the_library_reports_the_headers_version_and_struct_sizes():
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernel is not available here: {problem}")
-    lib = qkernel._library()
+    lib = kernel_library.library()
     a = kernel_abi.abi()
     assert lib.ld_abi_version() == a.version
     for name, struct in a.structs.items():

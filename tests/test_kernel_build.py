@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from leapdecode.errors import InvalidParameterError
-from leapdecode.models import kernel_build, qkernel
+from leapdecode.models import kernel_build, kernel_library, qkernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,36 +64,36 @@ def test_prebuilt_variants_of_other_sources_or_none_are_not_used(tmp_path):
 def test_leapdecode_kernel_picks_a_variant_or_the_native_build(tmp_path, monkeypatch):
     out = _fake_prebuilt(tmp_path)
     monkeypatch.setattr(kernel_build, "PREBUILT", out)
-    monkeypatch.setattr(qkernel, "cpu_flags", lambda: " ".join(NEEDS["avx512-vnni"]))
-    monkeypatch.delenv(qkernel.KERNEL_ENV, raising=False)
-    assert qkernel.prebuilt_variant()[0] == "avx512-vnni"
-    monkeypatch.setenv(qkernel.KERNEL_ENV, "avx2")
-    assert qkernel.prebuilt_variant()[0] == "avx2"
-    monkeypatch.setenv(qkernel.KERNEL_ENV, "native")
-    assert qkernel.prebuilt_variant() is None
-    monkeypatch.setenv(qkernel.KERNEL_ENV, "sse9")
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: " ".join(NEEDS["avx512-vnni"]))
+    monkeypatch.delenv(kernel_library.KERNEL_ENV, raising=False)
+    assert kernel_library.prebuilt_variant()[0] == "avx512-vnni"
+    monkeypatch.setenv(kernel_library.KERNEL_ENV, "avx2")
+    assert kernel_library.prebuilt_variant()[0] == "avx2"
+    monkeypatch.setenv(kernel_library.KERNEL_ENV, "native")
+    assert kernel_library.prebuilt_variant() is None
+    monkeypatch.setenv(kernel_library.KERNEL_ENV, "sse9")
     with pytest.raises(InvalidParameterError, match="LEAPDECODE_KERNEL='sse9'"):
-        qkernel.prebuilt_variant()
+        kernel_library.prebuilt_variant()
 
 
 def test_a_prebuilt_variant_loads_and_gives_the_native_builds_bits(tmp_path, monkeypatch):
     # the AVX2 variant as a package build compiles it (x86-64-v3, not -march=native), chosen by the loader:
     # its ABI checks pass and a product of every code format gives the bits of the library built here
-    if qkernel.kernel_problem() is not None:
-        pytest.skip(f"the kernel is not available here: {qkernel.kernel_problem()}")
-    cxx = qkernel.compiler()
-    if cxx is None or not NEEDS["avx2"] <= set(qkernel.cpu_flags().split()):
+    if kernel_library.kernel_problem() is not None:
+        pytest.skip(f"the kernel is not available here: {kernel_library.kernel_problem()}")
+    cxx = kernel_library.compiler()
+    if cxx is None or not NEEDS["avx2"] <= set(kernel_library.cpu_flags().split()):
         pytest.skip("no compiler, or a CPU that does not run the AVX2 variant")
     out = tmp_path / "prebuilt"
     manifest = kernel_build.build_prebuilt(cxx, out, say=lambda _: None, names=("avx2",))
     assert list(manifest["variants"]) == ["avx2"] and not any(p.name.startswith(".work") for p in out.iterdir())
     monkeypatch.setattr(kernel_build, "PREBUILT", out)
-    monkeypatch.setenv(qkernel.KERNEL_ENV, "avx2")
-    lib = qkernel._prebuilt_library()
+    monkeypatch.setenv(kernel_library.KERNEL_ENV, "avx2")
+    lib = kernel_library.prebuilt_library()
     assert lib is not None and lib.ld_simd() == 2
     from test_qkernel import FORMATS, random_block, random_x
 
-    native = qkernel._library()
+    native = kernel_library.library()
     for bits, group, offset in FORMATS:
         part = qkernel.QPart.from_block(random_block(48, 128, bits, group, offset, seed=90))
         x = random_x(5, 128, seed=91)
@@ -112,7 +112,7 @@ def test_a_wheel_installs_and_runs_exactly_without_a_compiler(tmp_path):
     """`pip wheel .` builds the variants; installed in a fresh venv and run with no compiler on PATH,
     `leapdecode generate --require-exact` runs on the prebuilt kernel and gives the tokens of this
     checkout's own build."""
-    if qkernel.kernel_problem() is not None or qkernel.compiler() is None:
+    if kernel_library.kernel_problem() is not None or kernel_library.compiler() is None:
         pytest.skip("needs the kernel and a compiler here (to build the wheel)")
     import leapdecode
 

@@ -5,7 +5,7 @@ the F17-F24 row an AttributeError traceback; F25: `models verify` did not look a
 only when its sha256 equals the digest its build recorded beside it; otherwise it is removed and
 built again, once; a failure is remembered, not retried from hot paths.
 
-The tests work on a copy of the cache (``LEAPDECODE_CACHE``) with ``_build`` replaced by a copy
+The tests work on a copy of the cache (``LEAPDECODE_CACHE``) with ``build_library`` replaced by a copy
 of the real library (no compiler run); a check that let the damaged file through would crash this
 process inside the loader, or leave the test's assertions unmet."""
 
@@ -19,20 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.store import digest_path, write_digest
 
-pytestmark = pytest.mark.skipif(qkernel.kernel_problem() is not None,
-                                reason=f"no kernel here: {qkernel.kernel_problem()}")
+pytestmark = pytest.mark.skipif(kernel_library.kernel_problem() is not None,
+                                reason=f"no kernel here: {kernel_library.kernel_problem()}")
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """An empty model cache and a fake build that copies this process's real library into it
-    (with its digest, as ``_build`` writes it); returns (target path, list of builds)."""
-    real = qkernel._target()
+    (with its digest, as ``build_library`` writes it); returns (target path, list of builds)."""
+    real = kernel_library.cached_library_path()
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path))
-    target = qkernel._target()
+    target = kernel_library.cached_library_path()
     assert target != real and not target.exists()
     builds: list[Path] = []
 
@@ -43,15 +43,15 @@ def cache(tmp_path, monkeypatch):
         os.replace(path.with_suffix(".tmp"), path)
         builds.append(path)
 
-    monkeypatch.setattr(qkernel, "_build", fake_build)
+    monkeypatch.setattr(kernel_library, "build_library", fake_build)
     return target, builds
 
 
 def test_an_intact_library_loads_without_a_build(cache):
     target, builds = cache
-    qkernel._build(target)
-    assert qkernel.library_intact(target)
-    lib = qkernel._open_library()
+    kernel_library.build_library(target)
+    assert kernel_library.library_intact(target)
+    lib = kernel_library.open_library()
     assert lib.ld_simd() in (0, 1, 2) and len(builds) == 1  # the one above: none at load
 
 
@@ -60,7 +60,7 @@ def test_a_damaged_library_is_built_again_not_loaded(cache, damage):
     """Probe 1 (kernel corruption): truncated to 4096 bytes, zeros written inside, another valid
     shared library in its place, or a library without its recorded digest."""
     target, builds = cache
-    qkernel._build(target)
+    kernel_library.build_library(target)
     if damage == "truncated":
         os.truncate(target, 4096)
     elif damage == "zeroed":
@@ -71,11 +71,11 @@ def test_a_damaged_library_is_built_again_not_loaded(cache, damage):
         shutil.copyfile(_libm(), target)
     else:
         digest_path(target).unlink()
-    assert not qkernel.library_intact(target)
-    assert qkernel.cached_library_problem() is not None
-    lib = qkernel._open_library()
-    assert len(builds) == 2 and qkernel.library_intact(target) and lib.ld_simd() in (0, 1, 2)
-    assert qkernel.cached_library_problem() is None
+    assert not kernel_library.library_intact(target)
+    assert kernel_library.cached_library_problem() is not None
+    lib = kernel_library.open_library()
+    assert len(builds) == 2 and kernel_library.library_intact(target) and lib.ld_simd() in (0, 1, 2)
+    assert kernel_library.cached_library_problem() is None
 
 
 def _libm() -> str:
@@ -99,9 +99,9 @@ def test_a_foreign_library_with_a_forged_digest_is_a_clean_error(cache, monkeypa
         write_digest(path, path)
         builds.append(path)
 
-    monkeypatch.setattr(qkernel, "_build", foreign_build)
-    with pytest.raises(qkernel.KernelUnavailable, match="even after building it again"):
-        qkernel._open_library()
+    monkeypatch.setattr(kernel_library, "build_library", foreign_build)
+    with pytest.raises(kernel_library.KernelUnavailable, match="even after building it again"):
+        kernel_library.open_library()
     assert len(builds) == 2
 
 
@@ -110,29 +110,29 @@ def test_a_failed_load_is_remembered(monkeypatch):
 
     def failing() -> ctypes.CDLL:
         calls.append(1)
-        raise qkernel.KernelUnavailable("no compiler here")
+        raise kernel_library.KernelUnavailable("no compiler here")
 
-    monkeypatch.setattr(qkernel, "_open_library", failing)
-    monkeypatch.delenv(qkernel.REQUIRE_ENV, raising=False)  # (CI sets it: kernel_problem would raise)
-    qkernel._loaded.cache_clear()
+    monkeypatch.setattr(kernel_library, "open_library", failing)
+    monkeypatch.delenv(kernel_library.REQUIRE_ENV, raising=False)  # (CI sets it: kernel_problem would raise)
+    kernel_library.loaded_library.cache_clear()
     try:
         for _ in range(3):
-            with pytest.raises(qkernel.KernelUnavailable, match="no compiler here"):
-                qkernel._library()
-        assert qkernel.kernel_problem() == "no compiler here"
+            with pytest.raises(kernel_library.KernelUnavailable, match="no compiler here"):
+                kernel_library.library()
+        assert kernel_library.kernel_problem() == "no compiler here"
         assert len(calls) == 1
     finally:
-        qkernel._loaded.cache_clear()  # the next test loads the real library again
+        kernel_library.loaded_library.cache_clear()  # the next test loads the real library again
 
 
 def test_the_damage_is_named_for_models_verify(cache):
     """``models verify`` appends ``cached_library_problem`` to a model's own checks."""
     target, _ = cache
-    assert qkernel.cached_library_problem() is None  # not built yet: nothing wrong
-    qkernel._build(target)
-    assert qkernel.cached_library_problem() is None
+    assert kernel_library.cached_library_problem() is None  # not built yet: nothing wrong
+    kernel_library.build_library(target)
+    assert kernel_library.cached_library_problem() is None
     os.truncate(target, 4096)
-    problem = qkernel.cached_library_problem()
+    problem = kernel_library.cached_library_problem()
     assert problem is not None and str(target) in problem and "damaged" in problem
 
 
@@ -147,7 +147,7 @@ def test_losing_the_exact_kernel_is_said_once(monkeypatch, capsys):
     from leapdecode.models import loader
 
     monkeypatch.setattr(loader, "_WARNED", set())
-    monkeypatch.setattr(qkernel, "kernel_problem", lambda: "no C++ compiler found (set CXX or install g++)")
+    monkeypatch.setattr(kernel_library, "kernel_problem", lambda: "no C++ compiler found (set CXX or install g++)")
     cpu = torch.device("cpu")
     assert loader.auto_weights(cpu, "native", object(), "auto") is None
     assert loader.auto_weights(cpu, "native", object(), "auto") is None
@@ -170,9 +170,9 @@ def test_a_read_only_cache_builds_the_kernel_elsewhere(cache, monkeypatch, capsy
     import tempfile
 
     target, builds = cache
-    monkeypatch.setattr(qkernel, "writable", lambda directory: False)
+    monkeypatch.setattr(kernel_library, "writable", lambda directory: False)
     monkeypatch.setattr(tempfile, "tempdir", str(target.parent.parent / "tmp"))  # not the machine's /tmp
-    lib = qkernel._open_library()
+    lib = kernel_library.open_library()
     assert lib.ld_simd() in (0, 1, 2)
     assert len(builds) == 1 and builds[0].parent != target.parent and builds[0].name == target.name
     assert "not writable" in capsys.readouterr().err
@@ -181,7 +181,7 @@ def test_a_read_only_cache_builds_the_kernel_elsewhere(cache, monkeypatch, capsy
 BUILDER = """
 import os, shutil, sys, time
 from pathlib import Path
-from leapdecode.models import qkernel, store
+from leapdecode.models import kernel_library, store
 real, count, start = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 def fake_build(path):
     with open(count, "a") as f:
@@ -192,10 +192,10 @@ def fake_build(path):
     shutil.copyfile(real, tmp)
     store.write_digest(tmp, path)
     os.replace(tmp, path)
-qkernel._build = fake_build
+kernel_library.build_library = fake_build
 while time.time() < start:
     time.sleep(0.01)
-print(qkernel._open_library().ld_simd() in (0, 1, 2))
+print(kernel_library.open_library().ld_simd() in (0, 1, 2))
 """
 
 
@@ -206,7 +206,7 @@ def test_two_processes_build_the_kernel_once(tmp_path):
     import sys
     import time
 
-    real = qkernel._target()
+    real = kernel_library.cached_library_path()
     count = tmp_path / "builds"
     env = dict(os.environ, LEAPDECODE_CACHE=str(tmp_path / "cache"))
     start = time.time() + 12  # both have imported torch by then
@@ -220,12 +220,13 @@ def test_two_processes_build_the_kernel_once(tmp_path):
 def test_require_kernel_turns_a_missing_kernel_into_an_error(monkeypatch):
     """Issue 44: CI runs with LEAPDECODE_REQUIRE_KERNEL=1, so that a kernel-gated test fails rather
     than skips where the kernel cannot run."""
-    monkeypatch.setattr(qkernel, "_library", lambda: (_ for _ in ()).throw(qkernel.KernelUnavailable("no compiler")))
-    monkeypatch.delenv(qkernel.REQUIRE_ENV, raising=False)
-    assert qkernel.kernel_problem() == "no compiler"
-    monkeypatch.setenv(qkernel.REQUIRE_ENV, "1")
-    with pytest.raises(qkernel.KernelUnavailable, match="required"):
-        qkernel.kernel_problem()
+    monkeypatch.setattr(kernel_library, "library",
+                        lambda: (_ for _ in ()).throw(kernel_library.KernelUnavailable("no compiler")))
+    monkeypatch.delenv(kernel_library.REQUIRE_ENV, raising=False)
+    assert kernel_library.kernel_problem() == "no compiler"
+    monkeypatch.setenv(kernel_library.REQUIRE_ENV, "1")
+    with pytest.raises(kernel_library.KernelUnavailable, match="required"):
+        kernel_library.kernel_problem()
 
 
 def test_a_killed_writers_leftovers_are_swept(cache, tmp_path):
@@ -237,7 +238,7 @@ def test_a_killed_writers_leftovers_are_swept(cache, tmp_path):
     from leapdecode.models.store import sweep_stale
 
     target, _ = cache
-    qkernel._build(target)
+    kernel_library.build_library(target)
     kernels = target.parent
     old_dir, old_so, young = kernels / ".qgemm-build-x1", kernels / ".qgemm-abc.so", kernels / ".qgemm-young.so"
     old_dir.mkdir()
@@ -247,7 +248,7 @@ def test_a_killed_writers_leftovers_are_swept(cache, tmp_path):
     hour_ago = time.time() - 2 * 3600
     for p in (old_dir, old_so):
         os.utime(p, (hour_ago, hour_ago))
-    qkernel._open_library()
+    kernel_library.open_library()
     assert not old_dir.exists() and not old_so.exists() and young.exists() and target.exists()
     packed = tmp_path / "packed"
     packed.mkdir()
@@ -351,8 +352,8 @@ def test_packed_weights_that_cannot_be_written_are_used_from_memory(tmp_path, mo
     from leapdecode.models import blockquant
     from leapdecode.models.tiny import tiny_native
 
-    if qkernel.kernel_problem() is not None:
-        pytest.skip(f"the block kernel cannot run here: {qkernel.kernel_problem()}")
+    if kernel_library.kernel_problem() is not None:
+        pytest.skip(f"the block kernel cannot run here: {kernel_library.kernel_problem()}")
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "m"
     model_dir.mkdir()

@@ -541,10 +541,10 @@ def test_policies_with_speculative_methods_keep_the_budget(tiny, fresh_runner, m
 @pytest.fixture(scope="module")
 def q4():
     """The int4 tiny model (batch-invariant kernel and attention): batched == solo bitwise."""
-    from leapdecode.models import qkernel
+    from leapdecode.models import kernel_library
     from leapdecode.models.loader import load
 
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the block-quantized kernel is not available here: {problem}")
     return load("tiny-random", weights="int4")

@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library, qkernel
 
 BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.skip(f"the kernels are not available here: {problem}")
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library, qkernel
 from leapdecode.models.architecture import ModelConfig
 from leapdecode.models.moe import SparseMoe
 from leapdecode.models.native import NativeCausalLM
@@ -124,7 +124,7 @@ def _on_kernels(name: str) -> NativeCausalLM:
 
 
 def _needs_kernels() -> None:
-    problem = qkernel.kernel_problem()
+    problem = kernel_library.kernel_problem()
     if problem is not None:
         pytest.fail(f"the kernels are not available here: {problem}")
 

@@ -1,4 +1,6 @@
-"""leapdecode's block-quantized kernel (``models/qkernel.py``, ``kernels/qgemm.cpp``).
+"""leapdecode's block-quantized kernel (``models/qkernel.py``, ``kernels/qgemm.cpp``; the packing in
+``models/kernel_pack.py``, the prefill path in ``models/kernel_prefill.py``, the first-use build in
+``models/kernel_library.py``).
 
 1. Formats (4-bit g32; 6-bit g16 offset 32; 6-bit g32 offset 16; 8-bit g32): the weight the
    kernel reads back (``QPart.dequantize``) is exactly ``BlockWeight.dequantize``.  ``QLinear``
@@ -15,7 +17,7 @@
    The GGUF types' own blocks (``gguf_blocks.decode``, in whatever scale form ``pack`` keeps
    them) are exact and batch invariant on the kernel too.
 3. The portable C++ path (``-DLD_PORTABLE``) and the AVX2 path (``-mno-avx512f``), each built
-   here with qkernel's compiler and flags, give the same bits as the library ``QLinear`` runs,
+   here with kernel_library's compiler and flags, give the same bits as the library ``QLinear`` runs,
    for every format and K-quant blocks.
 4. Several parts side by side give the single parts' outputs; a part padded to 16 rows keeps
    its real rows' values and drops the padding.
@@ -41,11 +43,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leapdecode.errors import ModelFileError
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library, kernel_pack, kernel_prefill, qkernel
 from leapdecode.models.store import digest_path
 from conftest import KERNEL_VARIANTS, build_kernel_variant
-from leapdecode.models.qkernel import (CODES_IQ4, IQ4_VALUES, MAX_ROWS, UNIT_BYTES, BlockWeight, QLinear, QPart,
-                                       kernel_problem, pack, padded)
+from leapdecode.models.kernel_library import kernel_problem
+from leapdecode.models.kernel_pack import CODES_IQ4, IQ4_VALUES, UNIT_BYTES, BlockWeight, pack, padded
+from leapdecode.models.qkernel import MAX_ROWS, QLinear, QPart
 
 from test_quant import _tree_vs_sequential as _tree_vs_one_at_a_time
 
@@ -62,13 +65,13 @@ def kernel():
     problem = kernel_problem()
     if problem is not None:
         pytest.skip(f"the block-quantized kernel is not available here: {problem}")
-    return qkernel.kernel_isa()
+    return kernel_library.kernel_isa()
 
 
 @pytest.fixture
 def force_kernel(kernel, monkeypatch):
     """Every ``QLinear`` forward on the kernel, whatever its number of rows (no dense prefill path)."""
-    monkeypatch.setattr(qkernel, "prefill_on_dense", lambda parts: False)
+    monkeypatch.setattr(kernel_prefill, "prefill_on_dense", lambda parts, measure: False)
     return kernel
 
 
@@ -76,9 +79,9 @@ def force_kernel(kernel, monkeypatch):
 def prefill_path(kernel, monkeypatch, request):
     """Forwards of more than ``DENSE_MIN_ROWS`` rows on the bf16 copy ("dense": kept, memory granted)
     or on the kernel, whatever ``prefill_ratios`` measured here."""
-    monkeypatch.setattr(qkernel, "prefill_on_dense", lambda parts: request.param == "dense")
-    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "1024")
-    monkeypatch.setattr(qkernel, "DENSE_BUDGET", qkernel.DenseBudget())
+    monkeypatch.setattr(kernel_prefill, "prefill_on_dense", lambda parts, measure: request.param == "dense")
+    monkeypatch.setenv(kernel_prefill.DENSE_BUDGET_ENV, "1024")
+    monkeypatch.setattr(kernel_prefill, "DENSE_BUDGET", kernel_prefill.DenseBudget())
     return request.param
 
 
@@ -360,7 +363,7 @@ def test_forwards_are_invariant_up_to_the_limit_and_right_beyond(prefill_path, f
     w = random_block(n, k, bits, group, offset, seed=40)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(41))
     x = random_x(140, k, seed=42)
-    limit = qkernel.DENSE_MIN_ROWS if prefill_path == "dense" else 140
+    limit = kernel_prefill.DENSE_MIN_ROWS if prefill_path == "dense" else 140
     assert limit >= MAX_ROWS
     for out_fp32 in (False, True):
         layer = QLinear([QPart.from_block(w)], bias, out_fp32=out_fp32)
@@ -456,7 +459,7 @@ VARIANT_SIMD = {"portable": 0, "avx2": 2, "no-amx": 1}
 @pytest.fixture(scope="module", params=sorted(KERNEL_VARIANTS))
 def other_path(request, tmp_path_factory):
     """The portable, the AVX2 and (on an AMX CPU) the tile-less AVX-512 builds of kernels/qgemm.cpp, loaded."""
-    lib = build_kernel_variant(tmp_path_factory, qkernel.SOURCE, ("ld_qgemm", "ld_work_bytes"), request.param)
+    lib = build_kernel_variant(tmp_path_factory, kernel_library.SOURCE, ("ld_qgemm", "ld_work_bytes"), request.param)
     lib.ld_simd.restype = ctypes.c_int
     assert lib.ld_simd() == VARIANT_SIMD[request.param], request.param
     return lib
@@ -497,7 +500,7 @@ def test_other_code_paths_give_the_same_bits(force_kernel, other_path, case):
         layer = QLinear([part], bias, out_fp32=out_fp32)
         for m in (1, 5, 14, 20, 70):  # (AMX: 14 on tiles; 20 = 16 on tiles + 4 not; 70 = 4 x 16 + 6)
             y = layer(x[:m])
-            assert torch.equal(call_qgemm(qkernel._library(), part, x[:m], bias, out_fp32), y), m
+            assert torch.equal(call_qgemm(kernel_library.library(), part, x[:m], bias, out_fp32), y), m
             for threads in (1, 2):
                 with _threads(threads):
                     assert torch.equal(call_qgemm(other_path, part, x[:m], bias, out_fp32), y), (m, threads)
@@ -518,7 +521,7 @@ def test_a_non_finite_activation_makes_its_row_nan_on_every_path(force_kernel, o
     good = [0, 1, 3, 4, 5]
     assert not torch.isnan(y[good]).any()
     assert torch.equal(y[good], layer(x[good]))  # the other rows keep their bits
-    for lib in (qkernel._library(), other_path):
+    for lib in (kernel_library.library(), other_path):
         z = call_qgemm(lib, part, x, None, True)
         assert torch.equal(z.isnan(), y.isnan()) and torch.equal(z[good], y[good])
 
@@ -955,22 +958,23 @@ def test_prefill_path_follows_the_measured_ratios(kernel, monkeypatch):
     # otherwise (its memory is never spent)
     fast4 = QPart.from_block(random_block(64, 96, 4, 32, seed=50))  # 6144 weights
     slow6 = QPart.from_block(random_block(32, 96, 6, 16, 32, seed=51))  # 3072 weights
-    x = random_x(qkernel.DENSE_MIN_ROWS + 6, 96, seed=52)
-    monkeypatch.delenv(qkernel.PREFILL_ENV, raising=False)
-    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "64")  # copies allowed (none by default)
-    monkeypatch.setattr(qkernel, "DENSE_BUDGET", qkernel.DenseBudget())
+    x = random_x(kernel_prefill.DENSE_MIN_ROWS + 6, 96, seed=52)
+    monkeypatch.delenv(kernel_prefill.PREFILL_ENV, raising=False)
+    monkeypatch.setenv(kernel_prefill.DENSE_BUDGET_ENV, "64")  # copies allowed (none by default)
+    monkeypatch.setattr(kernel_prefill, "DENSE_BUDGET", kernel_prefill.DenseBudget())
+    measure = qkernel.measure_prefill_ratio  # (what QLinear passes; the ratios are replaced here)
     for r4, r6, dense in ((0.8, 1.3, False), (0.8, 1.5, True), (1.1, 0.5, False), (1.2, 1.01, True)):
-        monkeypatch.setattr(qkernel, "prefill_ratios", lambda r4=r4, r6=r6: {(4, 32): r4, (6, 16): r6})
-        assert qkernel.prefill_on_dense([fast4, slow6]) is (6144 * r4 + 3072 * r6 > 9216)
-        assert qkernel.prefill_on_dense([fast4, slow6]) is dense
+        monkeypatch.setattr(kernel_prefill, "prefill_ratios", lambda measure, r4=r4, r6=r6: {(4, 32): r4, (6, 16): r6})
+        assert kernel_prefill.prefill_on_dense([fast4, slow6], measure) is (6144 * r4 + 3072 * r6 > 9216)
+        assert kernel_prefill.prefill_on_dense([fast4, slow6], measure) is dense
         layer = QLinear([fast4, slow6])
         y = layer(x)
         assert (layer._dense is not None) is dense
         rows = torch.cat([layer(x[i : i + 1]) for i in range(0, x.shape[0], 7)])
         assert torch.equal(y[::7], rows) is not dense  # the kernel: each row its 1-row bits
     for forced in ("dense", "kernel"):  # the variable overrides the measurement
-        monkeypatch.setenv(qkernel.PREFILL_ENV, forced)
-        assert qkernel.prefill_on_dense([fast4]) is (forced == "dense")
+        monkeypatch.setenv(kernel_prefill.PREFILL_ENV, forced)
+        assert kernel_prefill.prefill_on_dense([fast4], measure) is (forced == "dense")
 
 
 def test_bf16_prefill_copies_stay_within_their_memory_budget(kernel, monkeypatch, capsys):
@@ -980,12 +984,12 @@ def test_bf16_prefill_copies_stay_within_their_memory_budget(kernel, monkeypatch
     is collected."""
     import gc
 
-    monkeypatch.setenv(qkernel.PREFILL_ENV, "dense")
-    budget = qkernel.DenseBudget()
-    monkeypatch.setattr(qkernel, "DENSE_BUDGET", budget)
+    monkeypatch.setenv(kernel_prefill.PREFILL_ENV, "dense")
+    budget = kernel_prefill.DenseBudget()
+    monkeypatch.setattr(kernel_prefill, "DENSE_BUDGET", budget)
     one = 2 * 64 * 96  # one layer's bf16 copy
-    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, str(2.5 * one / 2**20))  # room for two
-    x = random_x(qkernel.DENSE_MIN_ROWS + 6, 96, seed=53)
+    monkeypatch.setenv(kernel_prefill.DENSE_BUDGET_ENV, str(2.5 * one / 2**20))  # room for two
+    x = random_x(kernel_prefill.DENSE_MIN_ROWS + 6, 96, seed=53)
     layers = [QLinear([QPart.from_block(random_block(64, 96, 4, 32, seed=60 + i))]) for i in range(3)]
     outs = [layer(x) for layer in layers]
     assert [layer._dense is not None for layer in layers] == [True, True, False]
@@ -993,19 +997,19 @@ def test_bf16_prefill_copies_stay_within_their_memory_budget(kernel, monkeypatch
     rows = torch.cat([layers[2](x[i : i + 1]) for i in range(x.shape[0])])
     assert torch.equal(outs[2], rows)  # the refused layer prefilled on the kernel: each row its 1-row bits
     err = capsys.readouterr().err
-    assert err.count("prefill runs on the int4 kernel") == 1 and qkernel.DENSE_BUDGET_ENV in err
+    assert err.count("prefill runs on the int4 kernel") == 1 and kernel_prefill.DENSE_BUDGET_ENV in err
     del layers, outs
     gc.collect()
     assert budget.used == 0
-    monkeypatch.delenv(qkernel.DENSE_BUDGET_ENV)
-    default = qkernel.DenseBudget()
-    monkeypatch.setattr(qkernel, "DENSE_BUDGET", default)
+    monkeypatch.delenv(kernel_prefill.DENSE_BUDGET_ENV)
+    default = kernel_prefill.DenseBudget()
+    monkeypatch.setattr(kernel_prefill, "DENSE_BUDGET", default)
     layer = QLinear([QPart.from_block(random_block(64, 96, 4, 32, seed=70))])
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])]))  # on the kernel
     assert layer._dense is None and default.limit == 0 and "prefill runs" not in capsys.readouterr().err
-    monkeypatch.setenv(qkernel.DENSE_BUDGET_ENV, "lots")
-    with pytest.raises(ValueError, match=qkernel.DENSE_BUDGET_ENV):
-        assert qkernel.DenseBudget().limit
+    monkeypatch.setenv(kernel_prefill.DENSE_BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match=kernel_prefill.DENSE_BUDGET_ENV):
+        assert kernel_prefill.DenseBudget().limit
 
 
 def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path):
@@ -1016,34 +1020,33 @@ def test_prefill_ratios_are_measured_once_and_kept(kernel, monkeypatch, tmp_path
         return 0.5 + bits / 10 + group / 100
 
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(qkernel, "measure_prefill_ratio", measured)
-    qkernel.prefill_ratios.cache_clear()
+    kernel_prefill.prefill_ratios.cache_clear()
     try:
-        first = qkernel.prefill_ratios()
-        assert sorted(calls) == sorted(qkernel.FORMATS)
+        first = kernel_prefill.prefill_ratios(measured)
+        assert sorted(calls) == sorted(kernel_pack.FORMATS)
         assert first[(4, 32)] == pytest.approx(0.5 + 0.4 + 0.32)
-        qkernel.prefill_ratios.cache_clear()  # a new process: read back from the file
-        assert qkernel.prefill_ratios() == pytest.approx(first) and len(calls) == len(first)
+        kernel_prefill.prefill_ratios.cache_clear()  # a new process: read back from the file
+        assert kernel_prefill.prefill_ratios(measured) == pytest.approx(first) and len(calls) == len(first)
         stored = (tmp_path / "kernels" / "prefill.json").read_text()
-        assert qkernel.build_key() in stored
+        assert kernel_library.build_key() in stored
         (tmp_path / "kernels" / "prefill.json").write_text("{not json")  # a corrupt file: measured again
-        qkernel.prefill_ratios.cache_clear()
-        assert qkernel.prefill_ratios() == pytest.approx(first) and len(calls) == 2 * len(first)
+        kernel_prefill.prefill_ratios.cache_clear()
+        assert kernel_prefill.prefill_ratios(measured) == pytest.approx(first) and len(calls) == 2 * len(first)
         # entries of other builds past their age are dropped when the file is written; recent ones stay
         import json
         import time
 
         path = tmp_path / "kernels" / "prefill.json"
-        old = {"time": time.time() - qkernel.PREFILL_PROFILE_MAX_AGE_S - 1, "ratios": {}}
+        old = {"time": time.time() - kernel_prefill.PREFILL_PROFILE_MAX_AGE_S - 1, "ratios": {}}
         recent = {"time": time.time() - 60, "ratios": {}}
         path.write_text(json.dumps({"stale-build-t2": old, "other-build-t2": recent, "odd": "x"}))
-        qkernel.prefill_ratios.cache_clear()
-        qkernel.prefill_ratios()
+        kernel_prefill.prefill_ratios.cache_clear()
+        kernel_prefill.prefill_ratios(measured)
         kept = json.loads(path.read_text())
         assert "stale-build-t2" not in kept and "odd" not in kept and kept["other-build-t2"] == recent
         assert len(kept) == 2 and len(calls) == 3 * len(first)
     finally:
-        qkernel.prefill_ratios.cache_clear()
+        kernel_prefill.prefill_ratios.cache_clear()
 
 
 def test_measured_prefill_ratio_is_a_sane_time_ratio(kernel):
@@ -1052,24 +1055,24 @@ def test_measured_prefill_ratio_is_a_sane_time_ratio(kernel):
 
 
 def _fake_compiler(tmp_path, monkeypatch, first_lines: str) -> None:
-    """qkernel's compiler: a script that runs ``first_lines``, then writes an empty file where ``-o`` says."""
+    """kernel_library's compiler: a script that runs ``first_lines``, then writes an empty file where ``-o`` says."""
     fake = tmp_path / "fake-cxx"
     fake.write_text(f'#!/bin/sh\n{first_lines}\nfor a; do [ "$prev" = "-o" ] && : > "$a"; prev="$a"; done\n')
     fake.chmod(0o755)
-    monkeypatch.setattr(qkernel, "compiler", lambda: str(fake))
+    monkeypatch.setattr(kernel_library, "compiler", lambda: str(fake))
 
 
 def test_a_failing_compiler_is_a_clear_error_and_leaves_no_temp_files(tmp_path, monkeypatch):
-    # the build compiles qgemm.cpp's parts and attention.cpp at once (qkernel.PARTS); one part's
+    # the build compiles qgemm.cpp's parts and attention.cpp at once (kernel_library.PARTS); one part's
     # error names the compiler and its last message, and neither the object files nor the
     # half-written library stay behind
     _fake_compiler(tmp_path, monkeypatch, 'case "$*" in *LD_PART=6*) echo "qgemm.cpp:1: error: boom" >&2; exit 1;; esac')
     target = tmp_path / "kernels" / "qgemm-test.so"
-    with pytest.raises(qkernel.KernelUnavailable, match="fake-cxx failed: qgemm.cpp:1: error: boom"):
-        qkernel._build(target)
+    with pytest.raises(kernel_library.KernelUnavailable, match="fake-cxx failed: qgemm.cpp:1: error: boom"):
+        kernel_library.build_library(target)
     # only the compiler's output stays, kept for `leapdecode doctor`
     assert sorted(p.name for p in target.parent.iterdir()) == ["qgemm-test.log"]
-    assert "qgemm.cpp:1: error: boom" in qkernel.build_log(target).read_text()
+    assert "qgemm.cpp:1: error: boom" in kernel_library.build_log(target).read_text()
 
 
 def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
@@ -1079,12 +1082,12 @@ def test_the_build_links_every_part_it_compiled(tmp_path, monkeypatch):
     _fake_compiler(tmp_path, monkeypatch, f'echo "$*" >> {log}')
     target = tmp_path / "kernels" / "qgemm-test.so"
     target.parent.mkdir()
-    qkernel.build_log(target).write_text("an earlier failure")
-    qkernel._build(target)
+    kernel_library.build_log(target).write_text("an earlier failure")
+    kernel_library.build_library(target)
     calls = log.read_text().splitlines()
     compiles = [c for c in calls if " -c " in c]
     links = [c for c in calls if " -c " not in c]
-    assert len(compiles) == len(qkernel.PARTS) and len(links) == 1
+    assert len(compiles) == len(kernel_library.PARTS) and len(links) == 1
     assert all("-shared" not in c for c in compiles)
     objects = [c.split(" -o ")[1] for c in compiles]
     assert len(set(objects)) == len(objects) and all(o in links[0].split() for o in objects)
@@ -1110,9 +1113,10 @@ def test_a_build_keeps_only_the_most_recent_other_libraries(tmp_path, monkeypatc
         old.append(p.name)
     (kernels / "notes.txt").write_text("mine")
     target = kernels / "qgemm-new.so"
-    qkernel._build(target)
+    kernel_library.build_library(target)
     kept = sorted(p.name for p in kernels.iterdir())
-    assert kept == sorted([target.name, digest_path(target).name, "notes.txt", *old[5 - (qkernel.KEEP_BUILDS - 1):]])
+    assert kept == sorted([target.name, digest_path(target).name, "notes.txt",
+                           *old[5 - (kernel_library.KEEP_BUILDS - 1):]])
 
 
 # every instruction-set path of the kernel sources, whatever this CPU runs: a syntax-only compile
@@ -1129,15 +1133,16 @@ def test_every_path_of_the_kernel_sources_compiles(path, part):
     import platform
     import subprocess
 
-    cxx = qkernel.compiler()
+    cxx = kernel_library.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if path != "portable" and not x86:
         pytest.skip(f"the {path} path is x86 code; this is {platform.machine()}")
-    source = {"attention": qkernel.ATTENTION_SOURCE, "layers": qkernel.LAYERS_SOURCE}.get(part, qkernel.SOURCE)
+    source = {"attention": kernel_library.ATTENTION_SOURCE,
+              "layers": kernel_library.LAYERS_SOURCE}.get(part, kernel_library.SOURCE)
     extra = (f"-DLD_PART={part}",) if isinstance(part, int) else ()
-    flags = [f for f in qkernel.CXXFLAGS if f not in ("-march=native", "-shared")]
+    flags = [f for f in kernel_library.CXXFLAGS if f not in ("-march=native", "-shared")]
     march = ("-march=x86-64-v2",) if x86 else ()
     proc = subprocess.run([cxx, *flags, *march, *PATH_FLAGS[path], *extra, "-fsyntax-only", str(source)],
                           capture_output=True, text=True, timeout=300)
@@ -1153,8 +1158,8 @@ def test_the_package_data_ships_every_kernel_source_and_header():
 
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["leapdecode.models"]
-    package = qkernel.SOURCE.parents[1]
-    needed = [p.relative_to(package).as_posix() for p in (*qkernel.SOURCES, *qkernel.HEADERS)]
-    assert set(needed) == {p.relative_to(package).as_posix() for p in qkernel.SOURCE.parent.iterdir()
+    package = kernel_library.SOURCE.parents[1]
+    needed = [p.relative_to(package).as_posix() for p in (*kernel_library.SOURCES, *kernel_library.HEADERS)]
+    assert set(needed) == {p.relative_to(package).as_posix() for p in kernel_library.SOURCE.parent.iterdir()
                            if p.suffix in (".cpp", ".h")}  # SOURCES and HEADERS name every file there
     assert all(any(fnmatch.fnmatch(n, g) for g in globs) for n in needed), (needed, globs)

@@ -36,7 +36,7 @@ from leapdecode.models.loader import load
 from leapdecode.models.linear import PackedLinear
 from leapdecode.models.architecture import ModelConfig
 from leapdecode.models.native import NativeCausalLM
-from leapdecode.models import qkernel
+from leapdecode.models import kernel_library
 from leapdecode.models.qkernel import QLinear
 from leapdecode.models.quant import Int4Linear, Int8Linear, kernel_problem, quantize_model
 from leapdecode.models.tiny import tiny_native
@@ -323,7 +323,7 @@ def test_load_weights_generates_and_speculation_is_lossless(weights, monkeypatch
     lm = load("tiny-random", weights=weights)
     assert lm.weights == weights and lm.dtype == BF16
     # int4 on the CPU runs leapdecode's block kernel (models/qkernel.py) where it builds
-    int4_layer = QLinear if (weights == "int4" and qkernel.kernel_problem() is None) else Int4Linear
+    int4_layer = QLinear if (weights == "int4" and kernel_library.kernel_problem() is None) else Int4Linear
     assert isinstance(lm.model.layers[0].w_down, int4_layer if weights == "int4" else Int8Linear)
     assert lm.model.attention == "invariant"  # attention="auto" with quantized weights
     # with a batch-invariant attention, verifying drafts changes no token

@@ -496,10 +496,10 @@ def test_registry_entries():
 
 
 def test_a_first_load_compiles_the_kernel_beside_the_conversion(cache, monkeypatch):
-    from leapdecode.models import loader, qkernel
+    from leapdecode.models import kernel_library, loader
 
     started = []
-    monkeypatch.setattr(qkernel, "build_in_background", lambda: started.append(1))
+    monkeypatch.setattr(kernel_library, "build_in_background", lambda: started.append(1))
     # (weights="int4" asks whether the kernel runs: not a build into this test's empty cache)
     monkeypatch.setattr(loader, "block_kernel", lambda *args, **kwargs: True)
 

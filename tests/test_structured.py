@@ -1444,11 +1444,11 @@ SMOL_SCHEMA = {
 
 @pytest.fixture(scope="module")
 def smol():
-    from leapdecode.models import qkernel
+    from leapdecode.models import kernel_library
 
     # the default (batch-invariant) format where the block kernel runs; fp32 otherwise.  An
     # integration test needs its model: a load error is a failure, not a skip.
-    if qkernel.kernel_problem() is None:
+    if kernel_library.kernel_problem() is None:
         return leapdecode.load("smollm2-135m")
     return leapdecode.load("smollm2-135m", dtype="fp32", device="cpu")
 

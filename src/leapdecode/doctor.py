@@ -27,7 +27,7 @@ import re
 import sys
 import time
 
-from .models.qkernel import ISA_FLAGS as FLAGS  # the instruction sets reported
+from .models.kernel_library import ISA_FLAGS as FLAGS  # the instruction sets reported
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -99,9 +99,8 @@ def collect(model: str | None = None) -> dict:
 
     from .bench.llama_server import ServerUnavailable, server_binary
     from .core.cost_model import hardware_name
-    from .models import qkernel
-    from .models.qkernel import cpu_flags, kernel_status
-    from .models.store import cache_dir
+    from .models.kernel_library import compiler, cpu_flags, kernel_status
+    from .models.store import cache_dir, writable
 
     flags = set(cpu_flags().split())
     cache = cache_dir()
@@ -114,9 +113,9 @@ def collect(model: str | None = None) -> dict:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "cpu": {"model": hardware_name(torch.device("cpu")), "flags": [f for f in FLAGS if f in flags]},
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "compiler": qkernel.compiler(),
+        "compiler": compiler(),
         "kernel": kernel_status(),
-        "cache": {"dir": str(cache), "writable": qkernel.writable(cache)},
+        "cache": {"dir": str(cache), "writable": writable(cache)},
         "extras": extras(),
         "llama_server": str(llama) if llama else None,
     }

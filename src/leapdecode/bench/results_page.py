@@ -74,7 +74,7 @@ def processor(summary: dict) -> str:
 
 
 def isa_tier(flags: list[str]) -> str:
-    """The kernels' instruction-set class of a CPU with these ``qkernel.ISA_FLAGS``."""
+    """The kernels' instruction-set class of a CPU with these ``kernel_library.ISA_FLAGS``."""
     have = set(flags)
     for flag, tier in (("amx_int8", "AMX"), ("avx512_vnni", "AVX512-VNNI"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
         if flag in have:

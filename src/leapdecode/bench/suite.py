@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..core.cost_model import machine_description
 from ..errors import InvalidParameterError, LeapdecodeError
-from ..models.qkernel import isa_flags
+from ..models.kernel_library import isa_flags
 from . import report, stats
 from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
 from .workloads import Question, load_workload, select

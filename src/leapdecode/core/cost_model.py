@@ -236,7 +236,8 @@ def _profile_key(loaded) -> str | None:
     except OSError:
         return None
     fmt = f"{getattr(loaded, 'weights', '')}/{getattr(loaded.model, 'attention', '')}"
-    from ..models.qkernel import QLinear, build_key
+    from ..models.kernel_library import build_key
+    from ..models.qkernel import QLinear
 
     if any(isinstance(m, QLinear) for m in getattr(loaded.model, "modules", list)()):
         fmt += f"/qgemm-{build_key()}"  # a changed kernel is measured again

@@ -35,7 +35,8 @@ from .architecture import qkv_row_order
 from .native import NativeCausalLM
 from .gguf_tensors import GGUFTensors, heads_of
 from .gguf_blocks import requantized_warning
-from .qkernel import QLinear, QPart, isa_key
+from .kernel_library import isa_key
+from .qkernel import QLinear, QPart
 from .quant import ACT_DTYPE, BLOCK_LINEARS, to_activation_dtype
 from .store import (cache_dir, digest_path, digest_problem, fault_point, owned_temp, progress, say, sweep_stale,
                     writable, write_digest)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .qkernel import CODES_IQ4, BlockWeight
+from .kernel_pack import CODES_IQ4, BlockWeight
 
 # GGMLQuantizationType values (gguf.constants)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8

@@ -69,7 +69,7 @@ def configuration_problem(native: bool, device: torch.device, quantization: str 
     if not quantization:
         return "float weights: their matrix products are not batch-invariant (the exact path is int4 on leapdecode's kernel)"
     if quantization == "int4":
-        from .qkernel import kernel_problem
+        from .kernel_library import kernel_problem
 
         problem = kernel_problem()
         if problem is not None:

@@ -125,11 +125,11 @@ def _compile_beside_conversion(name_or_path: Any, dev: torch.device) -> None:
     """A registered model's first load converts it (most of that is one core's work) and then,
     in the default format, needs the block kernel: start compiling the kernel (~1 minute) in the
     background now, so that the two overlap."""
-    from . import qkernel, registry
+    from . import kernel_library, registry
 
     if (isinstance(name_or_path, str) and name_or_path in registry.REGISTRY and dev.type == "cpu"
             and not registry.is_converted(name_or_path)):
-        qkernel.build_in_background()
+        kernel_library.build_in_background()
 
 
 def local_model_dir(name_or_path: str) -> tuple[str, Path, str | None]:
@@ -253,7 +253,7 @@ def exact_kernel_problem(device: torch.device) -> str | None:
     run on ``device`` (None: it can)."""
     if device.type != "cpu":
         return None
-    from .qkernel import kernel_isa, kernel_problem
+    from .kernel_library import kernel_isa, kernel_problem
 
     problem = kernel_problem()
     if problem is None and kernel_isa() == "portable":
@@ -277,12 +277,12 @@ def auto_weights(device: torch.device, backend: str, gguf, dtype) -> str | None:
 
 
 def block_kernel(device: torch.device, simd: bool = False) -> bool:
-    """leapdecode's own block-quantized kernel (``qkernel``) runs here (CPU only); ``simd``: and
+    """leapdecode's own block-quantized kernel (``qkernel``, ``kernel_library``) runs here (CPU only); ``simd``: and
     on one of its SIMD paths, AVX512-VNNI or AVX2 (the portable one gives the same bits but is far
     slower, so ``weights="auto"`` does not pick it)."""
     if device.type != "cpu":
         return False
-    from .qkernel import kernel_isa, kernel_problem
+    from .kernel_library import kernel_isa, kernel_problem
 
     return kernel_problem() is None and (not simd or kernel_isa() != "portable")
 

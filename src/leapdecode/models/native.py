@@ -27,8 +27,10 @@ from .architecture import ModelConfig, qkv_row_order, rope_tables
 from .kv_cache import CACHE_KINDS, KVCache
 from .linear import PackedLinear, can_pack
 from .moe import SparseMoe, expert_state
-from .qkernel import (DENSE_MIN_ROWS, LayerStack, QLinear, attend_rows, attention_supported, gelu_tanh_table,
-                      kernel_problem, rms_norm_bf16, rope_attend_segments, rope_store, silu_mul)
+from .kernel_library import kernel_problem
+from .kernel_prefill import DENSE_MIN_ROWS
+from .qkernel import (LayerStack, QLinear, attend_rows, attention_supported, gelu_tanh_table, rms_norm_bf16,
+                      rope_attend_segments, rope_store, silu_mul)
 from .static_step import StaticSteps, pad_inputs, plan_chunks, resolve_mode, span_of
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:

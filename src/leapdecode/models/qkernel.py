@@ -1,4 +1,6 @@
-"""leapdecode's own batch-invariant kernel for block-quantized weights (``kernels/qgemm.cpp``).
+"""leapdecode's own batch-invariant kernels as torch modules and ops: the quantized linear layer
+(``QPart``, ``QLinear``), the attention, rope-and-store, RMSNorm and SiLU calls, and a decoder's layers in
+one call (``LayerStack``).  Each calls the library (``kernel_library.library()``, looked up at every call).
 
 A weight is kept in the GGUF's block form, ``w[n, k] = s[n, g] * q[n, k] + z[n, g]`` for the
 group ``g`` of column ``k`` (group 16 or 32), with the codes ``q`` as they are in the file
@@ -16,663 +18,30 @@ data; docs/lab-notes/benchmarks.md measures the effect on the model's NLL), and 
 computed by the same operations whatever the number of rows: a token's result does not depend
 on how many tokens share the forward (tests/test_qkernel.py checks it bitwise).
 
-The shared library is compiled on first use with the system C++ compiler (``-march=native``:
-the machine that runs it builds it) into the cache, keyed by the source, the flags and the
-CPU's flags, and published atomically.  Without a compiler ``kernel_problem()`` says why and
-the loader falls back to torch's kernels.
+The rest of the kernel lives beside this module: ``kernel_library`` builds the library at first use (or picks
+a prebuilt variant), caches, loads and binds it and says why it cannot run (``kernel_problem``);
+``kernel_pack`` holds the block form (``BlockWeight``) and its packed layout (``pack``); ``kernel_prefill``
+chooses a layer's prefill path (the kernel or a bf16 copy, ``DENSE_BUDGET``); ``kernel_build`` and
+``kernel_abi`` hold the sources and flags, and the binding declared by ``kernels/ld_abi.h``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import functools
-import hashlib
-import json
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
-import weakref
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..errors import InvalidParameterError, ModelFileError
-from . import kernel_abi, kernel_build
+from ..errors import ModelFileError
+from . import kernel_abi, kernel_library, kernel_pack, kernel_prefill
 from .linear import make_linear
-from .store import (atomic_write, cache_dir, digest_path, digest_problem, fault_point, owned_temp, say, sweep_stale,
-                    writable, write_digest)
 
-# the sources, flags and translation units of the library (models/kernel_build.py; the first-use build is for
-# this CPU: -march=native)
-SOURCE, ATTENTION_SOURCE, LAYERS_SOURCE = kernel_build.SOURCE, kernel_build.ATTENTION_SOURCE, kernel_build.LAYERS_SOURCE
-SOURCES, HEADERS, PARTS = kernel_build.SOURCES, kernel_build.HEADERS, kernel_build.PARTS
-CXXFLAGS = kernel_build.BASE_FLAGS + kernel_build.NATIVE_FLAGS
-# ~70 s of one core for qgemm.cpp on a 2.7 GHz Zen 4 (in parts at once, ``PARTS``: ~33 s on 2
-# cores); the bound only stops a hung compiler (300 s was reached on a loaded 2-core machine, and
-# the kernel then looked unavailable: bf16 fallback)
-BUILD_TIMEOUT_S = kernel_build.BUILD_TIMEOUT_S
 MAX_ROWS = 64  # the kernel's rows per pass (kernels/qgemm.cpp MAX_ROWS)
-# Forwards of up to this many rows (decoding, tree verification: NativeCausalLM's
-# INVARIANT_MAX_TOKENS is the same 64) run on the batch-invariant kernel.  Larger ones (prefill
-# chunks) run, layer by layer, on the kernel or on a bf16 copy of the dequantized weights through
-# oneDNN, whichever measured faster for the layer's code formats (``prefill_on_dense``): AMX bf16
-# tiles beat int8 dot products; on a Zen 4 (AVX512-VNNI, no AMX) the kernel wins for 4-bit groups of
-# 32 and loses for 6-bit groups of 16.
-DENSE_MIN_ROWS = 64
-# The bf16 copies cost 2 bytes a weight beside the kernel's ~0.6 (a 1.5B's: 3.1 GB; a 7B's: 14 GB), and
-# which layers get one follows a noisy microbenchmark (``prefill_ratios``).  Measured end to end, they
-# bought qwen2.5-coder-1.5b 12% on a 512-token prefill (180 -> 203 tokens/s) for 0.6 GB more at its
-# peak (1.55 -> 2.13 GB), and a fresh cache's ratios once chose copies that held 2.8 GB for it and 5.8
-# GB for a 3B (Xeon with AMX, 2 cores, 2026-12-06; lab notes section 52).  So no copy is kept unless
-# ``LEAPDECODE_DENSE_BUDGET_MB`` grants them memory (``DenseBudget``): the memory a model takes is then
-# its blocks' and its caches', predictably; a layer whose copy does not fit prefills on the kernel.
-DENSE_BUDGET_ENV = "LEAPDECODE_DENSE_BUDGET_MB"
-# The code formats (kernels/qgemm.cpp): bit widths 2 (Q2_K), 3 (Q3_K), 4, 6 (stored codes of 5 and 6 bits) and 8,
-# and CODES_IQ4: 4-bit indices into IQ4_NL's and IQ4_XS's 16 signed values (``IQ4_VALUES``), looked up by the kernel
-CODES_IQ4 = 9
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
-GROUPS = (16, 32)
-FORMAT_GROUPS = {2: (16,), 3: (16,), 4: GROUPS, 6: GROUPS, 8: GROUPS, CODES_IQ4: (32,)}  # the groups each runs in
-BITS = tuple(FORMAT_GROUPS)
-FORMATS = tuple((bits, group) for bits, groups in FORMAT_GROUPS.items() for group in groups)
-UNIT_BYTES = {2: 4, 3: 6, 4: 8, 6: 12, 8: 16, CODES_IQ4: 8}  # bytes of a 16-row unit's group, per column of it
-
-
-def format_name(bits: int) -> str:
-    return "IQ4 indices" if bits == CODES_IQ4 else f"{bits}-bit codes"
-
-
-class KernelUnavailable(RuntimeError):
-    """The quantized kernel cannot be built or loaded here."""
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``), '' where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return ""
-
-
-# The instruction sets that decide the kernels' (and torch's) speed on a CPU, as /proc/cpuinfo names
-# them: what `leapdecode doctor` and a bench summary report of a machine.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-             "amx_bf16")
-
-
-def isa_flags() -> list[str]:
-    """The instruction sets that decide the kernels' speed here (``ISA_FLAGS`` on this CPU): what a
-    measured figure records of its machine."""
-    have = set(cpu_flags().split())
-    return [f for f in ISA_FLAGS if f in have]
-
-
-def isa_key() -> str:
-    """A short key of the CPU's instruction set (cache key of compiled and packed forms)."""
-    return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
-
-
-def compiler() -> str | None:
-    """The C++ compiler a build would use (``$CXX``, g++, c++, clang++), or None."""
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build(target: Path) -> None:
-    """Compile the library into an ``owned_temp`` folder beside ``target`` (objects, compiler output and
-    the library: a build killed at any point leaves one folder, removed by the next open, probe F27),
-    record its digest and rename it into place."""
-    cxx = compiler()
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
-    say("building the quantized kernel for this CPU (once per machine and version; under a minute)")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with owned_temp(target.parent, ".qgemm-", folder=True) as work:
-            objects = _compile_parts(cxx, work, target)
-            fault_point("kernel-build")
-            built = work / target.name
-            _run([cxx, *CXXFLAGS, *objects, "-o", str(built)], cxx, target)
-            write_digest(built, target)  # first: a library is never there without its digest
-            os.replace(built, target)
-        with contextlib.suppress(OSError):
-            build_log(target).unlink(missing_ok=True)  # an earlier failure's output is history now
-        _prune_builds(target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"cannot build the kernel: {e}") from None
-
-
-KEEP_BUILDS = 3  # kernel libraries kept in the cache: this build and the most recent others
-
-
-def _prune_builds(target: Path) -> None:
-    """Remove the cache's older kernel libraries (other versions or CPUs), keeping ``target`` and
-    the ``KEEP_BUILDS - 1`` most recently built others (each ~2 MB; a process that has one
-    loaded keeps its mapping)."""
-    others = []
-    for p in target.parent.glob("qgemm-*.so"):
-        with contextlib.suppress(OSError):  # (another process may remove it first)
-            if p != target:
-                others.append((p.stat().st_mtime, p))
-    for _, p in sorted(others, reverse=True)[KEEP_BUILDS - 1:]:
-        _discard(p)
-
-
-def library_intact(target: Path) -> bool:
-    """Whether the cached library is the one its build wrote: its sha256 equals the digest recorded
-    beside it (``store.write_digest``; a truncated, zeroed or replaced file, or one without its digest,
-    is not loaded: a damaged shared library can crash the process inside the loader)."""
-    return digest_problem(target, full=True) is None
-
-
-def _compile_parts(cxx: str, work: Path, target: Path) -> list[str]:
-    """Compile every part of ``PARTS`` for this CPU to an object file in ``work``, all at once; returns their
-    paths (a failure keeps the compiler's output beside ``target``: ``build_log``)."""
-    try:
-        return kernel_build.compile_objects(cxx, work)
-    except kernel_build.BuildError as e:
-        raise KernelUnavailable(f"{e}: {_last_line(_keep_log(e.output, target), e.code)}") from None
-
-
-def _run(cmd: list[str], cxx: str, target: Path) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise KernelUnavailable(f"{cxx} failed: {_last_line(_keep_log(proc.stderr, target), proc.returncode)}")
-
-
-def build_log(target: Path | None = None) -> Path:
-    """Where the compiler's output of the last failed build of ``target`` (default: this machine's
-    library) is kept, beside it (for ``doctor``)."""
-    return (target or _target()).with_suffix(".log")
-
-
-def _keep_log(output: str, target: Path) -> str:
-    """Keep a failed build's compiler output in ``build_log(target)`` (where that is writable)."""
-    with contextlib.suppress(OSError):
-        atomic_write(build_log(target), output)
-    return output
-
-
-def _last_line(stderr: str, code: int) -> str:
-    return stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {code}"
-
-
-@functools.lru_cache(maxsize=None)
-def build_key() -> str:
-    """What the compiled kernels depend on: their sources, the flags and the CPU's flags (the name
-    of the cached library; also part of a measured cost profile's key, ``core/cost_model.py``)."""
-    sources = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
-    return hashlib.sha256(sources + " ".join(CXXFLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
-
-
-_BUILD_LOCK = threading.Lock()  # one build at a time in a process (build_in_background's thread and callers)
-
-
-def _target() -> Path:
-    return cache_dir() / "kernels" / f"qgemm-{build_key()}.so"
-
-
-def build_in_background() -> None:
-    """Start building the kernel library in a background thread where it is not built yet
-    (``load`` calls this before a model's first conversion: the ~1 minute compile overlaps it)."""
-    if os.environ.get("LEAPDECODE_NO_QKERNEL") or compiler() is None or _target().is_file():
-        return
-    threading.Thread(target=kernel_problem, name="leapdecode-kernel-build", daemon=True).start()
-
-
-def cached_library_problem() -> str | None:
-    """What is wrong with this machine's cached kernel library (None: intact, or not built yet)."""
-    target = _target()
-    if target.is_file() and not library_intact(target):
-        return (f"the compiled kernel library {target} is damaged or unverified (its sha256 is not the one its "
-                "build recorded); it is built again at the next load")
-    return None
-
-
-def discard_cached_library() -> bool:
-    """Remove this machine's cached kernel library if it is damaged (``cached_library_problem``);
-    True when one was removed (``models fetch --repair``)."""
-    if cached_library_problem() is None:
-        return False
-    _discard(_target())
-    return True
-
-
-def _library() -> ctypes.CDLL:
-    """The kernel library, built and loaded once per process; a failure is remembered too (raised
-    again at once, never retried from a hot path)."""
-    lib = _loaded()
-    if isinstance(lib, KernelUnavailable):
-        raise KernelUnavailable(str(lib))
-    return lib
-
-
-@functools.lru_cache(maxsize=None)
-def _loaded() -> "ctypes.CDLL | KernelUnavailable":
-    try:
-        return _open_library()
-    except KernelUnavailable as e:
-        return e
-
-
-def _open_library() -> ctypes.CDLL:
-    """Load the cached library where it is intact (``library_intact``), without the build lock: a
-    verified library in a read-only cache runs (probe F10a); else build it (under the lock; in a
-    temporary folder outside a cache that cannot be written) and load it.  A damaged or foreign
-    library in the cache is removed and built again, once."""
-    if os.environ.get("LEAPDECODE_NO_QKERNEL"):
-        raise KernelUnavailable("disabled by LEAPDECODE_NO_QKERNEL")
-    prebuilt = _prebuilt_library()
-    if prebuilt is not None:
-        return prebuilt
-    target = _target()
-    sweep_stale(target.parent, ".qgemm-")  # left by a process that ended mid-build
-    for attempt in (1, 2):
-        if not (target.is_file() and library_intact(target)):
-            target = _buildable(target)
-            with _build_lock(target.parent):
-                if target.is_file() and not library_intact(target):
-                    say(f"the cached kernel library {target} is damaged or unverified (its sha256 is not the one its "
-                        "build recorded): building it again")
-                    _discard(target)
-                if not target.is_file():
-                    _build(target)
-        try:
-            return _bind(ctypes.CDLL(str(target)))
-        except (OSError, AttributeError, kernel_abi.AbiMismatch) as e:
-            if attempt == 2:
-                raise KernelUnavailable(f"cannot load {target} even after building it again: {e}") from None
-            say(f"cannot load the cached kernel library {target} ({e}): building it again")
-            _discard(target)
-            if target.is_file():  # a read-only cache keeps it: build elsewhere
-                target = _elsewhere(target)
-    raise AssertionError("unreachable")
-
-
-# "native": build for this CPU at first use even where the package ships variants; a variant's name
-# (kernel_build.VARIANTS: "avx2", "portable", ...): that prebuilt variant where the CPU runs it
-KERNEL_ENV = "LEAPDECODE_KERNEL"
-
-
-def prebuilt_variant() -> tuple[str, Path] | None:
-    """The package's prebuilt variant this CPU runs (``kernel_build.best_variant``: a wheel's, built at
-    install), as (name, library); None in a source checkout, or with ``LEAPDECODE_KERNEL=native``."""
-    wanted = os.environ.get(KERNEL_ENV, "").strip().lower() or None
-    if wanted == "native":
-        return None
-    names = [n for n, _, _ in kernel_build.VARIANTS]
-    if wanted is not None and wanted not in names:
-        raise InvalidParameterError(f"{KERNEL_ENV}={wanted!r}: expected 'native' or one of {', '.join(names)}")
-    return kernel_build.best_variant(set(cpu_flags().split()), only=wanted)
-
-
-def _prebuilt_library() -> ctypes.CDLL | None:
-    choice = prebuilt_variant()
-    if choice is None:
-        return None
-    name, path = choice
-    try:
-        return _bind(ctypes.CDLL(str(path)))
-    except (OSError, AttributeError, kernel_abi.AbiMismatch) as e:
-        say(f"cannot load the package's {name} kernel variant ({e}): building one for this CPU instead")
-        return None
-
-
-def _buildable(target: Path) -> Path:
-    """``target``, or where a cache that cannot be written builds it instead (``_elsewhere``)."""
-    return target if writable(target.parent) else _elsewhere(target)
-
-
-def _elsewhere(target: Path) -> Path:
-    """The library's place in this user's temporary folder, for a cache that cannot be written (said once)."""
-    fallback = Path(tempfile.gettempdir()) / f"leapdecode-kernels-{os.getuid()}" / target.name
-    say(f"the kernel cache {target.parent} is not writable: using a kernel built in {fallback.parent} instead")
-    sweep_stale(fallback.parent, ".qgemm-")
-    return fallback
-
-
-def _discard(target: Path) -> None:
-    """Remove a cached library and its digest (either may be missing)."""
-    for p in (target, digest_path(target)):
-        with contextlib.suppress(OSError):
-            p.unlink()
-
-
-@contextlib.contextmanager
-def _build_lock(directory: Path):
-    """One build at a time: this process's ``_BUILD_LOCK``, and across processes (server replicas,
-    test workers) an exclusive ``flock`` on ``directory/.build.lock``; whoever waited finds the library
-    built (``_open_library`` checks again under the lock)."""
-    with _BUILD_LOCK:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / ".build.lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Type the library's functions from the ABI's one declaration (``kernel_abi``): ``AttributeError``
-    where one is missing (not our library), ``AbiMismatch`` where its version or a struct differs."""
-    return kernel_abi.bind(lib)
-
-
-REQUIRE_ENV = "LEAPDECODE_REQUIRE_KERNEL"  # "1": a kernel that cannot run is an error, never a fallback
-
-
-def kernel_problem() -> str | None:
-    """Why the kernel cannot run here (None: it can).  With ``LEAPDECODE_REQUIRE_KERNEL=1`` (CI) a
-    kernel that cannot run raises ``KernelUnavailable`` instead: every fallback and every test that
-    would skip without the kernel fails, naming why."""
-    try:
-        _library()
-    except KernelUnavailable as e:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            raise KernelUnavailable(f"{e} ({REQUIRE_ENV}=1: the kernel is required here)") from None
-        return str(e)
-    return None
-
-
-def kernel_status() -> dict:
-    """What ``leapdecode doctor`` shows of the kernel: the compiler, where the library is cached
-    (and whether it is built and intact, whether the cache is writable), the code path it runs,
-    and why it cannot run (with the kept compiler output of a failed build)."""
-    target = _target()
-    problem = kernel_problem()
-    log = build_log()
-    prebuilt = prebuilt_variant()
-    return {
-        "variant": f"the package's prebuilt {prebuilt[0]} variant" if prebuilt else "built for this CPU (-march=native)",
-        "compiler": compiler(), "library": str(prebuilt[1] if prebuilt else target),
-        "built": bool(prebuilt) or target.is_file(),
-        "intact": target.is_file() and library_intact(target), "cache_writable": writable(target.parent),
-        "isa": kernel_isa() if problem is None else None, "problem": problem,
-        "build_log": str(log) if log.is_file() else None,
-    }
-
-
-def kernel_isa() -> str:
-    """'amx' (AVX512-VNNI, with AMX tiles for products of many rows), 'avx512-vnni', 'avx2' or 'portable':
-    which code path the compiled kernel runs (the same results on each)."""
-    lib = _library()
-    simd = lib.ld_simd()
-    if simd == 1 and lib.ld_amx():
-        return "amx"
-    return {1: "avx512-vnni", 2: "avx2"}.get(simd, "portable")
-
-
-# --------------------------------------------------------------------------- packing
-@dataclass
-class BlockWeight:
-    """One weight in block form: ``w = scales * codes + zeros`` per group of ``group`` columns.
-
-    ``codes``: integer ``[N, K]`` (2-bit: 0..3; 4-bit: 0..15; 3-bit: 0..7 and 6-bit: 0..63 stored, value
-    ``code - offset``; 8-bit: -128..127; ``CODES_IQ4``: indices 0..15, value ``IQ4_VALUES[code]``);
-    ``scales``, ``zeros``: fp32 ``[N, K / group]``."""
-
-    codes: np.ndarray
-    scales: np.ndarray
-    zeros: np.ndarray
-    bits: int
-    group: int
-    offset: int = 0
-    # K-quants: scales = dsup * sc, zeros = zsup * mc per super-block of ``gps`` groups, kept
-    # in that factored form by the kernel (int8 sc, mc [N, K/group]; dsup, zsup [N, K/group/gps],
-    # fp16 values as the file stores them)
-    factors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
-    def values(self) -> np.ndarray:
-        """The integer values the codes stand for."""
-        if self.bits == CODES_IQ4:
-            return IQ4_VALUES[self.codes].astype(np.int32)
-        return self.codes.astype(np.int32) - (self.offset if self.bits in (3, 6) else 0)
-
-    def dequantize(self) -> np.ndarray:
-        """fp32 ``[N, K]``: ``scale * value + zero`` (one rounding per product, one per sum)."""
-        n, k = self.codes.shape
-        v = self.values().astype(np.float32).reshape(n, k // self.group, self.group)
-        return (self.scales[..., None] * v + self.zeros[..., None]).reshape(n, k)
-
-    def rows(self, index: np.ndarray) -> "BlockWeight":
-        """The weight with its output rows reordered by ``index``."""
-        f = self.factors
-        return BlockWeight(self.codes[index], self.scales[index], self.zeros[index], self.bits, self.group,
-                           self.offset, None if f is None else (f[0][index], f[1][index], f[2][index], f[3][index], f[4]))
-
-
-def padded(w: BlockWeight, multiple: int = 16) -> BlockWeight:
-    """``w`` with zero rows (code 0, scale 0, zero 0: weight 0) up to a multiple of ``multiple``."""
-    n = w.codes.shape[0]
-    extra = -n % multiple
-    if not extra:
-        return w
-    pad = lambda a, v=0: np.concatenate([a, np.full((extra,) + a.shape[1:], v, dtype=a.dtype)])  # noqa: E731
-    code0 = w.offset if w.bits in (3, 6) else 0  # the code whose value is 0 (IQ4: none; the scale is 0)
-    f = w.factors
-    return BlockWeight(pad(w.codes, code0), pad(w.scales), pad(w.zeros), w.bits, w.group, w.offset,
-                       None if f is None else (pad(f[0]), pad(f[1]), pad(f[2]), pad(f[3]), f[4]))
-
-
-def _fp16_exact(a: np.ndarray) -> bool:
-    with np.errstate(over="ignore"):
-        h = a.astype(np.float16)
-    return bool(np.isfinite(h).all()) and np.array_equal(h.astype(np.float32), a.astype(np.float32))
-
-
-def scale_forms(w: BlockWeight) -> tuple[bool, bool]:
-    """Which forms of scales ``pack`` can store for ``w`` as they are: (the K-quants' fp16 factors and
-    int8 sub-block scales, fp16 scales and zeros).  For a tensor packed a part at a time (its rows in
-    chunks: a large tensor's temporaries stay small), every part's forms are gathered first and
-    ``scale_mode`` picks the one the whole tensor can take, so each part is packed alike."""
-    f = w.factors
-    k_quant = f is not None and not (w.codes.shape[1] // w.group) % f[4] and _fp16_exact(f[2]) and _fp16_exact(f[3])
-    return k_quant, _fp16_exact(w.scales) and _fp16_exact(w.zeros)
-
-
-def scale_mode(forms: list[tuple[bool, bool]]) -> int:
-    """The ``smode`` of a tensor whose parts can store ``forms`` (``scale_forms`` of each part): 2,
-    the K-quants' factors; 1, fp16 scales and zeros; 0, fp32 ones."""
-    if all(k_quant for k_quant, _ in forms):
-        return 2
-    return 1 if all(half for _, half in forms) else 0
-
-
-def pack(w: BlockWeight, smode: int | None = None) -> dict[str, torch.Tensor]:
-    """The kernel's layout of ``w`` (see kernels/qgemm.cpp): ``codes`` uint8, ``scales`` and
-    ``zeros`` fp32 ``[N/16, K/group, 16]``, or in the form ``smode`` names (``scale_mode``; None: the
-    most compact form ``w`` itself can take).  Rows are packed unit by unit (16 rows), so a tensor
-    packed in chunks of rows (a multiple of 16) with one ``smode`` is the concatenation of its parts."""
-    n, k = w.codes.shape
-    g = w.group
-    if g not in FORMAT_GROUPS.get(w.bits, ()) or n % 16 or k % g:
-        raise ValueError(f"cannot pack a [{n}, {k}] weight with {format_name(w.bits)} in groups of {g}")
-    k_quant, half = scale_forms(w)
-    if smode is None:
-        smode = scale_mode([(k_quant, half)])
-    elif not (smode == 0 or smode == 1 and half or smode == 2 and k_quant):
-        raise ValueError(f"cannot store this weight's scales in mode {smode!r}")
-    ng = k // g
-    if w.bits == 8:  # signed values stored as value + 128 (unsigned bytes for vpdpbusd)
-        c = (w.codes.astype(np.int16) + 128).astype(np.uint8)
-    else:
-        c = w.codes.astype(np.uint8, copy=False)
-    # [u, j, g, q, t] -> [u, g, q, j, t]: quad vector q of unit u, group g holds (n = j, k = 4q + t)
-    c = c.reshape(n // 16, 16, ng, g // 4, 4).transpose(0, 2, 3, 1, 4).reshape(n // 16, ng, g // 4, 64)
-    if w.bits in (2, 3):  # 2 bits a code, four quad vectors a byte; then 3-bit codes' third bits, 8 bytes a quad
-        lo = (c & 3).reshape(n // 16, ng, g // 16, 4, 64)
-        lo = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 2) | (lo[:, :, :, 2] << 4) | (lo[:, :, :, 3] << 6))
-        c2 = lo.astype(np.uint8).reshape(n // 16, ng, -1)
-        if w.bits == 3:
-            third = np.packbits((c >> 2) & 1, axis=-1, bitorder="little").reshape(n // 16, ng, -1)
-            c2 = np.concatenate([c2, third], axis=-1)
-        c = c2
-    elif w.bits in (4, 6, CODES_IQ4):
-        lo = (c & 15).reshape(n // 16, ng, g // 8, 2, 64)
-        lo = (lo[:, :, :, 0, :] | (lo[:, :, :, 1, :] << 4)).astype(np.uint8).reshape(n // 16, ng, -1)
-        if w.bits != 6:
-            c = lo
-        else:  # then the high 2 bits, four quad vectors a byte
-            hi = (c >> 4).reshape(n // 16, ng, g // 16, 4, 64)
-            hi = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6))
-            c = np.concatenate([lo, hi.astype(np.uint8).reshape(n // 16, ng, -1)], axis=-1)
-
-    def units(a: np.ndarray, dtype) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
-        cols = a.shape[1]
-        return torch.from_numpy(np.ascontiguousarray(a.astype(dtype).reshape(n // 16, 16, cols).transpose(0, 2, 1)))
-
-    out = {"codes": torch.from_numpy(np.ascontiguousarray(c).reshape(-1))}
-    f = w.factors
-    if smode == 2:
-        sc, mc, dsup, zsup, gps = f  # the K-quants: fp16 d, dmin and int8 sub-block scales, as in the file
-        out.update(scales=units(sc, np.int8), zeros=units(mc, np.int8), dsup=units(dsup, np.float16),
-                   zsup=units(zsup, np.float16), smode=2, gps=gps)
-    elif smode == 1:
-        out.update(scales=units(w.scales, np.float16), zeros=units(w.zeros, np.float16), smode=1, gps=1)
-    else:
-        out.update(scales=units(w.scales, np.float32), zeros=units(w.zeros, np.float32), smode=0, gps=1)
-    return out
-
-
-# --------------------------------------------------------------------------- prefill path
-PREFILL_ENV = "LEAPDECODE_PREFILL"  # "kernel" or "dense": the prefill path without measuring
-PREFILL_PROBE = (128, 2048, 2048)  # rows, columns in, columns out of the measured product
-PREFILL_PROFILE_MAX_AGE_S = 7 * 24 * 3600
-
-
-def _probe_weight(bits: int, group: int) -> BlockWeight:
-    rows, k, n = PREFILL_PROBE
-    rng = np.random.default_rng(0)
-    top = {2: 4, 3: 8, 4: 16, 6: 64, 8: 256, CODES_IQ4: 16}[bits]
-    codes = rng.integers(0, top, size=(n, k)) - (128 if bits == 8 else 0)
-    scales = (rng.random((n, k // group), dtype=np.float32) * 0.01).astype(np.float32)
-    zeros = -(scales * (top // 2)).astype(np.float32) if bits in (2, 4) else np.zeros_like(scales)
-    return BlockWeight(codes.astype(np.int16 if bits == 8 else np.uint8), scales, zeros, bits, group,
-                       top // 2 if bits in (3, 6) else 0)
-
-
-def measure_prefill_ratio(bits: int, group: int, rounds: int = 5) -> float:
-    """Seconds of a ``PREFILL_PROBE`` product on the kernel over seconds of the same product on a
-    bf16 copy of the weight through torch (oneDNN), min over interleaved rounds after a warm-up."""
-    layer = QLinear([QPart.from_block(_probe_weight(bits, group))])
-    dense, _ = layer.dense()
-    x = torch.randn(PREFILL_PROBE[0], PREFILL_PROBE[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    best = {"kernel": float("inf"), "dense": float("inf")}
-    for r in range(rounds + 1):
-        for path, fn in (("kernel", lambda: layer.rowwise(x)), ("dense", lambda: dense(x))):
-            t = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t
-            if r:
-                best[path] = min(best[path], dt)
-    return best["kernel"] / best["dense"]
-
-
-@functools.lru_cache(maxsize=None)
-def prefill_ratios() -> dict[tuple[int, int], float]:
-    """Per code format (bits, group): the kernel's time over the bf16 copy's on a prefill-sized
-    product (``measure_prefill_ratio``), measured once per machine, build and thread count and
-    kept for a week in ``<cache>/kernels/prefill.json``."""
-    path = cache_dir() / "kernels" / "prefill.json"
-    key = f"{build_key()}-torch{torch.__version__}-t{torch.get_num_threads()}"
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    entry = stored.get(key) if isinstance(stored, dict) else None
-    if isinstance(entry, dict) and time.time() - entry.get("time", 0) < PREFILL_PROFILE_MAX_AGE_S:
-        try:
-            return {tuple(int(v) for v in k.split("/")): float(r) for k, r in entry["ratios"].items()}
-        except (KeyError, ValueError, AttributeError):
-            pass
-    ratios = {(bits, group): measure_prefill_ratio(bits, group) for bits, group in FORMATS}
-    now = time.time()
-    # entries past their age are never read again: dropped (one per build and thread count piled up)
-    stored = {k: v for k, v in (stored.items() if isinstance(stored, dict) else ())
-              if isinstance(v, dict) and isinstance(v.get("time"), (int, float))
-              and now - v["time"] < PREFILL_PROFILE_MAX_AGE_S}
-    stored[key] = {"time": now, "ratios": {f"{b}/{g}": round(r, 4) for (b, g), r in ratios.items()}}
-    try:
-        atomic_write(path, json.dumps(stored, indent=1))
-    except OSError:
-        pass  # a read-only cache: measured again next time
-    return ratios
-
-
-def prefill_on_dense(parts) -> bool:
-    """Whether a forward of more than ``DENSE_MIN_ROWS`` rows over these parts runs on the bf16 copy
-    (faster there: e.g. AMX bf16 tiles) or on the kernel (int8 dot products faster than bf16 ones:
-    e.g. a Zen 4 with AVX512-VNNI and no AMX; no bf16 copy is then built).  Decided from measured
-    ratios (``prefill_ratios``), weighted by the parts' sizes; ``LEAPDECODE_PREFILL`` overrides."""
-    forced = os.environ.get(PREFILL_ENV, "").strip().lower()
-    if forced in ("kernel", "dense"):
-        return forced == "dense"
-    ratios = prefill_ratios()
-    size = sum(p.out_features * p.in_features for p in parts)
-    return sum(p.out_features * p.in_features * ratios.get((p.bits, p.group), 1.0) for p in parts) > size
-
-
-class DenseBudget:
-    """The bytes of bf16 prefill copies this process may keep (``LEAPDECODE_DENSE_BUDGET_MB``, none by
-    default), handed out layer by layer as each first needs its copy and given back when a layer goes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.used = 0
-        self.refused = 0  # bytes of copies refused
-        self._limit: int | None = None
-
-    @property
-    def limit(self) -> int:
-        if self._limit is None:
-            forced = os.environ.get(DENSE_BUDGET_ENV, "").strip()
-            try:
-                self._limit = int(float(forced) * 2**20) if forced else 0
-            except ValueError:
-                raise InvalidParameterError(f"{DENSE_BUDGET_ENV}={forced!r} is not a number of MiB") from None
-        return self._limit
-
-    def take(self, owner: object, nbytes: int) -> bool:
-        """Reserve ``nbytes`` for ``owner`` (given back when it is collected); False where they do not fit."""
-        with self._lock:
-            if self.used + nbytes > self.limit:
-                first = not self.refused
-                self.refused += nbytes
-            else:
-                self.used += nbytes
-                weakref.finalize(owner, self._give, nbytes)
-                return True
-        if first and self.limit:
-            say(f"prefill runs on the int4 kernel for the layers whose bf16 copies would pass "
-                f"{self.limit / 2**30:.1f} GiB ({DENSE_BUDGET_ENV})")
-        return False
-
-    def _give(self, nbytes: int) -> None:
-        with self._lock:
-            self.used -= nbytes
-
-
-DENSE_BUDGET = DenseBudget()
 
 
 # --------------------------------------------------------------------------- the layer
@@ -685,6 +54,8 @@ def _work_buffer(nbytes: int) -> torch.Tensor:
     if buf is None or buf.numel() < nbytes:
         buf = _THREAD.work = torch.empty(nbytes, dtype=torch.uint8)
     return buf
+
+
 class QPart(nn.Module):
     """One packed block-quantized weight ``[out_features, in_features]``."""
 
@@ -698,10 +69,10 @@ class QPart(nn.Module):
         self.out_features, self.in_features = int(out_features), int(in_features)
         self.smode, self.gps = int(smode), int(gps)
         units, ng = out_features // 16, in_features // group
-        per_group = UNIT_BYTES.get(bits, 16) * group
+        per_group = kernel_pack.UNIT_BYTES.get(bits, 16) * group
         problem = None
-        if group not in FORMAT_GROUPS.get(bits, ()) or out_features % 16 or in_features % group:
-            problem = f"{format_name(bits)} in groups of {group} do not fit its shape"
+        if group not in kernel_pack.FORMAT_GROUPS.get(bits, ()) or out_features % 16 or in_features % group:
+            problem = f"{kernel_pack.format_name(bits)} in groups of {group} do not fit its shape"
         elif codes.numel() != units * ng * per_group or scales.shape != (units, ng, 16) or zeros.shape != scales.shape:
             problem = "its tensors have the wrong sizes"
         elif self.smode not in self.SCALE_DTYPES or scales.dtype != self.SCALE_DTYPES[self.smode] \
@@ -720,10 +91,10 @@ class QPart(nn.Module):
         self.register_buffer("zsup", None if zsup is None else zsup.contiguous())
 
     @classmethod
-    def from_block(cls, w: BlockWeight) -> "QPart":
+    def from_block(cls, w: kernel_pack.BlockWeight) -> "QPart":
         """Pack ``w``; rows are padded with zero weights to a multiple of 16 (``QLinear`` drops them)."""
-        w = padded(w)
-        p = pack(w)
+        w = kernel_pack.padded(w)
+        p = kernel_pack.pack(w)
         n, k = w.shape
         return cls(p["codes"], p["scales"], p["zeros"], w.bits, w.group, w.offset, n, k, p.get("dsup"),
                    p.get("zsup"), p["smode"], p["gps"])
@@ -752,8 +123,8 @@ class QPart(nn.Module):
         if fn is None:
             raise ValueError(f"dequantize to fp32 or bf16, not {dtype}")
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        rc = getattr(_library(), fn)(*self.pointers(), self.out_features, self.in_features, out.data_ptr(),
-                                     torch.get_num_threads())
+        rc = getattr(kernel_library.library(), fn)(*self.pointers(), self.out_features, self.in_features,
+                                                   out.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"{fn} failed ({rc})")
         return out
@@ -803,13 +174,13 @@ class QLinear(nn.Module):
         self.out_fp32 = bool(out_fp32)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._dense: tuple[nn.Module, torch.Tensor | None] | None = None
-        self._on_dense: bool | None = None  # prefill_on_dense(parts), decided on the first large forward
+        self._on_dense: bool | None = None  # kernel_prefill.prefill_on_dense, decided on the first large forward
         self._work: int | None = None  # bytes of the kernel's work buffer (ld_work_bytes), asked on first use
         self._call_args: list[tuple] | None = None  # _calls(), built on first use
 
     def dense(self) -> tuple[nn.Module, torch.Tensor | None]:
         """The same weights dequantized to a bf16 (oneDNN-packed) linear layer, built on first use
-        and kept: the prefill path for forwards of more than ``DENSE_MIN_ROWS`` rows."""
+        and kept: the prefill path for forwards of more than ``kernel_prefill.DENSE_MIN_ROWS`` rows."""
         if self._dense is None:
             weight = torch.cat([p.dequantize(torch.bfloat16) for p in self.parts])[:self.out_features]
             layer = make_linear(weight)
@@ -820,11 +191,12 @@ class QLinear(nn.Module):
         return self._forward(x, rowwise=False)
 
     def prefills_on_dense(self) -> bool:
-        """Whether a forward of more than ``DENSE_MIN_ROWS`` rows runs on the bf16 copy
-        (``prefill_on_dense``, and its bytes fit ``DENSE_BUDGET``: decided once and kept)."""
+        """Whether a forward of more than ``kernel_prefill.DENSE_MIN_ROWS`` rows runs on the bf16 copy
+        (``kernel_prefill.prefill_on_dense``, from ``measure_prefill_ratio``'s ratios, and its bytes fit
+        ``kernel_prefill.DENSE_BUDGET``: decided once and kept)."""
         if self._on_dense is None:
-            self._on_dense = prefill_on_dense(self.parts) and DENSE_BUDGET.take(self, 2 * self.out_features
-                                                                                * self.in_features)
+            self._on_dense = (kernel_prefill.prefill_on_dense(self.parts, measure_prefill_ratio)
+                              and kernel_prefill.DENSE_BUDGET.take(self, 2 * self.out_features * self.in_features))
         return self._on_dense
 
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
@@ -833,7 +205,7 @@ class QLinear(nn.Module):
         return self._forward(x, rowwise=True)
 
     def _forward(self, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
-        lib = _library()
+        lib = kernel_library.library()
         k = self.in_features
         if x.shape[-1] != k:
             raise ValueError(f"QLinear takes rows of {k} values, got a tensor of shape {tuple(x.shape)}")
@@ -841,7 +213,7 @@ class QLinear(nn.Module):
         # (Python work was ~16 us of a small layer's ~26 us call)
         x2 = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.reshape(-1, k).to(torch.bfloat16).contiguous()
         m = x2.numel() // k if k else 0
-        if m > DENSE_MIN_ROWS and not self.out_fp32 and not rowwise and self.prefills_on_dense():
+        if m > kernel_prefill.DENSE_MIN_ROWS and not self.out_fp32 and not rowwise and self.prefills_on_dense():
             # (the head keeps fp32 logits: always the kernel)
             layer, bias = self.dense()
             y = layer(x2.reshape(-1, k))
@@ -928,6 +300,40 @@ class QLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, parts=[{kinds}]"
 
 
+# --------------------------------------------------------------------------- the prefill path's measurement
+# (what ``kernel_prefill.prefill_ratios`` is measured with, passed in by ``QLinear.prefills_on_dense``: the layer
+# above on the kernel and on its bf16 copy)
+PREFILL_PROBE = (128, 2048, 2048)  # rows, columns in, columns out of the measured product
+
+
+def _probe_weight(bits: int, group: int) -> kernel_pack.BlockWeight:
+    rows, k, n = PREFILL_PROBE
+    rng = np.random.default_rng(0)
+    top = {2: 4, 3: 8, 4: 16, 6: 64, 8: 256, kernel_pack.CODES_IQ4: 16}[bits]
+    codes = rng.integers(0, top, size=(n, k)) - (128 if bits == 8 else 0)
+    scales = (rng.random((n, k // group), dtype=np.float32) * 0.01).astype(np.float32)
+    zeros = -(scales * (top // 2)).astype(np.float32) if bits in (2, 4) else np.zeros_like(scales)
+    return kernel_pack.BlockWeight(codes.astype(np.int16 if bits == 8 else np.uint8), scales, zeros, bits, group,
+                                   top // 2 if bits in (3, 6) else 0)
+
+
+def measure_prefill_ratio(bits: int, group: int, rounds: int = 5) -> float:
+    """Seconds of a ``PREFILL_PROBE`` product on the kernel over seconds of the same product on a
+    bf16 copy of the weight through torch (oneDNN), min over interleaved rounds after a warm-up."""
+    layer = QLinear([QPart.from_block(_probe_weight(bits, group))])
+    dense, _ = layer.dense()
+    x = torch.randn(PREFILL_PROBE[0], PREFILL_PROBE[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    best = {"kernel": float("inf"), "dense": float("inf")}
+    for r in range(rounds + 1):
+        for path, fn in (("kernel", lambda: layer.rowwise(x)), ("dense", lambda: dense(x))):
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if r:
+                best[path] = min(best[path], dt)
+    return best["kernel"] / best["dense"]
+
+
 # --------------------------------------------------------------------------- attention
 ATTENTION_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -940,7 +346,7 @@ def attention_supported(q: torch.Tensor, keys: torch.Tensor, n_heads: int | None
     d = keys.shape[-1]
     return (q.device.type == "cpu" and q.dtype in ATTENTION_DTYPES and keys.dtype == q.dtype
             and (n_heads is not None or q.shape[0] == 1) and keys.shape[0] == 1 and d % 16 == 0 and d <= 256
-            and hq % keys.shape[1] == 0 and hq // keys.shape[1] <= 16 and kernel_problem() is None)
+            and hq % keys.shape[1] == 0 and hq // keys.shape[1] <= 16 and kernel_library.kernel_problem() is None)
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flat: torch.Tensor,
@@ -958,11 +364,12 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flat:
     if flat.dtype != torch.int64 or offsets.dtype != torch.int64 or offsets.numel() != t + 1:
         raise ValueError("attend_rows needs int64 slots and T + 1 offsets")
     out = torch.empty(1, t, hq * d, dtype=q.dtype)
-    rc = _library().ld_attend_rows(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(), keys.stride(1),
-                                   keys.stride(2), values.data_ptr(), values.stride(1), values.stride(2),
-                                   flat.data_ptr(), offsets.data_ptr(), t, hq, hkv, d, ATTENTION_DTYPES[q.dtype],
-                                   1.0 / math.sqrt(d) if scale is None else scale, softcap or 0.0, out.data_ptr(),
-                                   torch.get_num_threads())
+    rc = kernel_library.library().ld_attend_rows(q.data_ptr(), q.stride(2), q.stride(1), keys.data_ptr(),
+                                                 keys.stride(1), keys.stride(2), values.data_ptr(), values.stride(1),
+                                                 values.stride(2), flat.data_ptr(), offsets.data_ptr(), t, hq, hkv, d,
+                                                 ATTENTION_DTYPES[q.dtype],
+                                                 1.0 / math.sqrt(d) if scale is None else scale, softcap or 0.0,
+                                                 out.data_ptr(), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"ld_attend_rows failed ({rc}) for {hq} query heads, {hkv} key heads, head size {d}")
     return out
@@ -975,7 +382,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: b
     or devices, a row length that is not a multiple of 16, no kernel)."""
     k = x.shape[-1]
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or k % 16
-            or weight.shape != (k,) or x.stride(-1) != 1 or not weight.is_contiguous() or kernel_problem() is not None):
+            or weight.shape != (k,) or x.stride(-1) != 1 or not weight.is_contiguous()
+            or kernel_library.kernel_problem() is not None):
         return None
     if x.is_contiguous():  # the decoding steps' case, without the reshapes (~5 us of a ~20 us call)
         x2, rows, ldx = x, x.numel() // k if k else 0, k
@@ -985,7 +393,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: b
             return None
         rows, ldx = x2.shape[0], x2.stride(0)
     y = torch.empty(x.shape, dtype=torch.bfloat16)
-    fn = _library().ld_rmsnorm1p_bf16 if plus_one else _library().ld_rmsnorm_bf16
+    fn = kernel_library.library().ld_rmsnorm1p_bf16 if plus_one else kernel_library.library().ld_rmsnorm_bf16
     rc = fn(x2.data_ptr(), rows, k, ldx, weight.data_ptr(), eps, y.data_ptr(), k)
     if rc:
         raise RuntimeError(f"ld_rmsnorm_bf16 failed ({rc})")
@@ -1006,9 +414,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
             or width != (n_heads + 2 * n_kv_heads) * d or keys.stride(-1) != 1 or values.stride(-1) != 1):
         raise ValueError("rope_store: unexpected shapes or layouts")
     q = torch.empty(t, n_heads, d, dtype=qkv.dtype)
-    rc = _library().ld_rope_store(qkv.data_ptr(), t, width, cos.data_ptr(), sin.data_ptr(), n_heads, n_kv_heads, d,
-                                  ATTENTION_DTYPES[qkv.dtype], q.data_ptr(), keys.data_ptr(), keys.stride(1),
-                                  keys.stride(2), values.data_ptr(), values.stride(1), values.stride(2), slot0)
+    rc = kernel_library.library().ld_rope_store(qkv.data_ptr(), t, width, cos.data_ptr(), sin.data_ptr(), n_heads,
+                                                n_kv_heads, d, ATTENTION_DTYPES[qkv.dtype], q.data_ptr(),
+                                                keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
+                                                values.stride(1), values.stride(2), slot0)
     if rc:
         raise RuntimeError(f"ld_rope_store failed ({rc})")
     return q.view(1, t, n_heads, d).transpose(1, 2)
@@ -1035,10 +444,12 @@ def rope_attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError("rope_attend_segments: unexpected shapes or layouts")
     q = torch.empty(n, n_heads, d, dtype=qkv.dtype)
     out = torch.empty(1, n, n_heads * d, dtype=qkv.dtype)
-    rc = _library().ld_rope_attend_segments(qkv.data_ptr(), n, qkv.stride(1), cos.data_ptr(), sin.data_ptr(),
-                                            kv.shape[0], seg_start.data_ptr(), kv.data_ptr(), flat.data_ptr(),
-                                            offsets.data_ptr(), n_heads, n_kv_heads, d, ATTENTION_DTYPES[qkv.dtype],
-                                            1.0 / math.sqrt(d), q.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    rc = kernel_library.library().ld_rope_attend_segments(qkv.data_ptr(), n, qkv.stride(1), cos.data_ptr(),
+                                                          sin.data_ptr(), kv.shape[0], seg_start.data_ptr(),
+                                                          kv.data_ptr(), flat.data_ptr(), offsets.data_ptr(), n_heads,
+                                                          n_kv_heads, d, ATTENTION_DTYPES[qkv.dtype],
+                                                          1.0 / math.sqrt(d), q.data_ptr(), out.data_ptr(),
+                                                          torch.get_num_threads())
     if rc:
         raise RuntimeError(f"ld_rope_attend_segments failed ({rc})")
     return out
@@ -1081,7 +492,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, table: torch.Tensor | None = 
     table (``gelu_tanh_table``) in place of SiLU's."""
     if (gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16 or gate.shape != up.shape
             or gate.device.type != "cpu" or up.device.type != "cpu" or gate.dim() < 1
-            or gate.stride(-1) != 1 or up.stride(-1) != 1 or kernel_problem() is not None):
+            or gate.stride(-1) != 1 or up.stride(-1) != 1 or kernel_library.kernel_problem() is not None):
         return None
     n = gate.shape[-1]
     rows = gate.numel() // n if n else 0
@@ -1090,9 +501,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, table: torch.Tensor | None = 
         return None
     out = torch.empty(gate.shape, dtype=torch.bfloat16)
     if rows:
-        rc = _library().ld_silu_mul_bf16((silu_table() if table is None else table).data_ptr(), g2.data_ptr(),
-                                         u2.data_ptr(), rows,
-                                         g2.stride(0) if rows > 1 else n, n, out.data_ptr())
+        rc = kernel_library.library().ld_silu_mul_bf16((silu_table() if table is None else table).data_ptr(),
+                                                       g2.data_ptr(), u2.data_ptr(), rows,
+                                                       g2.stride(0) if rows > 1 else n, n, out.data_ptr())
         if rc:
             raise RuntimeError(f"ld_silu_mul_bf16 failed ({rc})")
     return out
@@ -1144,10 +555,11 @@ class LayerStack:
         self.shape = dict(hidden=hidden, inter=inter, hq=n_heads, hkv=n_kv_heads, d=head_dim, eps=eps,
                           scale=1.0 / math.sqrt(head_dim) if scale is None else scale, silu=table.data_ptr(),
                           plus_one=int(plus_one), softcap=float(softcap or 0.0))
-        self.work = max(_library().ld_work_bytes(lin.in_features, p.group)
+        self.work = max(kernel_library.library().ld_work_bytes(lin.in_features, p.group)
                         for lin in {id(m): m for layer in layers for m in layer[:4]}.values() for p in lin.parts)
         probe = LdStack(**self.shape)
-        self._scratch_per_row = max(_library().ld_layers_scratch(ctypes.byref(probe), ctypes.byref(arr[i]), 1)
+        self._scratch_per_row = max(kernel_library.library().ld_layers_scratch(ctypes.byref(probe),
+                                                                                ctypes.byref(arr[i]), 1)
                                     for i in range(len(layers)))
 
     @classmethod
@@ -1156,7 +568,8 @@ class LayerStack:
         with bf16 outputs, norm weights that are not contiguous bf16 CPU tensors, a hidden size
         that is not a multiple of 16: the op-by-op route then normalizes in torch) or the kernel
         is not available."""
-        if kernel_problem() is not None or shape["hidden"] % 16:  # (ld_rmsnorm_bf16 takes rows of 16k values)
+        # (ld_rmsnorm_bf16 takes rows of 16k values)
+        if kernel_library.kernel_problem() is not None or shape["hidden"] % 16:
             return None
         if shape.get("activation", "silu") not in ("silu", "gelu_tanh"):
             return None
@@ -1228,10 +641,11 @@ class LayerStack:
         room = self._scratch_per_row * t
         scratch = torch.empty(room, dtype=torch.bfloat16)
         which_t = torch.tensor(which, dtype=torch.int64)
-        rc = _library().ld_decoder_layers(ctypes.byref(stack), self.layers, which_t.data_ptr(), n, x.data_ptr(),
-                                          xs.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), slot0, flat.data_ptr(),
-                                          offsets.data_ptr(), scratch.data_ptr(), room,
-                                          _work_buffer(self.work).data_ptr(), torch.get_num_threads())
+        rc = kernel_library.library().ld_decoder_layers(ctypes.byref(stack), self.layers, which_t.data_ptr(), n,
+                                                        x.data_ptr(), xs.data_ptr(), t, cos.data_ptr(), sin.data_ptr(),
+                                                        slot0, flat.data_ptr(), offsets.data_ptr(), scratch.data_ptr(),
+                                                        room, _work_buffer(self.work).data_ptr(),
+                                                        torch.get_num_threads())
         if rc:
             raise RuntimeError(f"ld_decoder_layers failed ({rc})")
         return xs

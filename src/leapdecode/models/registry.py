@@ -205,7 +205,7 @@ def repair(name: str) -> tuple[bool, str]:
     data fail their checksum (or are missing), convert again where the converted copy is damaged,
     remove damaged packed int4 weights (packed again at the next load) and a damaged kernel
     library (built again); then ``verify``."""
-    from .qkernel import discard_cached_library
+    from .kernel_library import discard_cached_library
 
     entry = get_entry(name)
     install.install_missing(entry)
@@ -302,7 +302,7 @@ def verify(name: str) -> tuple[bool, str]:
     problem = store.model_files_problem(target)  # tokenizer, configs, chat template (probes F17-F25)
     if problem is not None:
         return False, f"{name}: the converted copy is damaged: {problem}; run `leapdecode models fetch {name} --repair`"
-    from .qkernel import cached_library_problem
+    from .kernel_library import cached_library_problem
 
     problem = cached_library_problem()
     if problem is not None:

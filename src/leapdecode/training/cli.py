@@ -170,7 +170,7 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
 
     from ..cli_args import load_from_args
     from ..core.cost_model import machine_description
-    from ..models.qkernel import isa_flags
+    from ..models.kernel_library import isa_flags
     from ..errors import InvalidParameterError
     from ..bench.results_page import head_table
     from .accuracy import accuracy

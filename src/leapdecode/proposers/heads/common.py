@@ -24,7 +24,7 @@ from ...core.proposer import DecodeContext
 from ...core.sampling import SamplingParams, target_probs
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
-from ...models import qkernel
+from ...models import kernel_library, kernel_pack, qkernel
 from ...models.native import rms_norm
 from ...models.quant import Int8Linear, kernel_problem
 from ..common import HEAD_WEIGHTS, coupled_first, subset_head
@@ -192,7 +192,8 @@ def head_weights_for(setting: str, target) -> str:
         if problem is not None:
             raise InvalidParameterError(f"head_weights=int8: the int8 kernel cannot run on {device} here ({problem})")
     if setting == "int4":
-        problem = qkernel.kernel_problem() if device.type == "cpu" else f"the block kernel runs on the CPU, not {device}"
+        problem = (kernel_library.kernel_problem() if device.type == "cpu"
+                   else f"the block kernel runs on the CPU, not {device}")
         if problem is not None:
             raise InvalidParameterError(f"head_weights=int4: the block kernel cannot run here ({problem})")
     return setting
@@ -209,10 +210,11 @@ def int8_linear(linear: nn.Linear) -> nn.Module | None:
     if Int8Linear.unsupported(n, k, linear.weight.device) is not None:
         return None
     ref = Int8Linear.from_float(linear.weight, linear.bias)
-    if ref.qweight.device.type != "cpu" or qkernel.kernel_problem() is not None or n % 16 or k % 32:
+    if ref.qweight.device.type != "cpu" or kernel_library.kernel_problem() is not None or n % 16 or k % 32:
         return ref
     rows = ref.scales.float()[:, None].expand(n, k // 32).numpy()
-    block = qkernel.BlockWeight(ref.qweight.numpy(), np.ascontiguousarray(rows), np.zeros((n, k // 32), np.float32), 8, 32)
+    block = kernel_pack.BlockWeight(ref.qweight.numpy(), np.ascontiguousarray(rows), np.zeros((n, k // 32), np.float32),
+                                    8, 32)
     return qkernel.QLinear([qkernel.QPart.from_block(block)], None if linear.bias is None else linear.bias.detach().float())
 
 
@@ -223,7 +225,7 @@ def int4_linear(linear: nn.Linear) -> nn.Module | None:
     ``int8_linear``'s 8-bit codes), the codes then rounded to nearest.  None where the block kernel
     does not run here or the shape does not fit (the caller falls back to ``int8_linear``)."""
     n, k = linear.out_features, linear.in_features
-    if linear.weight.device.type != "cpu" or qkernel.kernel_problem() is not None or n % 16 or k % 32:
+    if linear.weight.device.type != "cpu" or kernel_library.kernel_problem() is not None or n % 16 or k % 32:
         return None
     w = linear.weight.detach().float().reshape(n, k // 32, 32)
     lo = w.amin(-1).half().float()
@@ -232,7 +234,7 @@ def int4_linear(linear: nn.Linear) -> nn.Module | None:
     if not (torch.isfinite(s).all() and torch.isfinite(lo).all()):
         return None  # beyond fp16's range
     codes = ((w - lo[..., None]) / s[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-    block = qkernel.BlockWeight(codes.numpy(), s.numpy(), lo.numpy(), 4, 32)
+    block = kernel_pack.BlockWeight(codes.numpy(), s.numpy(), lo.numpy(), 4, 32)
     return qkernel.QLinear([qkernel.QPart.from_block(block)], None if linear.bias is None else linear.bias.detach().float())
 
 
