@@ -150,3 +150,48 @@ def test_a_wheel_installs_and_runs_exactly_without_a_compiler(tmp_path):
     report = json.loads(doctor.stdout)
     assert report["compiler"] is None and report["kernel"]["variant"].startswith("the package's prebuilt")
     assert str(site) in report["kernel"]["library"]
+
+
+def test_kernels_command_reports_the_variants_and_builds_native_on_purpose(tmp_path, monkeypatch, capsys):
+    # `leapdecode kernels`: every variant, best first, with whether this CPU runs it; `kernels build --native`
+    # builds into the cache (again only with --force) and checks that the library loads
+
+    from leapdecode import cli, kernels_cli
+    from leapdecode.models import kernel_library
+
+    if kernel_library.kernel_problem() is not None:
+        pytest.skip(f"the kernel is not available here: {kernel_library.kernel_problem()}")
+    flags = "sse2 " + " ".join(NEEDS["avx2"])  # an AVX2 CPU without AVX-512
+    monkeypatch.setattr(kernel_library, "cpu_flags", lambda: flags)
+    r = kernels_cli.report()
+    assert [v["name"] for v in r["variants"]] == [n for n, _, _ in kernel_build.VARIANTS]
+    runs = {v["name"]: v["runs_here"] for v in r["variants"]}
+    assert runs == {"amx": False, "avx512-vnni": False, "avx2": True, "portable": True}
+    assert "avx512_vnni" in next(v for v in r["variants"] if v["name"] == "avx512-vnni")["missing_cpu_flags"]
+    assert r["isa"] == kernel_library.kernel_isa()
+
+    real = Path(kernel_library.library()._name)
+    target = tmp_path / "cache" / "qgemm-test.so"
+    built = []
+
+    def fake_build(t: Path) -> None:  # the real library copied in, with its digest, as a build leaves it
+        from leapdecode.models.store import write_digest
+        t.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(real, t.with_suffix(".tmp"))
+        write_digest(t.with_suffix(".tmp"), t)
+        os.replace(t.with_suffix(".tmp"), t)
+        built.append(t)
+
+    monkeypatch.setattr(kernel_library, "cached_library_path", lambda: target)
+    monkeypatch.setattr(kernel_library, "build_library", fake_build)
+    args = cli.build_parser().parse_args(["kernels", "build", "--native"])
+    assert args.func(args) == 0 and built == [target] and f"built {target}" in capsys.readouterr().out
+    assert args.func(args) == 0 and built == [target]  # intact: not built again
+    args = cli.build_parser().parse_args(["kernels", "build", "--native", "--force"])
+    assert args.func(args) == 0 and built == [target, target]
+    for bad, match in ((["--variants", "sse9", "--out", str(tmp_path)], "unknown variant sse9"),
+                       (["--variants"], "needs --out"), (["--native", "--out", str(tmp_path)], "--out goes with")):
+        with pytest.raises(InvalidParameterError, match=match):
+            kernels_cli.cmd_kernels(cli.build_parser().parse_args(["kernels", "build", *bad]))
+    with pytest.raises(SystemExit):  # --native or --variants: one of them
+        cli.build_parser().parse_args(["kernels", "build"])

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from . import datastore_cli, diffusion_cli, doctor
+from . import datastore_cli, diffusion_cli, doctor, kernels_cli
 from .training import cli as heads_cli
 from .bench import cli as bench_cli
 from .bench import results_page
@@ -20,7 +20,8 @@ from .errors import InvalidParameterError, LeapdecodeError
 from .server import cli as server_cli
 
 # subcommands that live in their own modules, each with add_parser(subparsers)
-SUBCOMMAND_MODULES = (bench_cli, server_cli, datastore_cli, diffusion_cli, heads_cli, doctor, results_page)
+SUBCOMMAND_MODULES = (bench_cli, server_cli, datastore_cli, diffusion_cli, heads_cli, doctor, kernels_cli,
+                      results_page)
 
 
 # ---------------------------------------------------------------- commands

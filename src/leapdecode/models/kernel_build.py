@@ -3,7 +3,7 @@ instruction-set variants a package build compiles ahead of time (``setup.py``) s
 wheel runs exactly on a machine with no compiler.
 
 This module imports nothing of the package and no third-party module: ``setup.py`` loads it by path in
-an isolated build environment.  ``models/qkernel.py`` uses it for the first-use build (``-march=native``,
+an isolated build environment.  ``models/kernel_library.py`` uses it for the first-use build (``-march=native``,
 into the cache) and to choose a prebuilt variant at run time (``best_variant``).  Every variant computes
 the same bits (each code path's arithmetic is documented and tested bit for bit against the others).
 """
@@ -139,22 +139,27 @@ def build_prebuilt(cxx: str, out: Path, say=print, names: tuple[str, ...] | None
     return manifest
 
 
-def best_variant(cpu_flags: set[str], prebuilt: Path | None = None, only: str | None = None) -> tuple[str, Path] | None:
-    """The best prebuilt variant this CPU runs (its flags ``cpu_flags``; ``only``: that variant or none), built
-    from these very sources, as (name, library), or None (no prebuilt variants: a source checkout, or
-    sources changed since); ``prebuilt``: the folder (default ``PREBUILT``)."""
+def shipped_variants(prebuilt: Path | None = None) -> dict[str, Path]:
+    """The prebuilt variants in ``prebuilt`` (default ``PREBUILT``) built from these very sources, by name:
+    their libraries ({} in a source checkout, or where the sources changed since)."""
     prebuilt = PREBUILT if prebuilt is None else prebuilt
     try:
         manifest = json.loads((prebuilt / "manifest.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
     if not isinstance(manifest, dict) or manifest.get("sources") != sources_digest():
-        return None
+        return {}
     variants = manifest.get("variants") or {}
-    for name, _, _ in VARIANTS:  # best first
-        if only is not None and name != only:
-            continue
-        v = variants.get(name)
-        if isinstance(v, dict) and set(v.get("cpu_flags") or ()) <= cpu_flags and (prebuilt / str(v.get("file"))).is_file():
-            return name, prebuilt / v["file"]
+    return {name: prebuilt / str(v.get("file")) for name, v in variants.items()
+            if isinstance(v, dict) and (prebuilt / str(v.get("file"))).is_file()}
+
+
+def best_variant(cpu_flags: set[str], prebuilt: Path | None = None, only: str | None = None) -> tuple[str, Path] | None:
+    """The best prebuilt variant this CPU runs (its flags ``cpu_flags``; ``only``: that variant or none), built
+    from these very sources, as (name, library), or None (no prebuilt variants: a source checkout, or
+    sources changed since); ``prebuilt``: the folder (default ``PREBUILT``)."""
+    shipped = shipped_variants(prebuilt)
+    for name, _, needs in VARIANTS:  # best first
+        if (only is None or name == only) and name in shipped and set(needs) <= cpu_flags:
+            return name, shipped[name]
     return None

@@ -256,6 +256,24 @@ def open_library() -> ctypes.CDLL:
     raise AssertionError("unreachable")
 
 
+def build_native(force: bool = False) -> Path:
+    """``leapdecode kernels build --native``: build this CPU's library (``-march=native``) into the cache now,
+    again with ``force`` even where an intact one is there, and check that it loads; returns its path.  A
+    package with prebuilt variants uses it with ``LEAPDECODE_KERNEL=native``; a source checkout by default."""
+    if compiler() is None:
+        raise KernelUnavailable("no C++ compiler (g++, c++ or clang++; or $CXX) to build the kernel for this CPU")
+    target = _buildable(cached_library_path())
+    with _build_lock(target.parent):
+        if force or not (target.is_file() and library_intact(target)):
+            _discard(target)
+            build_library(target)
+    try:
+        _bind(ctypes.CDLL(str(target)))
+    except (OSError, AttributeError, kernel_abi.AbiMismatch) as e:
+        raise KernelUnavailable(f"built {target}, but it does not load: {e}") from None
+    return target
+
+
 # "native": build for this CPU at first use even where the package ships variants; a variant's name
 # (kernel_build.VARIANTS: "avx2", "portable", ...): that prebuilt variant where the CPU runs it
 KERNEL_ENV = "LEAPDECODE_KERNEL"

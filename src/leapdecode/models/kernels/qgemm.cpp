@@ -19,7 +19,7 @@
 // exact), so a token's logits are the same bits in a tree forward as alone.  The portable C++
 // path computes the very same values (integer sums, the same fp32 roundings and FMAs).
 //
-// Layout of the codes (written by leapdecode.models.qkernel.pack): output rows n of W in units of 16; per
+// Layout of the codes (written by leapdecode.models.kernel_pack.pack): output rows n of W in units of 16; per
 // (unit u, group g) a block of bytes made of G/4 "quad vectors" of 64 codes, element e of quad q
 // being (n = 16 u + e / 4, k = G g + 4 q + e % 4):
 //   4-bit (codes 0..15): quads q, q+1 (q even) share 64 bytes: byte e's low nibble is element e
@@ -85,7 +85,7 @@
 #define PREFETCH_GROUPS 8  // software prefetch distance, in groups (2 -> 6: 1 row 0.93x, 4 rows 0.89x the time; 4-12 alike)
 #endif
 
-// One translation unit, or several compiled at once (models/qkernel.py builds it so: the few-row
+// One translation unit, or several compiled at once (models/kernel_library.py builds it so: the few-row
 // functions' ~450 instantiations take about a minute and a half of one core): LD_PART unset,
 // everything; LD_PART = 4, 6, 8 or 9 (CODES_IQ4), only that format's few-row functions
 // (unit_rows_of_<bits>); LD_PART = 2, those of the 2- and 3-bit codes; LD_PART = 0, everything else,
