@@ -1,5 +1,5 @@
 // The int8 multiply-add peak of each instruction the kernel's products use, and the memory bandwidth,
-// measured on this machine (scripts/isa_peak.py compiles and runs it; scripts/row_cost.py reports each
+// measured on this machine (scripts/row_cost.py compiles it with -O3 and runs it, and reports each
 // variant's products against them).  Every test runs on `threads` OpenMP threads at once, each on its
 // own registers (independent chains, so throughput and not latency is measured), and prints one JSON
 // object: multiply-adds a second (a product of one int8 activation and one code byte, summed) and
@@ -47,8 +47,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni512(int
     TIMED(threads, t, {
         __m512i a[8], b = _mm512_set1_epi8(3 + id), c = _mm512_set1_epi8(5);
         for (int i = 0; i < 8; ++i) a[i] = _mm512_set1_epi32(i);
-        for (long n = 0; n < ITERS / 4; ++n)
+        for (long n = 0; n < ITERS / 4; ++n) {
+#pragma GCC unroll 8  // (unrolled, the accumulators live in registers)
             for (int i = 0; i < 8; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+        }
         int s = 0;
         for (int i = 0; i < 8; ++i) s += _mm512_reduce_add_epi32(a[i]);
         sink = s;
@@ -61,8 +63,10 @@ __attribute__((target("avxvnni"))) static double vnni256(int threads) {
     TIMED(threads, t, {
         __m256i a[8], b = _mm256_set1_epi8(3 + id), c = _mm256_set1_epi8(5);
         for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi32(i);
-        for (long n = 0; n < ITERS / 4; ++n)
+        for (long n = 0; n < ITERS / 4; ++n) {
+#pragma GCC unroll 8  // (unrolled, the accumulators live in registers)
             for (int i = 0; i < 8; ++i) a[i] = _mm256_dpbusd_avx_epi32(a[i], b, c);
+        }
         alignas(32) int v[8];
         int s = 0;
         for (int i = 0; i < 8; ++i) { _mm256_store_si256((__m256i*)v, a[i]); s += v[0] + v[7]; }
@@ -76,8 +80,10 @@ __attribute__((target("avx2"))) static double avx2(int threads) {
     TIMED(threads, t, {
         __m256i a[8], b = _mm256_set1_epi8(3 + id), c = _mm256_set1_epi8(5);
         for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi16(i);
-        for (long n = 0; n < ITERS / 4; ++n)
+        for (long n = 0; n < ITERS / 4; ++n) {
+#pragma GCC unroll 8  // (unrolled, the accumulators live in registers)
             for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi16(a[i], _mm256_maddubs_epi16(b, c));
+        }
         alignas(32) short v[16];
         int s = 0;
         for (int i = 0; i < 8; ++i) { _mm256_store_si256((__m256i*)v, a[i]); s += v[0] + v[15]; }

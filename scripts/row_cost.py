@@ -4,7 +4,7 @@ engine's own verification profile (``measure_verify_cost``: a forward of n tree 
 context, the median ratio to one row times one row's fastest time) of a registered model, once per
 variant, in one process.
 
-The variants are the ones a wheel ships (``models/kernel_build.py``: AVX-512 VNNI, AVX2; the portable one is
+The variants are the ones a wheel ships (``models/kernel_build.py``: AMX, AVX-512 VNNI, AVX2; the portable one is
 left out, the loader never runs it by default), compiled here into a temporary folder, each used for every
 kernel call (products, attention, the layer stack) in turn; the first-use ``-march=native`` build is
 measured beside them.  Every variant gives the same bits (tests/test_kernel_build.py, tests/test_qkernel.py),
@@ -12,6 +12,9 @@ so only the time differs.
 
     python scripts/row_cost.py --rows 1,2,4,8,16,32            # print
     python scripts/row_cost.py --save                          # and docs/results/row_cost/DATE-MACHINE.json
+
+With the verified rows, the int8 multiply-add peak of each instruction the variants use and the memory
+bandwidth (``scripts/isa_peak.cpp``, on the same threads), so the page shows how near each is to its limit.
 
 ``leapdecode results`` draws the results page's row-cost section from the saved reports.
 """
@@ -28,6 +31,26 @@ from pathlib import Path
 import torch
 
 
+PEAK_SOURCE = Path(__file__).with_name("isa_peak.cpp")
+PEAK_TESTS = {"vnni512": "avx512_vnni", "vnni256": "avx_vnni", "avx2": "avx2", "amx": "amx_int8"}  # test -> CPU flag
+
+
+def measure_peaks(cxx: str, flags: set[str]) -> dict:
+    """The int8 multiply-add peak of each instruction this CPU has and the memory bandwidth, on torch's threads
+    (``isa_peak.cpp``, compiled here)."""
+    import json
+    import subprocess
+
+    tests = [t for t, flag in PEAK_TESTS.items() if flag in flags] + ["read", "copy"]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "isa_peak"
+        subprocess.run([cxx, "-O3", "-fopenmp", "-std=c++17", str(PEAK_SOURCE), "-o", str(exe)], check=True)
+        print(f"measuring the peaks of {', '.join(tests)} ...", file=sys.stderr)
+        out = subprocess.run([str(exe), str(torch.get_num_threads()), *tests], check=True, capture_output=True,
+                             text=True, timeout=600).stdout
+    return json.loads(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="a registered model (default %(default)s)")
@@ -35,6 +58,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the rows (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds of the profile per variant (default %(default)s)")
     ap.add_argument("--save", action="store_true", help="write the report to docs/results/row_cost/ for the results page")
+    ap.add_argument("--no-peaks", action="store_true",
+                    help="leave out the instructions' measured peaks and the memory bandwidth (scripts/isa_peak.cpp)")
     args = ap.parse_args()
     import ctypes
 
@@ -50,6 +75,8 @@ def main() -> int:
     if cxx is None:
         raise SystemExit("no C++ compiler to build the variants")
     libs = {"native (-march=native)": kernel_library.library()}
+    # the instruction whose peak bounds the native build's products (before the loop below swaps libraries)
+    native_isa = {"amx": "amx", "avx512-vnni": "vnni512", "avx2": "avx2"}.get(kernel_library.kernel_isa())
     with tempfile.TemporaryDirectory() as tmp:
         runnable = tuple(n for n, _, needs in kernel_build.VARIANTS if n != "portable" and set(needs) <= flags)
         print(f"building the variants {', '.join(runnable)} ...", file=sys.stderr)
@@ -72,9 +99,18 @@ def main() -> int:
             print(f"{name:>24}: " + "  ".join(f"{n} rows {ms:.1f} ms ({ms / one:.2f}x)" for n, ms in
                                               ((n, results[name][str(n)]) for n in cost.sizes)), flush=True)
     machine = machine_description(torch.device("cpu"))
+    from leapdecode.models.qkernel import QPart
+
+    parts = [m for m in model.modules() if isinstance(m, QPart)]
+    macs = sum(p.in_features * p.out_features for p in parts)  # a row's multiply-adds in the packed linears
+    nbytes = sum(b.numel() * b.element_size() for p in parts for b in p.buffers())
+    # the instruction whose peak bounds each variant's products (scripts/isa_peak.cpp's tests)
+    isa = {"native (-march=native)": native_isa, "amx": "amx", "avx512-vnni": "vnni512", "avx2": "avx2"}
+    peaks = None if args.no_peaks else measure_peaks(cxx, flags)
     report = {"report": "row-cost", "machine": machine, "cpu_flags": kernel_library.isa_flags(), "model": args.model,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "variants": results,
-              "command": "python scripts/row_cost.py " + " ".join(sys.argv[1:])}
+              "macs_per_row": macs, "weight_bytes": nbytes, "isa": {k: v for k, v in isa.items() if k in results},
+              "peaks": peaks, "command": "python scripts/row_cost.py " + " ".join(sys.argv[1:])}
     if args.save:
         from leapdecode.bench.results_page import RESULTS_DIR, ROW_COST_DIR, slug
         from leapdecode.models.store import atomic_write

@@ -155,7 +155,6 @@ def test_a_wheel_installs_and_runs_exactly_without_a_compiler(tmp_path):
 def test_kernels_command_reports_the_variants_and_builds_native_on_purpose(tmp_path, monkeypatch, capsys):
     # `leapdecode kernels`: every variant, best first, with whether this CPU runs it; `kernels build --native`
     # builds into the cache (again only with --force) and checks that the library loads
-
     from leapdecode import cli, kernels_cli
     from leapdecode.models import kernel_library
 

@@ -262,3 +262,20 @@ def test_N_RES7_check_with_and_without_plots_agree(tmp_path, monkeypatch, capsys
     shutil.rmtree("docs/img")
     assert main(["results", "--no-plots"]) == 0
     assert "![" not in Path("docs/results.md").read_text()  # no link to a plot that was never drawn
+
+
+def test_row_cost_section_shows_each_variant_against_its_instructions_peak():
+    from leapdecode.bench.results_page import row_cost_section
+
+    report = {"report": "row-cost", "machine": "Some CPU, 2 cores", "date": "2026-12-06", "model": "m", "context": 256,
+              "command": "python scripts/row_cost.py --save",
+              "variants": {"avx512-vnni": {"1": 40.0, "8": 80.0}, "avx2": {"1": 50.0, "8": 160.0}},
+              "macs_per_row": 1_000_000_000, "weight_bytes": 800_000_000, "isa": {"avx512-vnni": "vnni512", "avx2": "avx2"},
+              "peaks": {"threads": 2, "vnni512": 200e9, "avx2": 100e9, "read": 25e9, "copy": 40e9}}
+    text = "\n".join(row_cost_section([report]))
+    assert "| avx512-vnni | 40.0 ms | 80.0 ms (2.00x) |" in text
+    # 8 rows x 1 G multiply-adds in 80 ms = 100 G/s = 50% of 200 G/s; one row's 0.8 GB in 40 ms = 20 GB/s
+    assert "| avx512-vnni | vpdpbusd zmm | 100 G/s (50%) | 20.0 GB/s (80% of streaming read, 50% of memcpy" in text
+    assert "| avx2 | vpmaddubsw + vpaddw ymm | 50 G/s (50%) | 16.0 GB/s (64% of streaming read, 40% of memcpy" in text
+    del report["peaks"]  # an older report: the times only
+    assert "G/s" not in "\n".join(row_cost_section([report]))

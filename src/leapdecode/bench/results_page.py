@@ -322,9 +322,9 @@ def _peak_lines(r: dict, sizes: list[int]) -> list[str]:
             rate = n * macs / (ms[str(n)] / 1000) if str(n) in ms else None
             cells.append("-" if rate is None else f"{rate / 1e9:,.0f} G/s" + (f" ({100 * rate / peak:.0f}%)" if peak else ""))
         one = ms.get(str(sizes[0])) if sizes[0] == 1 else None
-        copy = peaks.get("copy")
-        read = nbytes / (one / 1000) if one and nbytes else None
-        cells.append("-" if read is None else f"{read / 1e9:.1f} GB/s" + (f" ({100 * read / copy:.0f}% of memcpy)" if copy else ""))
+        rate = nbytes / (one / 1000) if one and nbytes else None
+        shares = [f"{100 * rate / peaks[k]:.0f}% of {PEAK_NAMES[k]}" for k in ("read", "copy") if rate and peaks.get(k)]
+        cells.append("-" if rate is None else f"{rate / 1e9:.1f} GB/s" + (f" ({', '.join(shares)})" if shares else ""))
         lines.append(f"| {name} | {PEAK_NAMES.get(key, '-') if key else '-'} | " + " | ".join(cells) + " |")
     return lines + [""]
 
