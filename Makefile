@@ -15,6 +15,9 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH)
 	$(BIN)/pip install -q -e ".[gguf,bench,server,structured]"
+	@# an editable install ships no prebuilt variants: the kernel for this CPU, built now rather than at first
+	@# use (without a compiler this says so, and the install goes on: leapdecode then warns at load)
+	-$(BIN)/leapdecode kernels build --native
 	@touch $@
 
 install: $(STAMP)

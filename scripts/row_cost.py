@@ -4,7 +4,7 @@ engine's own verification profile (``measure_verify_cost``: a forward of n tree 
 context, the median ratio to one row times one row's fastest time) of a registered model, once per
 variant, in one process.
 
-The variants are the ones a wheel ships (``models/kernel_build.py``: AMX, AVX-512 VNNI, AVX2; the portable one is
+The variants are the ones a wheel ships (``models/kernel_build.py``: AMX, AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2; the portable one is
 left out, the loader never runs it by default), compiled here into a temporary folder, each used for every
 kernel call (products, attention, the layer stack) in turn; the first-use ``-march=native`` build is
 measured beside them.  Every variant gives the same bits (tests/test_kernel_build.py, tests/test_qkernel.py),
@@ -76,7 +76,8 @@ def main() -> int:
         raise SystemExit("no C++ compiler to build the variants")
     libs = {"native (-march=native)": kernel_library.library()}
     # the instruction whose peak bounds the native build's products (before the loop below swaps libraries)
-    native_isa = {"amx": "amx", "avx512-vnni": "vnni512", "avx2": "avx2"}.get(kernel_library.kernel_isa())
+    native_isa = {"amx": "amx", "avx512-vnni": "vnni512", "avx2-vnni": "vnni256", "avx2": "avx2"}.get(
+        kernel_library.kernel_isa())
     with tempfile.TemporaryDirectory() as tmp:
         runnable = tuple(n for n, _, needs in kernel_build.VARIANTS if n != "portable" and set(needs) <= flags)
         print(f"building the variants {', '.join(runnable)} ...", file=sys.stderr)
@@ -105,7 +106,8 @@ def main() -> int:
     macs = sum(p.in_features * p.out_features for p in parts)  # a row's multiply-adds in the packed linears
     nbytes = sum(b.numel() * b.element_size() for p in parts for b in p.buffers())
     # the instruction whose peak bounds each variant's products (scripts/isa_peak.cpp's tests)
-    isa = {"native (-march=native)": native_isa, "amx": "amx", "avx512-vnni": "vnni512", "avx2": "avx2"}
+    isa = {"native (-march=native)": native_isa, "amx": "amx", "avx512-vnni": "vnni512", "avx2-vnni": "vnni256",
+           "avx2": "avx2"}
     peaks = None if args.no_peaks else measure_peaks(cxx, flags)
     report = {"report": "row-cost", "machine": machine, "cpu_flags": kernel_library.isa_flags(), "model": args.model,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "variants": results,

@@ -324,9 +324,11 @@ def chi2():
 
 
 # The other builds of a kernel source that tests compare with the library, by name: the
-# portable C++ path, the AVX2 path (AVX-512 switched off, so an AVX-512 machine checks it too), and
-# on a CPU where the library runs AMX tiles, its AVX-512 path without them (qgemm.cpp only).
-KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f",), "no-amx": ("-DLD_NO_AMX",)}
+# portable C++ path, the AVX2 path (AVX-512 and AVX-VNNI switched off, so an AVX-512 machine checks it too),
+# on a CPU with AVX-VNNI the AVX2 path with it (qgemm.cpp only), and on a CPU where the library runs AMX
+# tiles, its AVX-512 path without them (qgemm.cpp only).
+KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+                   "avx2-vnni": ("-mno-avx512f", "-mavxvnni"), "no-amx": ("-DLD_NO_AMX",)}
 
 
 def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], variant: str = "portable"):
@@ -350,9 +352,13 @@ def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], v
     flags = set(kernel_library.cpu_flags().split())
     if variant == "avx2" and not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
-    if variant == "avx2" and "avx512f" not in flags:
+    if variant == "avx2" and not {"avx512f", "avx_vnni"} & flags:
         return kernel_library.library()
-    assert variant != "no-amx" or source == kernel_library.SOURCE, "only qgemm.cpp has an AMX path"
+    assert variant not in ("avx2-vnni", "no-amx") or source == kernel_library.SOURCE, "only qgemm.cpp has that path"
+    if variant == "avx2-vnni" and "avx_vnni" not in flags:
+        pytest.skip("this CPU has no AVX-VNNI: the avx2-vnni path cannot run here")
+    if variant == "avx2-vnni" and "avx512f" not in flags:
+        return kernel_library.library()
     if variant == "no-amx" and not kernel_library.library().ld_amx():
         pytest.skip("the library runs no AMX tiles here: its AVX-512 path is the library's own")
     target = tmp_path_factory.mktemp(variant) / f"{source.stem}-{variant}.so"

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDS = {name: set(needs) for name, _, needs in kernel_build.VARIANTS}  # each variant's CPU flags
 
 
-def _fake_prebuilt(tmp_path: Path, names=("amx", "avx512-vnni", "avx2", "portable"), sources=None) -> Path:
+def _fake_prebuilt(tmp_path: Path, names=("amx", "avx512-vnni", "avx2-vnni", "avx2", "portable"), sources=None) -> Path:
     out = tmp_path / "prebuilt"
     out.mkdir()
     variants = {}
@@ -44,12 +44,15 @@ def test_the_best_variant_the_cpu_runs_is_chosen(tmp_path):
     assert kernel_build.best_variant(avx512 | {"amx_int8"}, out) == ("avx512-vnni", out / "qgemm-avx512-vnni.so")
     assert kernel_build.best_variant(avx512 - {"avx512_vnni"}, out)[0] == "avx2"  # AVX-512 without VNNI
     assert kernel_build.best_variant(avx2, out)[0] == "avx2"
+    assert kernel_build.best_variant(avx2 | {"avx_vnni"}, out)[0] == "avx2-vnni"  # a laptop's AVX2 with AVX-VNNI
+    assert kernel_build.best_variant(avx512 | {"avx_vnni"}, out)[0] == "avx512-vnni"
     assert kernel_build.best_variant({"sse2"}, out)[0] == "portable"
     assert kernel_build.best_variant(avx512, out, only="avx2")[0] == "avx2"
     assert kernel_build.best_variant(avx2, out, only="avx512-vnni") is None  # this CPU cannot run it
     (out / "qgemm-avx2.so").unlink()  # a variant's file missing: the next one
     assert kernel_build.best_variant(avx2, out)[0] == "portable"
-    assert NEEDS["avx512-vnni"] < NEEDS["amx"] and NEEDS["avx2"] < NEEDS["avx512-vnni"]  # best first, each a superset
+    # best first: each variant needs more of the CPU than the plain AVX2 one
+    assert NEEDS["avx512-vnni"] < NEEDS["amx"] and NEEDS["avx2"] < NEEDS["avx512-vnni"] and NEEDS["avx2"] < NEEDS["avx2-vnni"]
 
 
 def test_prebuilt_variants_of_other_sources_or_none_are_not_used(tmp_path):
@@ -165,7 +168,7 @@ def test_kernels_command_reports_the_variants_and_builds_native_on_purpose(tmp_p
     r = kernels_cli.report()
     assert [v["name"] for v in r["variants"]] == [n for n, _, _ in kernel_build.VARIANTS]
     runs = {v["name"]: v["runs_here"] for v in r["variants"]}
-    assert runs == {"amx": False, "avx512-vnni": False, "avx2": True, "portable": True}
+    assert runs == {"amx": False, "avx512-vnni": False, "avx2-vnni": False, "avx2": True, "portable": True}
     assert "avx512_vnni" in next(v for v in r["variants"] if v["name"] == "avx512-vnni")["missing_cpu_flags"]
     assert r["isa"] == kernel_library.kernel_isa()
 

@@ -453,12 +453,13 @@ def test_random_shapes_are_exact_and_batch_invariant(force_kernel, fmt, units, n
 
 # ------------------------------------------------------------------ 3. the other code paths
 # ld_simd() of each other build of kernels/qgemm.cpp (conftest.KERNEL_VARIANTS)
-VARIANT_SIMD = {"portable": 0, "avx2": 2, "no-amx": 1}
+VARIANT_SIMD = {"portable": 0, "avx2": 2, "avx2-vnni": 3, "no-amx": 1}
 
 
 @pytest.fixture(scope="module", params=sorted(KERNEL_VARIANTS))
 def other_path(request, tmp_path_factory):
-    """The portable, the AVX2 and (on an AMX CPU) the tile-less AVX-512 builds of kernels/qgemm.cpp, loaded."""
+    """The portable and the AVX2 builds of kernels/qgemm.cpp, and where the CPU has them the AVX2 build with
+    AVX-VNNI and (on an AMX CPU) the tile-less AVX-512 build, loaded."""
     lib = build_kernel_variant(tmp_path_factory, kernel_library.SOURCE, ("ld_qgemm", "ld_work_bytes"), request.param)
     lib.ld_simd.restype = ctypes.c_int
     assert lib.ld_simd() == VARIANT_SIMD[request.param], request.param
@@ -1124,7 +1125,8 @@ def test_a_build_keeps_only_the_most_recent_other_libraries(tmp_path, monkeypatc
 # fails here on an AVX2 machine and the other way round; LD_PART=0 checks the split build's guards
 PATH_FLAGS = {"avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
               "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
-              "avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ("-DLD_PORTABLE",)}
+              "avx2": ("-mavx2", "-mfma", "-mf16c"), "avx2-vnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+              "portable": ("-DLD_PORTABLE",)}
 
 
 @pytest.mark.parametrize("part", [None, 0, "attention", "layers"])

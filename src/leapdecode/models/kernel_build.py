@@ -35,7 +35,8 @@ PARTS = ((SOURCE, ("-DLD_PART=0",)), (SOURCE, ("-DLD_PART=4",)), (SOURCE, ("-DLD
          (ATTENTION_SOURCE, ()), (LAYERS_SOURCE, ()))
 # The variants a package build compiles, best first: (name, compiler flags, the /proc/cpuinfo flags a CPU
 # needs to run it).  x86-64-v4 is AVX-512 F/BW/CD/DQ/VL on top of v3 (AVX2, FMA, F16C, BMI1/2, LZCNT,
-# MOVBE); the kernels' AVX-512 path needs VNNI besides, and its AMX variant the tiles (Sapphire Rapids and later
+# MOVBE); the kernels' AVX-512 path needs VNNI besides, the AVX2 path's avx2-vnni variant AVX-VNNI (vpdpbusd
+# on ymm: most laptop and desktop CPUs since 2021 without AVX-512), and the AMX variant the tiles (Sapphire Rapids and later
 # Xeons: products of 12 or more rows on tiles; the library asks Linux for them at first use and, refused, runs
 # the AVX-512 path).
 VARIANTS = (
@@ -45,6 +46,8 @@ VARIANTS = (
     ("avx512-vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
      ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512dq",
       "avx512vl", "avx512_vnni")),
+    ("avx2-vnni", ("-march=x86-64-v3", "-mavxvnni", "-mtune=generic"),
+     ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "avx_vnni")),
     ("avx2", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe")),
     ("portable", ("-march=x86-64", "-mtune=generic", "-DLD_PORTABLE"), ()),
 )

@@ -381,10 +381,11 @@ def kernel_status() -> dict:
 
 
 def kernel_isa() -> str:
-    """'amx' (AVX512-VNNI, with AMX tiles for products of many rows), 'avx512-vnni', 'avx2' or 'portable':
+    """'amx' (AVX512-VNNI, with AMX tiles for products of many rows), 'avx512-vnni', 'avx2-vnni' (AVX2 with
+    AVX-VNNI), 'avx2' or 'portable':
     which code path the compiled kernel runs (the same results on each)."""
     lib = library()
     simd = lib.ld_simd()
     if simd == 1 and lib.ld_amx():
         return "amx"
-    return {1: "avx512-vnni", 2: "avx2"}.get(simd, "portable")
+    return {1: "avx512-vnni", 2: "avx2", 3: "avx2-vnni"}.get(simd, "portable")

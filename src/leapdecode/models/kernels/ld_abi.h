@@ -69,7 +69,8 @@ struct LdStack {
     float softcap;  // 0, or the cap of the attention's scores (Gemma 2)
 };
 
-// the ABI's version (LD_ABI_VERSION), the SIMD path compiled in (1: AVX512-VNNI, 2: AVX2, 0: portable),
+// the ABI's version (LD_ABI_VERSION), the SIMD path compiled in (1: AVX512-VNNI, 2: AVX2, 3: AVX2 with
+// AVX-VNNI, 0: portable),
 // whether products of several rows take AMX tiles (1: an AMX build on a CPU and kernel that allow
 // them), and sizeof a struct above by name (-1: none such), for the binding's checks
 int ld_abi_version(void);

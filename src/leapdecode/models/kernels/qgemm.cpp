@@ -95,7 +95,8 @@
 #endif
 
 #if LD_PART <= 0
-extern "C" int ld_simd(void) { return LD_SIMD; }
+// the path compiled in: 1 AVX512-VNNI, 2 AVX2, 3 AVX2 with AVX-VNNI, 0 portable
+extern "C" int ld_simd(void) { return LD_SIMD == 2 && LD_VNNI256 ? 3 : LD_SIMD; }
 #endif
 
 #include "bf16.h"
@@ -550,7 +551,9 @@ static void unit_rows(int64_t m0, const Act& act, int64_t K, const uint8_t* code
 // pairs are added in int16 (4-bit: 8 * 3810 < 32768; 3-bit: 8 * 1778) before vpmaddwd with ones
 // widens them to int32.  So the
 // dot products are the same exact integers as vpdpbusd's and the portable loop's, and the
-// epilogue is the same FMAs lane by lane: the same bits.
+// epilogue is the same FMAs lane by lane: the same bits.  With AVX-VNNI (LD_VNNI256: vpdpbusd on ymm) the
+// dot products are vpdpbusd's on the stored codes from -offset * isum, as on the AVX-512 path: the same
+// exact integers.
 
 // the codes' values go in signed (|v| and the activations' signs), not as unsigned codes
 template <int BITS>
@@ -591,6 +594,13 @@ __attribute__((always_inline)) static inline __m256i decode_half(const uint8_t* 
         a = _mm256_or_si256(a, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (q & 3)), _mm256_set1_epi8(3)), 4));
     }
     return a;
+}
+
+// decode_half as the stored unsigned codes (8 bits and IQ4: value + 128), for vpdpbusd
+template <int BITS, int GROUP>
+__attribute__((always_inline)) static inline __m256i stored_half(const uint8_t* blk, int q, int h) {
+    const __m256i v = decode_half<BITS, GROUP>(blk, q, h);
+    return signed_values<BITS>() ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
 }
 
 // the scales and offsets of one unit's groups in order, as two halves of 8 lanes
@@ -658,6 +668,25 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, c
                                                               const float* bx, const uint8_t* blk, const __m256* s,
                                                               const __m256* z, __m256* acc) {
     constexpr int Q = GROUP / 4;
+#if LD_VNNI256
+    // AVX-VNNI: vpdpbusd on the stored (unsigned) codes, as the AVX-512 path, from -offset * isum
+    __m256i dot[2 * RB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+        dot[2 * r + 0] = dot[2 * r + 1] = BITS == 4 || BITS == 2 ? _mm256_setzero_si256() : _mm256_set1_epi32(ncorr[r]);
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) {
+        const __m256i w0 = stored_half<BITS, GROUP>(blk, q, 0), w1 = stored_half<BITS, GROUP>(blk, q, 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) {
+            int32_t four;
+            memcpy(&four, x + r * GROUP + 4 * q, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            dot[2 * r + 0] = _mm256_dpbusd_avx_epi32(dot[2 * r + 0], w0, xb);
+            dot[2 * r + 1] = _mm256_dpbusd_avx_epi32(dot[2 * r + 1], w1, xb);
+        }
+    }
+#else
     constexpr int QACC = BITS == 6 ? 2 : signed_values<BITS>() ? 1 : 8;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i dot[2 * RB], p16[2 * RB];
@@ -688,6 +717,7 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, c
             }
         }
     }
+#endif
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
         const __m256 d = _mm256_set1_ps(dx[r]);
@@ -704,7 +734,7 @@ __attribute__((always_inline)) static inline void rows_group2(const int8_t* x, c
 // rows per rows_group2 call: their int16 and int32 sums, the decoded quad and the broadcast
 // activations within the 16 ymm registers
 template <int BITS>
-constexpr int rblk2() { return BITS == 6 || signed_values<BITS>() ? RBLK2_68 : RBLK2_4; }
+constexpr int rblk2() { return LD_VNNI256 ? RBLK2_4 : BITS == 6 || signed_values<BITS>() ? RBLK2_68 : RBLK2_4; }
 
 template <int BITS, int GROUP, int SMODE, int RB, int B0>
 __attribute__((always_inline)) static inline void row_blocks2(const int8_t* x, const float* dx, const int32_t* nc,
@@ -793,6 +823,24 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
             for (int64_t r = 0; r < rows; ++r) {
                 const int8_t* xr = xg + r * GROUP + 4 * QH * sl;
                 __m256i d0, d1;  // 2, 3, 4 bits: int16 pair sums; 6 bits: int32 sums
+#if LD_VNNI256  // int32 sums from -offset * isum, vpdpbusd on the codes
+                d0 = sl ? _mm256_load_si256((const __m256i*)part[r])
+                        : BITS == 4 || BITS == 2 ? _mm256_setzero_si256() : _mm256_set1_epi32(nc[r]);
+                d1 = sl ? _mm256_load_si256((const __m256i*)part[r] + 1) : d0;
+#pragma GCC unroll 4
+                for (int j = 0; j < QH; ++j) {
+                    int32_t four;
+                    memcpy(&four, xr + 4 * j, 4);
+                    const __m256i xb = _mm256_set1_epi32(four);
+                    d0 = _mm256_dpbusd_avx_epi32(d0, w[2 * j], xb);
+                    d1 = _mm256_dpbusd_avx_epi32(d1, w[2 * j + 1], xb);
+                }
+                if (sl < NS - 1) {
+                    _mm256_store_si256((__m256i*)part[r], d0);
+                    _mm256_store_si256((__m256i*)part[r] + 1, d1);
+                    continue;
+                }
+#else
                 if (I16) {
                     d0 = sl ? _mm256_load_si256((const __m256i*)part[r]) : _mm256_setzero_si256();
                     d1 = sl ? _mm256_load_si256((const __m256i*)part[r] + 1) : _mm256_setzero_si256();
@@ -836,6 +884,7 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
                         d1 = _mm256_add_epi32(d1, _mm256_set1_epi32(nc[r]));
                     }
                 }
+#endif
                 const __m256 d = _mm256_set1_ps(dx[r]);
                 __m256 a0 = _mm256_fmadd_ps(s[0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(d0)), _mm256_load_ps(acc[r]));
                 __m256 a1 = _mm256_fmadd_ps(s[1], _mm256_mul_ps(d, _mm256_cvtepi32_ps(d1)), _mm256_load_ps(acc[r] + 8));
