@@ -72,12 +72,6 @@
 #ifndef MANY_ROWS
 #define MANY_ROWS 12  // AVX2: from this many rows on, 4- and 6-bit codes take unit_rows_many
 #endif
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 12  // AMX builds: blocks of this many rows or more (up to 16) take unit_rows_amx
-#endif
-#if AMX_MIN_ROWS > RB_ROWS || AMX_MIN_ROWS < 1
-#error "AMX_MIN_ROWS: 1 .. RB_ROWS (the rows left to unit_rows)"
-#endif
 #ifndef AMX_CHUNK
 #define AMX_CHUNK 8  // AMX builds: groups decoded, multiplied and finished at a time
 #endif
@@ -1008,7 +1002,8 @@ static ManyRowsFn select_many_rows(int bits, int group, int smode) {
 // their codes.  Measured on a 2-core Xeon VM (docs/lab-notes/benchmarks.md section 55): storing a
 // product tile (1 KB for 16 rows) costs about as much as the tile loads and TDPBSUD together, and
 // the epilogue's fp32 operations per row and group are as many as the tile part's time again, so
-// 16 rows cost about 0.75-0.8x the AVX-512 path's time, and fewer than 12 rows more than it.
+// 16 rows of 4-bit codes in groups of 32 cost about 0.75-0.85x the AVX-512 path's time, 12 rows
+// and groups of 16 more than it: tiles take blocks of 16 rows of the formats in groups of 32 only.
 
 // whether this process may use the tiles (Linux gives a process their state when it asks)
 static bool amx_ready() {
@@ -1123,15 +1118,17 @@ static AmxRowsFn amx_rows_fn(int smode) {
          : smode == 2 ? unit_rows_amx<BITS, GROUP, 2> : unit_rows_amx<BITS, GROUP, 3>;
 }
 
-// the tile function of a format (format_ok)
+// the tile function of a format in groups of 32 columns (Q4_K, Q5_K, Q8_0, IQ4_NL/XS, ...); none in groups
+// of 16 (Q6_K, Q2_K, Q3_K): there a tile stores its products every 16 columns of K, and measured
+// (section 55) that costs more than the AVX-512 path
 static AmxRowsFn select_amx_rows(int bits, int group, int smode) {
+    if (group != 32) return nullptr;
     switch (bits) {
-        case 2: return amx_rows_fn<2, 16>(smode);
-        case 3: return amx_rows_fn<3, 16>(smode);
-        case 4: return group == 16 ? amx_rows_fn<4, 16>(smode) : amx_rows_fn<4, 32>(smode);
-        case 6: return group == 16 ? amx_rows_fn<6, 16>(smode) : amx_rows_fn<6, 32>(smode);
+        case 4: return amx_rows_fn<4, 32>(smode);
+        case 6: return amx_rows_fn<6, 32>(smode);
         case CODES_IQ4: return amx_rows_fn<CODES_IQ4, 32>(smode);
-        default: return group == 16 ? amx_rows_fn<8, 16>(smode) : amx_rows_fn<8, 32>(smode);
+        case 8: return amx_rows_fn<8, 32>(smode);
+        default: return nullptr;
     }
 }
 #endif
@@ -1183,24 +1180,25 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
         }
 #endif
 #if LD_AMX
-        const AmxRowsFn amx = rows >= AMX_MIN_ROWS && amx_ready() ? select_amx_rows(bits, group, smode) : nullptr;
+        const AmxRowsFn amx = rows >= 16 && amx_ready() ? select_amx_rows(bits, group, smode) : nullptr;
         if (amx) {
-            // blocks of 16 rows, and a last block of AMX_MIN_ROWS or more, on tiles; fewer last rows on unit_rows
-            const int64_t tiled = rows % 16 >= AMX_MIN_ROWS ? rows : rows - rows % 16;
-            const UnitRowsFn rest = tiled < rows ? select_unit_rows(bits, group, smode, (int)(rows - tiled)) : nullptr;
+            // the blocks of 16 rows on tiles; the last rows (fewer than 16) in passes of up to RB_ROWS
+            const int64_t tiled = rows - rows % 16;
+            const int nb = (int)((rows - tiled + RB_ROWS - 1) / RB_ROWS);
+            UnitRowsFn fn[MAX_ROWS];
+            for (int b = 0; b < nb; ++b) {
+                const int64_t left = rows - tiled - RB_ROWS * b;
+                fn[b] = select_unit_rows(bits, group, smode, (int)(left < RB_ROWS ? left : RB_ROWS));
+            }
 #pragma omp parallel num_threads(nthreads)
             {
-                int configured = 0;  // the rows this thread's tiles are configured for
+                amx_configure(group, 16);
 #pragma omp for schedule(static)
                 for (int64_t u = 0; u < units; ++u) {
-                    for (int64_t m0 = 0; m0 < tiled; m0 += 16) {
-                        const int nr = (int)(tiled - m0 < 16 ? tiled - m0 : 16);
-                        if (nr != configured) amx_configure(group, configured = nr);
-                        amx(m0, nr, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
-                    }
-                    if (rest) rest(tiled, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
+                    for (int64_t m0 = 0; m0 < tiled; m0 += 16) amx(m0, 16, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
+                    for (int b = 0; b < nb; ++b) fn[b](tiled + RB_ROWS * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
                 }
-                if (configured) _tile_release();
+                _tile_release();
             }
             continue;
         }
