@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What a verified row costs on each instruction-set variant of the kernel this CPU runs (issue 64): the
 engine's own verification profile (``measure_verify_cost``: a forward of n tree nodes at a prompt's
-context, the median ratio to one row times one row's fastest time) of a registered model, once per
-variant, in one process.
+context, the median ratio to one row times one row's fastest time) of a registered model on each
+variant, in one process, the rounds interleaved across the variants.
 
 The variants are the ones a wheel ships (``models/kernel_build.py``: AMX, AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2; the portable one is
 left out, the loader never runs it by default), compiled here into a temporary folder, each used for every
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -56,7 +57,8 @@ def main() -> int:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="a registered model (default %(default)s)")
     ap.add_argument("--rows", default="1,2,4,8,16,32", help="verified rows, comma-separated (default %(default)s)")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the rows (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=5, help="rounds of the profile per variant (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="rounds of the profile, each over every variant in turn (default %(default)s)")
     ap.add_argument("--save", action="store_true", help="write the report to docs/results/row_cost/ for the results page")
     ap.add_argument("--no-peaks", action="store_true",
                     help="leave out the instructions' measured peaks and the memory bandwidth (scripts/isa_peak.cpp)")
@@ -87,18 +89,28 @@ def main() -> int:
         lm = leapdecode.load(args.model)
         model = lm.model
         ids = torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0))
+        cache = model.new_cache(max_len=args.context + max(sizes) + 8)
+        for start in range(0, args.context, 64):  # (the same bits on every variant: one cache serves them all)
+            model.forward(ids[start:start + 64].view(1, -1), cache)
+            cache.commit()
+        # rounds interleaved across the variants, so that a burst of load elsewhere (these machines' neighbours
+        # moved timings by up to 1.5x within minutes) hits every variant alike, not one of them
+        rounds: dict[str, list[list[float]]] = {name: [] for name in libs}
+        measured = sizes
+        for _ in range(args.repeats):
+            for name, lib in libs.items():
+                kernel_library.library = lambda lib=lib: lib  # every kernel call of the model looks the library up
+                cost = measure_verify_cost(lm, cache, sizes=sizes, repeats=1)
+                measured = tuple(cost.sizes)
+                rounds[name].append([cost.profile(n) for n in measured])
         results = {}
-        for name, lib in libs.items():
-            kernel_library.library = lambda lib=lib: lib  # every kernel call of the model looks the library up
-            cache = model.new_cache(max_len=args.context + max(sizes) + 8)
-            for start in range(0, args.context, 64):
-                model.forward(ids[start:start + 64].view(1, -1), cache)
-                cache.commit()
-            cost = measure_verify_cost(lm, cache, sizes=sizes, repeats=args.repeats)
-            results[name] = {str(n): round(1000 * cost.profile(n), 2) for n in cost.sizes}
-            one = results[name][str(sizes[0])]
-            print(f"{name:>24}: " + "  ".join(f"{n} rows {ms:.1f} ms ({ms / one:.2f}x)" for n, ms in
-                                              ((n, results[name][str(n)]) for n in cost.sizes)), flush=True)
+        for name, rs in rounds.items():  # as measure_verify_cost: the median ratio to one row, times one row's fastest
+            base = min(r[0] for r in rs)
+            results[name] = {str(n): round(1000 * base * statistics.median(r[i] / r[0] for r in rs), 2)
+                             for i, n in enumerate(measured)}
+            one = results[name][str(measured[0])]
+            print(f"{name:>24}: " + "  ".join(f"{n} rows {results[name][str(n)]:.1f} ms ({results[name][str(n)] / one:.2f}x)"
+                                              for n in measured), flush=True)
     machine = machine_description(torch.device("cpu"))
     from leapdecode.models.qkernel import QPart
 
