@@ -390,21 +390,19 @@ def test_a_planted_dynamic_import_is_caught(monkeypatch, tmp_path):
     assert dynamic_imports(f"{PKG}.api") == [4]
 
 
-ALIASES = {  # a deprecated path -> where its module moved (issue 48)
+REMOVED = {  # a deprecated path, removed (issue 65) -> where its module moved (issue 48)
     "strategies.grammar": "constraints.grammar", "strategies.asap": "constraints.asap",
     "heads_data": "training.data", "heads_train": "training.train", "heads_eval": "training.accuracy",
     "heads_cli": "training.cli",
 }
 
 
-@pytest.mark.parametrize("old", sorted(ALIASES))
-def test_a_moved_module_keeps_its_old_path_with_a_deprecation_warning(old, monkeypatch):
+@pytest.mark.parametrize("old", sorted(REMOVED))
+def test_a_removed_alias_is_gone_and_the_release_notes_name_its_replacement(old):
     import importlib
-    import sys
 
-    new = importlib.import_module(f"{PKG}.{ALIASES[old]}")
-    monkeypatch.delitem(sys.modules, f"{PKG}.{old}", raising=False)  # imported afresh: it warns again
-    with pytest.warns(DeprecationWarning, match=f"{PKG}.{old} moved to {PKG}.{ALIASES[old]}"):
-        alias = importlib.import_module(f"{PKG}.{old}")
-    public = [n for n in vars(new) if not n.startswith("_") and getattr(vars(new)[n], "__module__", None) == new.__name__]
-    assert public and all(getattr(alias, n) is getattr(new, n) for n in public)
+    importlib.import_module(f"{PKG}.{REMOVED[old]}")  # the new home imports
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"{PKG}.{old}")
+    notes = (Path(__file__).resolve().parents[1] / "docs" / "releases.md").read_text()
+    assert f"| `{PKG}.{old}` | `{PKG}.{REMOVED[old]}` |" in notes
