@@ -48,8 +48,9 @@
 #include <math.h>
 #include <utility>
 // LD_SIMD (ld_isa.h: the one place that decides it): 1 = AVX512-VNNI (vpdpbusd), 2 = AVX2
-// (vpmaddubsw + vpmaddwd, exact in int16 as used below), 0 = portable C++; LD_AMX: the AVX-512 path
-// with AMX tiles for products of several rows (unit_rows_amx).  All give the same bits.
+// (vpmaddubsw + vpmaddwd, exact in int16 as used below), 0 = portable C++; LD_VNNI256: the AVX2 path with
+// vpdpbusd on ymm (AVX-VNNI); LD_AMX: the AVX-512 path with AMX tiles for blocks of 16 rows
+// (unit_rows_amx).  All give the same bits.
 #include "ld_isa.h"
 #if LD_AMX
 #include <sys/syscall.h>
