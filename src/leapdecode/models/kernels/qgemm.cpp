@@ -73,6 +73,8 @@
 #ifndef MANY_ROWS
 #define MANY_ROWS 12  // AVX2: from this many rows on, 4- and 6-bit codes take unit_rows_many
 #endif
+#define AMX_ROWS 16   // AMX builds: rows of a tile (its maximum; blocks of fewer rows measured slower)
+#define AMX_GROUP 32  // AMX builds: the group size of the formats that take tiles
 #ifndef AMX_CHUNK
 #define AMX_CHUNK 8  // AMX builds: groups decoded, multiplied and finished at a time
 #endif
@@ -91,7 +93,7 @@
 
 #if LD_PART <= 0
 // the path compiled in: 1 AVX512-VNNI, 2 AVX2, 3 AVX2 with AVX-VNNI, 0 portable
-extern "C" int ld_simd(void) { return LD_SIMD == 2 && LD_VNNI256 ? 3 : LD_SIMD; }
+extern "C" int ld_simd(void) { return LD_VNNI256 ? 3 : LD_SIMD; }
 #endif
 
 #include "bf16.h"
@@ -784,7 +786,10 @@ template <int BITS, int GROUP, int SMODE>
 static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
                            int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
     static_assert(!signed_values<BITS>(), "8-bit codes and IQ4 take unit_rows");
+#if !LD_VNNI256  // (vpdpbusd sums in int32 directly)
     constexpr bool I16 = BITS != 6;  // a row's sums in int16 pairs within a group (2, 3, 4 bits), or in int32
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     constexpr int Q = GROUP / 4;       // quads of a group: 4 or 8
     constexpr int QH = Q < 4 ? Q : 4;  // quads of a slice
     constexpr int NS = Q / QH;         // slices of a group
@@ -798,7 +803,6 @@ static void unit_rows_many(int64_t rows, const Act& act, int64_t K, const uint8_
     for (int64_t r = 0; r < rows; ++r)
         for (int j = 0; j < 16; ++j) acc[r][j] = 0.f;
     ScaleWalk2<SMODE> scales(sc, u, ng);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < ng; ++g, blk += UB) {
         prefetch_ahead(blk, end, UB);
         __m256 s[2], z[2];
@@ -992,11 +996,11 @@ static ManyRowsFn select_many_rows(int bits, int group, int smode) {
 #endif
 
 #if LD_AMX
-// AMX (the tile extension of Intel's Xeons since Sapphire Rapids): TDPBSUD multiplies a tile of up to
-// 16 rows of signed bytes (A: the activations of nr rows in one group, G bytes each, adjacent in the
-// group-major buffer) by a tile of unsigned bytes (B: one unit's decoded group, its quad vectors as
-// they are, quad q being B's row q: byte e is column e / 4, k = 4 q + e % 4), each of the nr x 16
-// int32 outputs the exact sum of its G products: the integer dot products of nr rows in one
+// AMX (the tile extension of Intel's Xeons since Sapphire Rapids): TDPBSUD multiplies a tile of 16
+// rows of signed bytes (A: the activations of AMX_ROWS rows in one group, G = 32 bytes each, adjacent in
+// the group-major buffer) by a tile of unsigned bytes (B: one unit's decoded group, its quad vectors as
+// they are, quad q being B's row q: byte e is column e / 4, k = 4 q + e % 4), each of the 16 x 16
+// int32 outputs the exact sum of its G products: the integer dot products of 16 rows in one
 // instruction.  Then the rows' epilogue as rows_group's, row by row, in the same order (the dot
 // product plus -offset * isum is the same exact integer as when it starts there): the same bits.
 // Tiles 0 and 1 hold the dot products of a pair of groups, 2 and 3 their activations, 4 and 5
@@ -1018,14 +1022,14 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// this thread's tiles for groups of `group` columns (the layout above)
-static void amx_configure(int group, int nr) {
+// this thread's tiles (the layout above: AMX_ROWS rows, groups of 32 columns)
+static void amx_configure() {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 6; ++t) {
-        cfg.rows[t] = t < 4 ? nr : group / 4;
-        cfg.colsb[t] = t == 2 || t == 3 ? group : 64;
+        cfg.rows[t] = t < 4 ? AMX_ROWS : AMX_GROUP / 4;
+        cfg.colsb[t] = t == 2 || t == 3 ? AMX_GROUP : 64;
     }
     _tile_loadconfig(&cfg);
 }
@@ -1035,17 +1039,17 @@ static void amx_configure(int group, int nr) {
 #define AMX_PRODUCT(C, A, B, a, b)       \
     do {                                 \
         _tile_loadd(B, b, 64);           \
-        _tile_loadd(A, a, GROUP);        \
+        _tile_loadd(A, a, AMX_GROUP);    \
         _tile_zero(C);                   \
         _tile_dpbsud(C, A, B);           \
     } while (0)
 
-// rows_group's epilogue for nr rows of dot products dot[r][16] (without -offset * isum: added here)
+// rows_group's epilogue for the AMX_ROWS rows of dot products dot[r][16] (without -offset * isum: added here)
 template <int SMODE, bool NC>
-__attribute__((always_inline)) static inline void amx_epilogue(const int32_t* dot, int nr, const float* dx,
+__attribute__((always_inline)) static inline void amx_epilogue(const int32_t* dot, const float* dx,
                                                                const int32_t* nc, const float* bx, __m512 s,
                                                                __m512 z, __m512* acc) {
-    for (int r = 0; r < nr; ++r) {
+    for (int r = 0; r < AMX_ROWS; ++r) {
         __m512i d = _mm512_load_si512(dot + 16 * r);
         if (NC) d = _mm512_add_epi32(d, _mm512_set1_epi32(nc[r]));
         const __m512 a = _mm512_mul_ps(_mm512_set1_ps(dx[r]), _mm512_cvtepi32_ps(d));
@@ -1054,11 +1058,11 @@ __attribute__((always_inline)) static inline void amx_epilogue(const int32_t* do
     }
 }
 
-// A unit's rows m0 .. m0 + nr - 1 (nr <= 16, the rows the tiles are configured for: amx_configure)
-template <int BITS, int GROUP, int SMODE>
-static void unit_rows_amx(int64_t m0, int nr, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
+// A unit's rows m0 .. m0 + AMX_ROWS - 1
+template <int BITS, int SMODE>
+static void unit_rows_amx(int64_t m0, const Act& act, int64_t K, const uint8_t* codes, const Scales& sc,
                           int64_t u, const float* bias, void* y, int64_t ldy, int out_fp32) {
-    constexpr int Q = GROUP / 4;
+    constexpr int GROUP = AMX_GROUP, Q = GROUP / 4;
     constexpr int64_t UB = unit_bytes(BITS, GROUP);
     constexpr bool NC = !(BITS == 4 || BITS == 2);  // codes with an offset
     const int64_t ng = K / GROUP, rows = act.rows;
@@ -1071,9 +1075,9 @@ static void unit_rows_amx(int64_t m0, int nr, const Act& act, int64_t K, const u
     // The groups in chunks of AMX_CHUNK: decoded, then multiplied, then finished (so that a tile load
     // never waits on the stores just before it, nor a vector load on the tile store just before it)
     alignas(64) uint8_t wb[AMX_CHUNK][Q * 64];
-    alignas(64) int32_t dot[AMX_CHUNK][16 * 16];
-    __m512 acc[16];
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    alignas(64) int32_t dot[AMX_CHUNK][AMX_ROWS * 16];
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
     ScaleWalk<SMODE> scales(sc, u, ng);
     for (int64_t c0 = 0; c0 < ng; c0 += AMX_CHUNK) {
         const int n = ng - c0 < AMX_CHUNK ? (int)(ng - c0) : AMX_CHUNK;
@@ -1100,35 +1104,35 @@ static void unit_rows_amx(int64_t m0, int nr, const Act& act, int64_t K, const u
             const int64_t g = c0 + i;
             __m512 s, z;
             scales.next(g, s, z);
-            amx_epilogue<SMODE, NC>(dot[i], nr, dx + g * rows, nc + g * rows, bx + g * rows, s, z, acc);
+            amx_epilogue<SMODE, NC>(dot[i], dx + g * rows, nc + g * rows, bx + g * rows, s, z, acc);
         }
     }
     alignas(64) float tmp[16];
-    for (int r = 0; r < nr; ++r) {
+    for (int r = 0; r < AMX_ROWS; ++r) {
         _mm512_store_ps(tmp, acc[r]);
         store_row(tmp, bias, y, ldy, m0 + r, u * 16, out_fp32);
     }
 }
 
-typedef void (*AmxRowsFn)(int64_t, int, const Act&, int64_t, const uint8_t*, const Scales&, int64_t, const float*,
-                          void*, int64_t, int);
+typedef void (*AmxRowsFn)(int64_t, const Act&, int64_t, const uint8_t*, const Scales&, int64_t, const float*, void*,
+                          int64_t, int);
 
-template <int BITS, int GROUP>
+template <int BITS>
 static AmxRowsFn amx_rows_fn(int smode) {
-    return smode == 0 ? unit_rows_amx<BITS, GROUP, 0> : smode == 1 ? unit_rows_amx<BITS, GROUP, 1>
-         : smode == 2 ? unit_rows_amx<BITS, GROUP, 2> : unit_rows_amx<BITS, GROUP, 3>;
+    return smode == 0 ? unit_rows_amx<BITS, 0> : smode == 1 ? unit_rows_amx<BITS, 1>
+         : smode == 2 ? unit_rows_amx<BITS, 2> : unit_rows_amx<BITS, 3>;
 }
 
 // the tile function of a format in groups of 32 columns (Q4_K, Q5_K, Q8_0, IQ4_NL/XS, ...); none in groups
 // of 16 (Q6_K, Q2_K, Q3_K): there a tile stores its products every 16 columns of K, and measured
 // (section 55) that costs more than the AVX-512 path
 static AmxRowsFn select_amx_rows(int bits, int group, int smode) {
-    if (group != 32) return nullptr;
+    if (group != AMX_GROUP) return nullptr;
     switch (bits) {
-        case 4: return amx_rows_fn<4, 32>(smode);
-        case 6: return amx_rows_fn<6, 32>(smode);
-        case CODES_IQ4: return amx_rows_fn<CODES_IQ4, 32>(smode);
-        case 8: return amx_rows_fn<8, 32>(smode);
+        case 4: return amx_rows_fn<4>(smode);
+        case 6: return amx_rows_fn<6>(smode);
+        case CODES_IQ4: return amx_rows_fn<CODES_IQ4>(smode);
+        case 8: return amx_rows_fn<8>(smode);
         default: return nullptr;
     }
 }
@@ -1180,39 +1184,37 @@ extern "C" int ld_qgemm(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
             continue;
         }
 #endif
-#if LD_AMX
-        const AmxRowsFn amx = rows >= 16 && amx_ready() ? select_amx_rows(bits, group, smode) : nullptr;
-        if (amx) {
-            // the blocks of 16 rows on tiles; the last rows (fewer than 16) in passes of up to RB_ROWS
-            const int64_t tiled = rows - rows % 16;
-            const int nb = (int)((rows - tiled + RB_ROWS - 1) / RB_ROWS);
-            UnitRowsFn fn[MAX_ROWS];
-            for (int b = 0; b < nb; ++b) {
-                const int64_t left = rows - tiled - RB_ROWS * b;
-                fn[b] = select_unit_rows(bits, group, smode, (int)(left < RB_ROWS ? left : RB_ROWS));
-            }
-#pragma omp parallel num_threads(nthreads)
-            {
-                amx_configure(group, 16);
-#pragma omp for schedule(static)
-                for (int64_t u = 0; u < units; ++u) {
-                    for (int64_t m0 = 0; m0 < tiled; m0 += 16) amx(m0, 16, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
-                    for (int b = 0; b < nb; ++b) fn[b](tiled + RB_ROWS * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
-                }
-                _tile_release();
-            }
-            continue;
-        }
-#endif
 #if LD_SIMD
-        // each unit's rows in passes of up to RB_ROWS, accumulators in registers
-        const int nb = (int)((rows + RB_ROWS - 1) / RB_ROWS);
+        // AMX builds: the blocks of AMX_ROWS rows on tiles (a format in groups of 32); then each unit's
+        // (other) rows in passes of up to RB_ROWS, accumulators in registers
+#if LD_AMX
+        const AmxRowsFn amx = rows >= AMX_ROWS && amx_ready() ? select_amx_rows(bits, group, smode) : nullptr;
+#else
+        const void* const amx = nullptr;
+#endif
+        const int64_t tiled = amx ? rows - rows % AMX_ROWS : 0;
+        const int nb = (int)((rows - tiled + RB_ROWS - 1) / RB_ROWS);
         UnitRowsFn fn[MAX_ROWS];
-        for (int b = 0; b < nb; ++b)
-            fn[b] = select_unit_rows(bits, group, smode, (int)(rows - RB_ROWS * b < RB_ROWS ? rows - RB_ROWS * b : RB_ROWS));
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t u = 0; u < units; ++u)
-            for (int b = 0; b < nb; ++b) fn[b](RB_ROWS * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
+        for (int b = 0; b < nb; ++b) {
+            const int64_t left = rows - tiled - RB_ROWS * b;
+            fn[b] = select_unit_rows(bits, group, smode, (int)(left < RB_ROWS ? left : RB_ROWS));
+        }
+#pragma omp parallel num_threads(nthreads)
+        {
+#if LD_AMX
+            if (amx) amx_configure();
+#endif
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; ++u) {
+#if LD_AMX
+                for (int64_t m0 = 0; m0 < tiled; m0 += AMX_ROWS) amx(m0, act, K, codes, sc, u, bias, yr, ldy, out_fp32);
+#endif
+                for (int b = 0; b < nb; ++b) fn[b](tiled + RB_ROWS * b, act, K, codes, sc, offset, u, bias, yr, ldy, out_fp32);
+            }
+#if LD_AMX
+            if (amx) _tile_release();
+#endif
+        }
 #else
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t u = 0; u < units; ++u)
