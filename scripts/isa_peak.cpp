@@ -42,53 +42,48 @@ static volatile int sink;
         result = best_;                                      \
     } while (0)
 
+// Eight independent chains a[i] = STEP(a[i], b, c) of one vector type V, ITERS / 4 trips a thread (so the
+// instruction's throughput, not its latency; unrolled, the chains live in registers), kept alive by `sink`.
+#define CHAINS(V, SET8, SET32, STEP)                                            \
+    {                                                                           \
+        V a[8], b = SET8(3 + id), c = SET8(5);                                  \
+        for (int i = 0; i < 8; ++i) a[i] = SET32(i);                            \
+        for (long n = 0; n < ITERS / 4; ++n) {                                  \
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) a[i] = STEP(a[i], b, c); \
+        }                                                                       \
+        int s = 0;                                                              \
+        for (int i = 0; i < 8; ++i) {                                           \
+            int32_t v[sizeof(V) / 4];                                           \
+            memcpy(v, &a[i], sizeof(V));                                        \
+            s += v[0];                                                          \
+        }                                                                       \
+        sink = s;                                                               \
+    }
+
+// the avx2 variant's step; the empty asm tells the compiler b changed, so that it computes each vpmaddubsw
+// (of loop-invariant operands it would hoist it out of the loop and time vpaddw alone; it emits nothing)
+#define MADDUBS_ADD(a, b, c)                                                  \
+    ({                                                                        \
+        const __m256i sum_ = _mm256_add_epi16(a, _mm256_maddubs_epi16(b, c)); \
+        asm("" : "+x"(b));                                                    \
+        sum_;                                                                 \
+    })
+
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double vnni512(int threads) {
     double t;
-    TIMED(threads, t, {
-        __m512i a[8], b = _mm512_set1_epi8(3 + id), c = _mm512_set1_epi8(5);
-        for (int i = 0; i < 8; ++i) a[i] = _mm512_set1_epi32(i);
-        for (long n = 0; n < ITERS / 4; ++n) {
-#pragma GCC unroll 8  // (unrolled, the accumulators live in registers)
-            for (int i = 0; i < 8; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
-        }
-        int s = 0;
-        for (int i = 0; i < 8; ++i) s += _mm512_reduce_add_epi32(a[i]);
-        sink = s;
-    });
+    TIMED(threads, t, CHAINS(__m512i, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_dpbusd_epi32));
     return 64.0 * 8 * (ITERS / 4) * threads / t;
 }
 
 __attribute__((target("avxvnni"))) static double vnni256(int threads) {
     double t;
-    TIMED(threads, t, {
-        __m256i a[8], b = _mm256_set1_epi8(3 + id), c = _mm256_set1_epi8(5);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi32(i);
-        for (long n = 0; n < ITERS / 4; ++n) {
-#pragma GCC unroll 8  // (unrolled, the accumulators live in registers)
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_dpbusd_avx_epi32(a[i], b, c);
-        }
-        alignas(32) int v[8];
-        int s = 0;
-        for (int i = 0; i < 8; ++i) { _mm256_store_si256((__m256i*)v, a[i]); s += v[0] + v[7]; }
-        sink = s;
-    });
+    TIMED(threads, t, CHAINS(__m256i, _mm256_set1_epi8, _mm256_set1_epi32, _mm256_dpbusd_avx_epi32));
     return 32.0 * 8 * (ITERS / 4) * threads / t;
 }
 
 __attribute__((target("avx2"))) static double avx2(int threads) {
     double t;
-    TIMED(threads, t, {
-        __m256i a[8], b = _mm256_set1_epi8(3 + id), c = _mm256_set1_epi8(5);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi16(i);
-        for (long n = 0; n < ITERS / 4; ++n) {
-#pragma GCC unroll 8  // (unrolled, the accumulators live in registers)
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi16(a[i], _mm256_maddubs_epi16(b, c));
-        }
-        alignas(32) short v[16];
-        int s = 0;
-        for (int i = 0; i < 8; ++i) { _mm256_store_si256((__m256i*)v, a[i]); s += v[0] + v[15]; }
-        sink = s;
-    });
+    TIMED(threads, t, CHAINS(__m256i, _mm256_set1_epi8, _mm256_set1_epi32, MADDUBS_ADD));
     return 32.0 * 8 * (ITERS / 4) * threads / t;
 }
 

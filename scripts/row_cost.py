@@ -34,6 +34,8 @@ import torch
 
 PEAK_SOURCE = Path(__file__).with_name("isa_peak.cpp")
 PEAK_TESTS = {"vnni512": "avx512_vnni", "vnni256": "avx_vnni", "avx2": "avx2", "amx": "amx_int8"}  # test -> CPU flag
+# the isa_peak test whose instruction bounds each code paths products (kernel_library.kernel_isa, variant names)
+PEAK_OF_PATH = {"amx": "amx", "avx512-vnni": "vnni512", "avx2-vnni": "vnni256", "avx2": "avx2"}
 
 
 def measure_peaks(cxx: str, flags: set[str]) -> dict:
@@ -78,8 +80,7 @@ def main() -> int:
         raise SystemExit("no C++ compiler to build the variants")
     libs = {"native (-march=native)": kernel_library.library()}
     # the instruction whose peak bounds the native build's products (before the loop below swaps libraries)
-    native_isa = {"amx": "amx", "avx512-vnni": "vnni512", "avx2-vnni": "vnni256", "avx2": "avx2"}.get(
-        kernel_library.kernel_isa())
+    native_isa = PEAK_OF_PATH.get(kernel_library.kernel_isa())
     with tempfile.TemporaryDirectory() as tmp:
         runnable = tuple(n for n, _, needs in kernel_build.VARIANTS if n != "portable" and set(needs) <= flags)
         print(f"building the variants {', '.join(runnable)} ...", file=sys.stderr)
@@ -118,12 +119,11 @@ def main() -> int:
     macs = sum(p.in_features * p.out_features for p in parts)  # a row's multiply-adds in the packed linears
     nbytes = sum(b.numel() * b.element_size() for p in parts for b in p.buffers())
     # the instruction whose peak bounds each variant's products (scripts/isa_peak.cpp's tests)
-    isa = {"native (-march=native)": native_isa, "amx": "amx", "avx512-vnni": "vnni512", "avx2-vnni": "vnni256",
-           "avx2": "avx2"}
+    isa = {name: PEAK_OF_PATH.get(name, native_isa) for name in results}  # (the native build: its own path)
     peaks = None if args.no_peaks else measure_peaks(cxx, flags)
     report = {"report": "row-cost", "machine": machine, "cpu_flags": kernel_library.isa_flags(), "model": args.model,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "variants": results,
-              "macs_per_row": macs, "weight_bytes": nbytes, "isa": {k: v for k, v in isa.items() if k in results},
+              "macs_per_row": macs, "weight_bytes": nbytes, "isa": isa,
               "peaks": peaks, "command": "python scripts/row_cost.py " + " ".join(sys.argv[1:])}
     if args.save:
         from leapdecode.bench.results_page import RESULTS_DIR, ROW_COST_DIR, slug
