@@ -120,6 +120,27 @@ def test_stream_never_shows_the_stop_string(ascii_model):
     assert len(pieces) == 20
 
 
+def test_a_stream_is_an_iterator(ascii_model):
+    """``next()`` works on what ``stream`` returns, as on any Python stream; ``with`` gives its cache back."""
+    runner = leapdecode.ModelRunner(ascii_model)
+    full = vanilla(ascii_model, PROMPT, max_new_tokens=20)
+    s = leapdecode.stream(runner, PROMPT, max_new_tokens=20, method="pld")
+    assert iter(s) is s
+    first = next(s)
+    assert first + "".join(s) == full.text and s.result.tokens == full.tokens
+    with pytest.raises(StopIteration):
+        next(s)
+    with leapdecode.stream(runner, PROMPT, max_new_tokens=20, method="vanilla") as s:
+        next(s)
+        assert runner.caches_in_use == 1
+    assert runner.caches_in_use == 0 and s.result.finish_reason == "cancelled"
+    # a search's text comes once, at its end
+    ids = ascii_model.tokenizer.encode(PROMPT)
+    s = leapdecode.stream(runner, prompt_ids=ids, strategy="beam", max_new_tokens=5)
+    text = next(s)
+    assert text == s.result.text and list(s) == [] and runner.caches_in_use == 0
+
+
 # ============================================================================ EOS, length, chat
 def test_eos_ends_generation(model):
     full = vanilla(model, PROMPT, max_new_tokens=40)

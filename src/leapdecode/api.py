@@ -268,8 +268,12 @@ def generate_diffusion(model: Any, prompt: Any = None, **kwargs: Any) -> Any:
 check_not_diffusion_method = check_method_name  # the request validator's check, by its old name
 
 
-def stream(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> Generation:
-    """Like ``generate`` but iterate for text pieces; ``.result`` is set at the end."""
+def stream(model: LoadedModel | ModelRunner, prompt: Any = None, **kwargs: Any) -> "Generation | TreeSearch":
+    """Like ``generate``, but an iterator of text pieces as they are decided (``next()`` runs steps
+    until one decides text); ``.result`` is set at the end.  ``close()``, or leaving a ``with``
+    block, ends it early and gives its KV cache back (as a file object's ``close``); a stream no
+    longer referenced gives it back when it is collected.  With a ``strategy``, the best
+    hypothesis's text comes once, at the end."""
     return start_generation(model, prompt, **kwargs)
 
 

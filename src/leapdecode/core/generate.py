@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,6 @@ from .kv_policy import KVPolicy, PolicyState, check_policy
 from .output import OutputProcessor
 from .prefill import PrefillPlanner, prefill_chunk
 from .prompt import check_max_new_tokens, check_prompt_ids, check_stop
-from .prompt import encode_prompt  # noqa: F401  (moved to core/prompt.py; still importable from here)
 from .proposer import DecodeContext, Proposer
 from .sampling import SamplingParams
 from .step_planner import StepPlanner
@@ -116,15 +115,18 @@ class Generation(Task):
         assert self.result is not None
         return self.result
 
-    def __iter__(self) -> Iterator[str]:
+    def __next__(self) -> str:
+        """The next text piece: steps until one decides text (``StopIteration`` once finished)."""
         try:
             while self.result is None:
                 out = self.step()
                 if out.text:
-                    yield out.text
-        finally:
-            if self.result is None:  # the consumer stopped iterating early
+                    return out.text
+        except BaseException:
+            if self.result is None:  # a step failed: the generation ends where it stood
                 self._finish("cancelled")
+            raise
+        raise StopIteration
 
     @property
     def status(self) -> Status:

@@ -164,6 +164,21 @@ class Task:
         """End at its next step (finish reason "cancelled")."""
         raise NotImplementedError
 
+    # a task is an iterator of its text pieces (``leapdecode.stream``), as a file is of its lines: ``next()``
+    # runs steps until one decides text; ``close()``, or leaving a ``with`` block, gives the caches back
+    # early (a task no longer referenced gives them back when it is collected)
+    def __iter__(self) -> "Task":
+        return self
+
+    def __next__(self) -> str:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Task":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Give its caches back now (a task abandoned before its end)."""
         raise NotImplementedError

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 import torch
 
@@ -340,6 +340,7 @@ class TreeSearch(Task):
         self.rounds = 0
         self._cancelled = False
         self._t0 = 0.0
+        self._text_given = False  # its text handed to an iterating consumer (__next__)
         self._suspended: Generator | None = None  # a round waiting for its forward's logits
 
     # ------------------------------------------------------------ subclass API
@@ -467,15 +468,19 @@ class TreeSearch(Task):
         assert self.result is not None
         return self.result
 
-    def __iter__(self) -> Iterator[str]:
+    def __next__(self) -> str:
         """The best hypothesis's text, once, at the end (a search decides its output last)."""
+        if self._text_given:
+            raise StopIteration
         try:
             self.run()
         finally:
             if self.result is None:
                 self._finish("cancelled")
-        if self.result.text:
-            yield self.result.text
+        self._text_given = True
+        if not self.result.text:
+            raise StopIteration
+        return self.result.text
 
     def _drop_round(self) -> None:
         if self._suspended is not None:  # a round abandoned while it waited for its forward
