@@ -2,7 +2,7 @@
 ``SpeculationScheduler``, issue 14 section 2: "speculation that helps at batch 1 must not hurt
 throughput at batch 8").
 
-1. ``BatchCost`` (``core/cost_model.py``) recovers a linear batched-forward cost from
+1. ``BatchCost`` (``core/batch_cost.py``) recovers a linear batched-forward cost from
    observations, and keeps its prior for what it never sees vary.
 2. ``SpeculationScheduler.plan`` on stand-in generations: free rows and high acceptance give full
    trees, costly rows or low acceptance a plain step (no proposer at all); the budget goes to the
@@ -27,7 +27,8 @@ import pytest
 import leapdecode
 from leapdecode import ModelRunner
 from leapdecode.core.batch import PROBE_FIRST, PROBE_ROWS, LoadGuard, Outcome, SpeculationScheduler
-from leapdecode.core.cost_model import BatchCost, VerifyCost
+from leapdecode.core.batch_cost import BatchCost
+from leapdecode.core.cost_model import VerifyCost
 from leapdecode.core.generate import Generation
 from leapdecode.core.proposer import Proposer
 from leapdecode.core.sampling import SamplingParams

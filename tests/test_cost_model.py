@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import leapdecode
 from leapdecode import ModelRunner
-from leapdecode.core.cost_model import (AcceptanceCalibration, ChainAcceptance, VerifyCost, best_tree_gain, best_tree_size,
-                                        measure_verify_cost)
+from leapdecode.core.cost_model import VerifyCost, measure_verify_cost
+from leapdecode.core.sizing import AcceptanceCalibration, ChainAcceptance, best_tree_gain, best_tree_size
 from leapdecode.core.proposer import DecodeContext
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import InvalidParameterError

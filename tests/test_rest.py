@@ -37,7 +37,8 @@ from hypothesis import strategies as st
 import leapdecode
 from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
-from leapdecode.core.cost_model import AcceptanceCalibration, VerifyCost
+from leapdecode.core.cost_model import VerifyCost
+from leapdecode.core.sizing import AcceptanceCalibration
 from leapdecode.core.generate import Generation
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.verifier import Verdict

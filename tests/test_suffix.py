@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import leapdecode
 from leapdecode.core.runner import ModelRunner
 from leapdecode.errors import InvalidParameterError
-from leapdecode.core.cost_model import AcceptanceCalibration, VerifyCost
+from leapdecode.core.cost_model import VerifyCost
+from leapdecode.core.sizing import AcceptanceCalibration
 from leapdecode.proposers.sam import MATCH_BUCKETS, match_bucket
 from leapdecode.proposers.suffix import SOURCES, SuffixDecodingProposer, SuffixMemory, SuffixTrie
 

@@ -21,7 +21,7 @@ Batch Speculative Decoding", Wu et al., 2025): the verification budget of an ite
 the sequences whose drafts are most likely to be accepted, and only while an extra row pays for
 its cost.  ``SpeculationScheduler`` (what the server's engine uses) decides it per iteration from
 measured costs: the batched forward's cost per sequence and per draft row, measured online
-(``cost_model.BatchCost``), each sequence's recent acceptance and its proposer's measured time;
+(``batch_cost.BatchCost``), each sequence's recent acceptance and its proposer's measured time;
 a sequence whose drafts do not pay gets a plain step (its proposer does not run), a step where
 nothing pays is plain batched decoding, and a gated sequence is re-probed now and then.  The
 earlier rule, ``speculation_caps`` (from the single-sequence verification profile alone), stays
@@ -331,7 +331,7 @@ class SpeculationScheduler:
 
     with ``gain_i(k) = p_i + ... + p_i ** k`` (a chain model of acceptance, ``p_i`` sequence i's
     recent per-token acceptance, pulled towards the pooled acceptance of the runner's recent
-    steps), ``forward`` the runner's online-measured batched cost (``cost_model.BatchCost``:
+    steps), ``forward`` the runner's online-measured batched cost (``batch_cost.BatchCost``:
     seconds per item, per draft row, per prefill row), ``host`` the measured per-sequence Python
     work of a plain step and ``proposer_i`` the measured extra of a speculative step of sequence i
     (proposing, tree verification, observing).  The ratio is maximised exactly (Dinkelbach's

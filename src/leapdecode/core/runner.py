@@ -37,7 +37,8 @@ from .prefix_cache import PrefixCache
 if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
     from ..models.loader import LoadedModel
-    from .cost_model import BatchCost, VerifyCost
+    from .batch_cost import BatchCost
+    from .cost_model import VerifyCost
 
 T = TypeVar("T")
 
@@ -258,10 +259,10 @@ class ModelRunner:
         return self._verify_cost
 
     def batch_cost(self, cache: "KVCache") -> "BatchCost":
-        """The target's batched-forward cost (``cost_model.BatchCost``), measured online by the
+        """The target's batched-forward cost (``batch_cost.BatchCost``), measured online by the
         batched scheduler; created on first use with the verification profile as its prior
         (``cache``: as for ``verify_cost``)."""
-        from .cost_model import BatchCost
+        from .batch_cost import BatchCost
 
         if self._batch_cost is None:
             self._batch_cost = BatchCost(self.verify_cost(cache))

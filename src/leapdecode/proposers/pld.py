@@ -45,7 +45,7 @@ int4 format's verification profile), a 24-node tree of weak matches costs more
 than it brings.  As ``sam`` does, the drafter then keeps the longest match's
 continuation only, cut to the length that maximises expected tokens per second
 of the verification forward (Sequoia's hardware-aware tree size;
-``core/cost_model.py``): P(the token at depth d is accepted | the ones before
+``core/sizing.py``): P(the token at depth d is accepted | the ones before
 were) is learned from the verdicts per matched n-gram length
 (``ChainAcceptance``, remembered by the runner across generations), the
 verification cost per tree size is the runner's measured profile.  Sampling
@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..core.cost_model import ChainAcceptance
+from ..core.sizing import ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer

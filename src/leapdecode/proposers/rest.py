@@ -17,7 +17,7 @@ text (code, or earlier answers of the model) supplies the draft:
    the kept nodes form a tree) are verified as one token tree.
 
 Under greedy decoding the tree is sized by expected tokens per second, as for
-``sam`` and ``draft`` (Sequoia's hardware-aware tree size, ``core/cost_model.py``):
+``sam`` and ``draft`` (Sequoia's hardware-aware tree size, ``core/sizing.py``):
 a node's chance of acceptance is its continuation frequency given its parent,
 calibrated online against the verdicts per match-length bucket (a 2-token
 suffix that matches thousands of places in a code corpus predicts chat text
@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.cost_model import AcceptanceCalibration, TryAgain
+from ..core.sizing import AcceptanceCalibration, TryAgain
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer

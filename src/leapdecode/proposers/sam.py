@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..core.cost_model import ChainAcceptance
+from ..core.sizing import ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, Proposer

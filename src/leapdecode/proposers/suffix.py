@@ -26,7 +26,7 @@ extra rows are nearly free: each trie grows its tree up to the budget (``min_pro
 a node's chance of acceptance is its empirical probability given its parent, calibrated online
 against the verdicts per match-length bucket and per trie (request or memory), and the prefix of the
 nodes ranked by calibrated path probability that maximises expected tokens per second of
-verification (``core/cost_model.py``'s ``best_tree_size`` on the target's measured profile) is
+verification (``core/sizing.py``'s ``best_tree_size`` on the target's measured profile) is
 verified; of the two tries the one whose sized tree is worth more, and every few cuts of a trie and
 match bucket one node beyond the cut is verified too (``TryAgain``: a calibration learns only from
 what is verified, and without the tries a few early misses shut a trie out for good). On a CPU,
@@ -45,7 +45,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from ..core.cost_model import AcceptanceCalibration, TryAgain
+from ..core.sizing import AcceptanceCalibration, TryAgain
 from ..core.proposer import DecodeContext, Proposer
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError

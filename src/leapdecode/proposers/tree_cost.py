@@ -36,7 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
-from ..core.cost_model import AcceptanceCalibration, TryAgain, VerifyCost, best_tree_gain, best_tree_size
+from ..core.cost_model import VerifyCost
+from ..core.sizing import AcceptanceCalibration, TryAgain, best_tree_gain, best_tree_size
 
 
 class TreeSizer:
