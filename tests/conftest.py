@@ -138,7 +138,7 @@ def trained_head_dir(tiny, tmp_path_factory):
     per session, shared by test_heads.py and test_head_storage.py)."""
     import dataclasses
 
-    from test_heads import _train
+    from helpers.heads import train_tiny_head
 
     target = dataclasses.replace(tiny(seed=0), eos_token_ids=set())
     dirs: dict = {}
@@ -146,7 +146,7 @@ def trained_head_dir(tiny, tmp_path_factory):
     def get(kind):
         if kind not in dirs:
             out = tmp_path_factory.mktemp(f"trained-{kind}") / "head"
-            _train(kind, target, out, steps={"eagle": 120, "eagle3": 60}.get(kind, 40), install_head=False)
+            train_tiny_head(kind, target, out, steps={"eagle": 120, "eagle3": 60}.get(kind, 40), install_head=False)
             dirs[kind] = out
         return dirs[kind]
 
@@ -418,9 +418,10 @@ def tiny_server(default_method: str = "vanilla", **app_options):
     pytest.importorskip("uvicorn")
     import leapdecode
     from leapdecode.server.app import create_app
+    from leapdecode.server.config import ServeConfig
 
     model = leapdecode.load("tiny-random", dtype="fp32")
-    app = create_app(model, default_method=default_method, max_queue=4, request_timeout=60, **app_options)
+    app = create_app(model, ServeConfig(default_method=default_method, max_queue=4, request_timeout=60), **app_options)
     srv, thread, url = start_server(app)
     yield SimpleNamespace(url=url + "/v1", model=model, app=app, runner=app.state.runner, engine=app.state.engine)
     srv.should_exit = True

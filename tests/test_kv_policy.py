@@ -26,7 +26,8 @@ import torch
 
 from leapdecode import ModelRunner, generate
 from leapdecode.api import start_generation
-from leapdecode.core.generate import TREE_MARGIN, Generation, cache_tokens
+from leapdecode.core.generate import Generation
+from leapdecode.core.slot import TREE_MARGIN, cache_tokens
 from leapdecode.core.kv_policy import (POLICIES, ExpectedAttentionConfig, H2OConfig, Int8Config, KVPolicy,
                                        ScopeConfig, SnapKVConfig, StreamingConfig, attention_probs,
                                        parse_kv_policy, pooled, snapkv_slots)
@@ -606,8 +607,9 @@ def test_server_rejects_a_bad_kv_policy_with_400(tiny):
     from fastapi.testclient import TestClient
 
     from leapdecode.server.app import create_app
+    from leapdecode.server.config import ServeConfig
 
-    app = create_app(tiny(), default_method="vanilla", max_queue=4, request_timeout=60)
+    app = create_app(tiny(), ServeConfig(default_method="vanilla", max_queue=4, request_timeout=60))
     with TestClient(app) as client:
         for bad, words in (("h2o:budget=8,recent=8", "recent (8)"), ("zip", "unknown kv_policy"),
                            (7, "spec string"), ("snapkv:budget=64,kernel=2", "kernel must be odd")):
@@ -625,8 +627,9 @@ def test_server_runs_a_kv_policy_as_the_api_does(q4):
     from fastapi.testclient import TestClient
 
     from leapdecode.server.app import create_app
+    from leapdecode.server.config import ServeConfig
 
-    app = create_app(q4, default_method="vanilla", max_queue=4, request_timeout=60)
+    app = create_app(q4, ServeConfig(default_method="vanilla", max_queue=4, request_timeout=60))
     with TestClient(app) as client:
         for spec in ("streaming:sink=4,window=60", "h2o:budget=64,recent=8", "int8"):
             r = _server_post(app, client, {"kv_policy": spec}, prompt=PROMPT, max_tokens=40)

@@ -144,6 +144,7 @@ def test_a_bad_combination_reads_the_same_on_every_front_end(template, names, ap
 
     from leapdecode import cli
     from leapdecode.server.app import create_app
+    from leapdecode.server.config import ServeConfig
 
     api_name, cli_name, server_name = names
     model = tiny()
@@ -152,7 +153,7 @@ def test_a_bad_combination_reads_the_same_on_every_front_end(template, names, ap
     assert cli.main(["generate", "-m", "tiny-random", *argv, "hi"]) == 2  # refused before loading
     assert capsys.readouterr().err.strip() == "leapdecode: error: " + template.format(cli_name)
 
-    app = create_app(model, default_method="vanilla", max_queue=4, request_timeout=60)
+    app = create_app(model, ServeConfig(default_method="vanilla", max_queue=4, request_timeout=60))
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": app.state.config.model_name, "prompt": "hi",
                                                  "max_tokens": 4, **body})
@@ -169,6 +170,7 @@ def test_the_cli_and_the_server_validate_with_request_py(monkeypatch, tiny, no_l
 
     from leapdecode import cli_args, request
     from leapdecode.server.app import create_app
+    from leapdecode.server.config import ServeConfig
 
     monkeypatch.setattr(request, "_check_search", lambda *a, **k: None)
     assert validate_request(strategy="beam", stop=["x"]).stop == ("x",)
@@ -177,7 +179,7 @@ def test_the_cli_and_the_server_validate_with_request_py(monkeypatch, tiny, no_l
     a = cli.build_parser().parse_args(["generate", "--strategy", "beam", "--stop", "x", "hi"])
     assert cli_args.decoding_request(a).stop == ("x",)
     model = tiny()
-    app = create_app(model, default_method="vanilla", max_queue=4, request_timeout=60)
+    app = create_app(model, ServeConfig(default_method="vanilla", max_queue=4, request_timeout=60))
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": app.state.config.model_name, "prompt": "hi",
                                                  "max_tokens": 2, "stop": ["x"], "leapdecode": {"strategy": "beam"}})

@@ -33,6 +33,7 @@ from leapdecode.models.loader import load  # noqa: E402
 from leapdecode.server import engine as engine_mod  # noqa: E402
 from leapdecode.server import prepare as prepare_mod  # noqa: E402
 from leapdecode.server.app import create_app  # noqa: E402
+from leapdecode.server.config import ServeConfig  # noqa: E402
 from leapdecode.server.engine import (Delta, Ended, Engine, Failed, Finished, GenSpec, Started,  # noqa: E402
                                       build_runner)
 
@@ -46,7 +47,7 @@ DRAFT = "tiny-random:1"
 @pytest.fixture(scope="module")
 def server():
     model = load("tiny-random", dtype="fp32")
-    app = create_app(model, default_method="vanilla", drafts=[DRAFT], max_queue=4, request_timeout=60)
+    app = create_app(model, ServeConfig(default_method="vanilla", drafts=(DRAFT,), max_queue=4, request_timeout=60))
     srv, thread, url = start_server(app)
     yield SimpleNamespace(url=url, app=app, engine=app.state.engine, config=app.state.config, model=model,
                           runner=app.state.runner)
@@ -839,10 +840,11 @@ def test_the_registered_draft_is_not_named_in_requests():
 
     model = dataclasses.replace(load("tiny-random", dtype="fp32"), draft_name=DRAFT)
     draft = load(DRAFT, dtype="fp32")
-    registered = create_app(model, default_method="auto", drafts={DRAFT: draft})
+    registered = create_app(model, ServeConfig(default_method="auto"), drafts={DRAFT: draft})
     assert registered.state.config.default_draft is None
     assert registered.state.runner.draft() is draft  # still loaded: auto and draft use it unnamed
-    other = create_app(dataclasses.replace(model, draft_name=None), default_method="auto", drafts={DRAFT: draft})
+    other = create_app(dataclasses.replace(model, draft_name=None), ServeConfig(default_method="auto"),
+                       drafts={DRAFT: draft})
     assert other.state.config.default_draft == DRAFT
     for app in (registered, other):
         app.state.engine.stop()
@@ -851,7 +853,7 @@ def test_the_registered_draft_is_not_named_in_requests():
 # ---------------------------------------------------------------------------- configuration
 def test_default_method_options(ref):
     model = load("tiny-random", dtype="fp32")
-    app = create_app(model, default_method="pld", default_options={"max_ngram": 2, "draft_len": 3})
+    app = create_app(model, ServeConfig(default_method="pld", default_options={"max_ngram": 2, "draft_len": 3}))
     srv, thread, url = start_server(app)
     try:
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
@@ -871,7 +873,7 @@ def test_default_method_options(ref):
         srv.should_exit = True
         thread.join(10)
     with pytest.raises(InvalidParameterError, match="colour"):
-        create_app(model, default_method="pld", default_options={"colour": 1})
+        create_app(model, ServeConfig(default_method="pld", default_options={"colour": 1}))
 
 
 def test_serve_cli_defaults():
@@ -889,7 +891,7 @@ def test_serve_cli_defaults():
 
 
 def test_serve_default_drafts():
-    from leapdecode.server.settings import default_drafts
+    from leapdecode.server.config import default_drafts
 
     paired = SimpleNamespace(draft_name="small")
     alone = SimpleNamespace(draft_name=None)
@@ -1025,13 +1027,13 @@ def test_a_request_names_a_servers_file_never_a_path(server, monkeypatch):
 
 
 def test_resolve_method_maps_a_servers_names_to_their_paths():
-    from leapdecode.server.protocol import LeapdecodeExtension, ServerDefaults, resolve_method
+    from leapdecode.server.protocol import LeapdecodeExtension, resolve_method
 
-    d = ServerDefaults(files={"datastore": {"docs": "/srv/docs.npz"}, "head": {}})
+    d = ServeConfig(datastores={"docs": "/srv/docs.npz"})
     cfg = resolve_method(LeapdecodeExtension(method="rest", options={"datastore": "docs"}), d)
     assert cfg.datastore == "/srv/docs.npz"
     # the operator's own --option is a path and stays one
-    d = ServerDefaults(default_method="rest", default_options={"datastore": "/srv/own.npz"})
+    d = ServeConfig(default_method="rest", default_options={"datastore": "/srv/own.npz"})
     assert resolve_method(LeapdecodeExtension(), d).datastore == "/srv/own.npz"
 
 
@@ -1055,11 +1057,11 @@ def test_start_up_refuses_what_every_request_would_then_refuse():
     from leapdecode.errors import LeapdecodeError
     from leapdecode.server.settings import ServeSettings
 
-    settings = ServeSettings(model="tiny-random", load={}, method="draft", options={}, drafts=None, warmup=False)
+    settings = ServeSettings(model="tiny-random", load={}, config=ServeConfig(default_method="draft"), warmup=False)
     with pytest.raises(LeapdecodeError, match="draft"):
         settings.build_app()
-    small = ServeSettings(model="tiny-random", load={}, method="vanilla", options={}, drafts=None, warmup=False,
-                          app={"kv_budget_bytes": 2048})
+    small = ServeSettings(model="tiny-random", load={}, config=ServeConfig(default_method="vanilla", kv_budget_bytes=2048),
+                          warmup=False)
     with pytest.raises(LeapdecodeError, match="KV-cache budget .* holds no request"):
         small.build_app()
 

@@ -20,6 +20,7 @@ from leapdecode.errors import InvalidParameterError  # noqa: E402
 from leapdecode.models.loader import load  # noqa: E402
 from leapdecode.proposers.registry import parse_request_limits, request_limits  # noqa: E402
 from leapdecode.server.app import create_app  # noqa: E402
+from leapdecode.server.config import ServeConfig  # noqa: E402
 
 from conftest import start_server  # noqa: E402
 
@@ -34,8 +35,8 @@ def model():
 
 
 def serve(model, **kw):
-    app = create_app(model, default_method="vanilla", max_queue=4, request_timeout=60, api_key=list(KEYS),
-                     speculate_under_load=False, **kw)
+    app = create_app(model, ServeConfig(default_method="vanilla", max_queue=4, request_timeout=60, api_keys=KEYS,
+                                        speculate_under_load=False, **kw))
     srv, thread, url = start_server(app)
     return SimpleNamespace(app=app, url=url, runner=app.state.runner, stop=lambda: (
         setattr(srv, "should_exit", True), thread.join(10)))

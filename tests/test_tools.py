@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 from leapdecode.models.tiny import tiny_loaded  # noqa: E402
 from leapdecode.server import prepare as prepare_mod  # noqa: E402
 from leapdecode.server.app import create_app  # noqa: E402
+from leapdecode.server.config import ServeConfig  # noqa: E402
 from leapdecode.server.errors import ApiError  # noqa: E402
 from leapdecode.server.tools import (Tool, ToolCalling, ToolTextFilter, call_schema, parse_tool_calls,  # noqa: E402
                                      special_tags, tool_call_grammar)
@@ -82,7 +83,7 @@ def tools_model(name: str = MODEL):
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(tools_model(), default_method="vanilla", request_timeout=60)
+    app = create_app(tools_model(), ServeConfig(default_method="vanilla", request_timeout=60))
     srv, thread, url = start_server(app)
     yield SimpleNamespace(url=url, app=app)
     srv.should_exit = True
@@ -181,7 +182,7 @@ def unserved():
     apps = []
 
     def make(model):
-        apps.append(create_app(model, default_method="vanilla"))
+        apps.append(create_app(model, ServeConfig(default_method="vanilla")))
         return apps[-1]
 
     yield make
@@ -453,7 +454,7 @@ def test_qwen_template_and_special_tags():
     from leapdecode.constraints.grammar import grammar_tokenizer
 
     model = load("qwen2.5-coder-0.5b")
-    app = create_app(model, default_method="vanilla")
+    app = create_app(model, ServeConfig(default_method="vanilla"))
     assert special_tags(model.tokenizer, grammar_tokenizer(app.state.runner).is_special_token) == \
         frozenset({"<tool_call>", "</tool_call>"})
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",

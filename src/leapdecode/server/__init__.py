@@ -8,7 +8,7 @@
 * ``engine.py``: the runner built at start-up, the worker thread, its bounded queue, typed events;
 * ``respond.py``: JSON answers and server-sent event streams from a job's events;
 * ``errors.py``: the table from exception type to HTTP status;
-* ``config.py``: ``ServerConfig``; ``metrics.py``: Prometheus metrics; ``cli.py``: ``leapdecode serve``.
+* ``config.py``: ``ServeConfig``, the one configuration; ``metrics.py``: Prometheus metrics; ``cli.py``: ``leapdecode serve``.
 
 This module imports nothing heavy: the CLI reads the defaults below from it.
 """

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over one model: ``create_app(model, ...) -> FastAPI``.
+"""OpenAI-compatible HTTP API over one model: ``create_app(model, ServeConfig(...)) -> FastAPI``.
 
 Endpoints (as OpenAI defines them): ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
@@ -9,7 +9,7 @@ Extensions: a request may carry ``"leapdecode": {"method", "options", "draft", "
 "top_k", "min_p", "typical_p", "repetition_penalty"}`` (``protocol.py``); every response (and
 the final chunk of each streamed choice) carries ``"leapdecode": {...}`` with the method used
 and its statistics (``mean_accepted``: tokens emitted per target forward, ``tokens_per_s``,
-``queue_s``, ...).  Draft models are loaded at start-up only (``drafts=``); a request naming
+``queue_s``, ...).  Draft models are loaded at start-up only (``ServeConfig.drafts``); a request naming
 another gets a 400.
 
 Differences from OpenAI worth knowing: greedy decoding is ``temperature: 0``
@@ -30,7 +30,7 @@ from __future__ import annotations
 import hmac
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -40,10 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.prefix_cache import PrefixCache
 from ..errors import InvalidParameterError
-from ..proposers.registry import DEFAULT_METHOD, method_config
-from ..proposers.registry import request_limits as all_request_limits
-from . import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES
-from .config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from ..proposers.registry import method_config
+from .config import ServeConfig
 from .engine import Engine, build_runner
 from .errors import ApiError, api_error
 from .metrics import Metrics, MetricsMiddleware
@@ -81,111 +79,33 @@ def check_auth(request: Request, api_keys: tuple[str, ...]) -> str | None:
     return f"key-{matched.index(True) + 1}"
 
 
-def create_app(
-    model,
-    default_method: str | None = None,
-    default_options: dict[str, Any] | None = None,
-    drafts: Mapping[str, Any] | Iterable[str] = (),
-    api_key: str | Iterable[str] | None = None,
-    max_queue: int = 16,
-    request_timeout: float = 600.0,
-    max_tokens_limit: int | None = None,
-    default_max_tokens: int = 256,
-    served_model_name: str | None = None,
-    tree_budget: int | None = None,
-    max_n: int = 16,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_batch: int = 8,
-    kv_budget_bytes: int | None = None,
-    speculate_under_load: bool = True,
-    prefix_cache_bytes: int | None = None,
-    datastores: Mapping[str, str] | None = None,
-    heads: Mapping[str, str] | None = None,
-    request_limits: Mapping[str, Any] | None = None,
-    memory_budget_bytes: int | None = DEFAULT_MEMORY_BUDGET_BYTES,
-    memory_scope: str = "key",
-    metrics_public: bool = False,
-    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
-    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
-) -> FastAPI:
-    """An OpenAI-compatible app serving ``model`` (a LoadedModel) with one engine thread.
-
-    ``default_method`` / ``default_options``: the method of requests that name none, and its
-    options (validated here: an ``InvalidParameterError`` names the bad one); ``drafts``: draft
-    models by name (loaded models, or names loaded now with the model's dtype and device), the
-    only ones requests may use; the first is the default draft of methods that take one;
-    ``max_batch``: generations decoded together (continuous batching, ``engine.py``);
-    ``kv_budget_bytes``: KV-cache bytes they may reserve (default ``engine.DEFAULT_KV_BUDGET``);
-    ``speculate_under_load``: size every sequence's draft tree per step from measured costs and
-    its acceptance (``engine.py``; False: every generation drafts its own full tree); ``prefix_cache_bytes``: the exact prefix cache's size (0: off);
-    ``max_queue``: requests that may wait for a place in the batch (more get 429); ``request_timeout``:
-    seconds from arrival until the request's generation is cancelled (504);
-    ``max_tokens_limit``: the largest ``max_tokens`` accepted (default: the model's context);
-    ``default_max_tokens``: for chat requests without ``max_tokens`` (completions default to
-    16, as OpenAI's); ``max_body_bytes``: larger request bodies get 413; ``datastores`` / ``heads``:
-    name -> path of the datastores and head directories requests may name (a request names one of
-    these, never a path: the server opens no file a request names).
-
-    Tenants: ``api_key``, one key or several (each a tenant; None: no authentication);
-    ``memory_scope``: whose part of the cross-request memory a request reads and feeds ("key": its
-    key's, "user": its key's and its ``user`` field's, "shared": every client's; docs/server.md says
-    what sharing exposes); ``memory_budget_bytes``: the byte budget of that memory, every tenant's
-    together (least recently used out; None: unbounded); ``request_limits``: overrides of the most a
-    request may ask of each option that sizes state or work (``proposers.registry.request_limits``:
-    "METHOD.OPTION" -> bound); ``metrics_public``: /metrics answers without the key.
-
-    Structured output: ``max_grammar_bytes``: the largest structure a request may give (its JSON
-    schemas, tools' parameters, regex or grammar together; more gets 400); ``grammar_timeout``: the
-    seconds a schema's check (in a child process, ``constraints/isolated.py``) and a grammar's
-    compilation may each take, beside decoding (``prepare.py``).
-    """
-    default_method = default_method or DEFAULT_METHOD
-    default_options = dict(default_options or {})
-    base = {"tree_budget": tree_budget} if tree_budget is not None else {}
-    method_config(default_method, {**base, **default_options})  # bad defaults fail before any draft loads
-    if isinstance(drafts, str):
-        drafts = [drafts]
-    wanted = dict(drafts) if isinstance(drafts, Mapping) else dict.fromkeys(drafts)  # name -> loaded or None
-    names = list(wanted)
-    if default_options.get("draft") is not None:
-        wanted.setdefault(default_options["draft"], None)
-    if memory_scope not in MEMORY_SCOPES:
-        raise InvalidParameterError(f"memory_scope must be one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
-    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+def create_app(model, config: ServeConfig | None = None, drafts: Mapping[str, Any] | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving ``model`` (a LoadedModel) with one engine thread, as
+    ``config`` says (``config.ServeConfig``; its fields say what each one does).  ``drafts``: draft
+    models loaded already, by name (added after ``config.drafts``, which are loaded now with the
+    model's dtype and device); requests may use only the drafts loaded here.  A bad default method
+    or option is an ``InvalidParameterError`` naming it, before any draft loads."""
+    config = config or ServeConfig()
+    base = {"tree_budget": config.tree_budget} if config.tree_budget is not None else {}
+    method_config(config.default_method, {**base, **config.default_options})  # before any draft loads
+    loaded = dict(drafts or {})
+    names = config.draft_names(model, loaded)
+    wanted = {name: loaded.get(name) for name in names}  # name -> loaded or None
+    if config.default_options.get("draft") is not None:
+        wanted.setdefault(config.default_options["draft"], None)
     runner = build_runner(model, wanted)
-    runner.memory.max_bytes = memory_budget_bytes
-    if prefix_cache_bytes is not None:
-        runner.prefix_cache = PrefixCache(prefix_cache_bytes)
-    cfg = ServerConfig(
-        model_name=served_model_name or model.name,
-        default_method=default_method,
-        default_options=default_options,
-        # the first draft loaded, named in every request's options; not the target's registered
-        # pair, which methods find by themselves (runner.draft()): ``auto`` then leaves it out
-        # beside a trained head, as in-process (a named draft it would keep, and pay for)
-        default_draft=names[0] if names and names[0] != getattr(model, "draft_name", None) else None,
-        tree_budget=tree_budget,
-        api_keys=keys,
-        memory_scope=memory_scope,
-        metrics_public=bool(metrics_public),
-        request_timeout=float(request_timeout),
-        max_tokens_limit=int(max_tokens_limit or model.max_seq_len),
-        default_max_tokens=int(default_max_tokens),
-        max_n=int(max_n),
-        max_body_bytes=int(max_body_bytes),
-        max_grammar_bytes=int(max_grammar_bytes),
-        grammar_timeout=float(grammar_timeout),
-        files={"datastore": dict(datastores or {}), "head": dict(heads or {})},
-        limits=all_request_limits(dict(request_limits or {})),
-    )
+    cfg = config.resolved(model, runner, names)
+    runner.memory.max_bytes = cfg.memory_budget_bytes
+    if cfg.prefix_cache_bytes is not None:
+        runner.prefix_cache = PrefixCache(cfg.prefix_cache_bytes)
     try:
-        default_config = resolve_method(None, cfg.defaults(runner))
+        default_config = resolve_method(None, cfg)
     except PydanticCustomError as e:
         raise InvalidParameterError(e.message()) from None
 
     metrics = Metrics()
-    engine = Engine(runner, max_queue=max_queue, metrics=metrics, max_batch=max_batch,
-                    kv_budget_bytes=kv_budget_bytes, speculate_under_load=speculate_under_load)
+    engine = Engine(runner, max_queue=cfg.max_queue, metrics=metrics, max_batch=cfg.max_batch,
+                    kv_budget_bytes=cfg.kv_budget_bytes, speculate_under_load=cfg.speculate_under_load)
     metrics.queue_depth = lambda: engine.queue_depth
     metrics.busy = lambda: int(engine.busy)
     metrics.batch_size = lambda: engine.batch_size
@@ -193,7 +113,7 @@ def create_app(
     metrics.prefix_cache = runner.prefix_cache.stats
     metrics.proposer_memory = lambda: (runner.memory.nbytes, runner.memory.max_bytes or 0, len(runner.memory),
                                        runner.memory.evictions)
-    preparer = Preparer(cfg, runner, limit=max_queue, retry_after=engine.retry_after)
+    preparer = Preparer(cfg, runner, limit=cfg.max_queue, retry_after=engine.retry_after)
     created = int(time.time())
 
     @asynccontextmanager

@@ -9,14 +9,14 @@ import os
 import sys
 
 from ..errors import LeapdecodeError
+from .config import ServeConfig
 from .settings import ServeSettings
 
 
 def add_parser(subparsers) -> None:
     from ..cli_args import add_model_args
     from ..proposers import DEFAULT_METHOD, METHODS
-    from . import (DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_GRAMMAR_BYTES,
-                   DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_SCOPES)
+    from . import MEMORY_SCOPES
 
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -47,12 +47,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints and /metrics (repeatable: each key "
                         "is a tenant, whose cross-request memory is its own; default: $LEAPDECODE_API_KEY)")
-    p.add_argument("--memory-scope", choices=MEMORY_SCOPES, default="key",
+    p.add_argument("--memory-scope", choices=MEMORY_SCOPES, default=ServeConfig.memory_scope,
                    help="whose cross-request memory (suffix's tries, learned statistics, the prefix cache) a "
                         "request reads and feeds: key (its API key's; the default), user (its key's and its "
                         "`user` field's: the operator trusts the field), or shared (every client's: one client's "
                         "text then steers the drafts and timing others see; docs/server.md)")
-    p.add_argument("--memory-budget-mib", type=int, default=DEFAULT_MEMORY_BUDGET_BYTES >> 20,
+    p.add_argument("--memory-budget-mib", type=int, default=ServeConfig.memory_budget_bytes >> 20,
                    help="MiB the cross-request memory may hold, every tenant's together; past it the least "
                         "recently used goes (0 = no budget; default: %(default)s)")
     p.add_argument("--request-limit", action="append", metavar="METHOD.OPTION=N",
@@ -60,19 +60,19 @@ def add_parser(subparsers) -> None:
                         "step's work (repeatable; e.g. suffix.depth=128, suffix.remember_prompts=true, "
                         "tree_budget=32 for every method); a request above it gets 400 naming it. `leapdecode "
                         "methods` shows each bounded option's default bound")
-    p.add_argument("--max-grammar-bytes", type=int, default=DEFAULT_MAX_GRAMMAR_BYTES,
+    p.add_argument("--max-grammar-bytes", type=int, default=ServeConfig.max_grammar_bytes,
                    help="largest structured-output request: its JSON schemas (response_format, tools' "
                         "parameters), regex or grammar together, in bytes of JSON; more gets 400 "
                         "(default: %(default)s)")
-    p.add_argument("--grammar-timeout", type=float, default=DEFAULT_GRAMMAR_TIMEOUT_S,
+    p.add_argument("--grammar-timeout", type=float, default=ServeConfig.grammar_timeout,
                    help="seconds a request's schema check (in a child process) and its grammar's compilation may "
                         "each take; past it the request gets 400 (default: %(default)s)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (default: it needs the key when one is set)")
-    p.add_argument("--max-queue", type=int, default=16,
+    p.add_argument("--max-queue", type=int, default=ServeConfig.max_queue,
                    help="requests that may wait for a place in the batch; more get 429 with Retry-After "
                         "(default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=8,
+    p.add_argument("--max-batch", type=int, default=ServeConfig.max_batch,
                    help="generations decoded together in one batched forward (continuous batching; "
                         "default: %(default)s; 1 = one at a time)")
     p.add_argument("--kv-budget-mib", type=int, default=4096,
@@ -84,14 +84,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-speculation-under-load", action="store_true",
                    help="keep every greedy request's full draft tree however full the batch is (default: "
                         "trees shrink as the batch fills, where the measured cost says they stop paying)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float, default=ServeConfig.request_timeout,
                    help="seconds (queueing included) after which a request's generation is cancelled "
                         "(default: %(default)s)")
     p.add_argument("--max-tokens-limit", type=int,
                    help="largest max_tokens a request may ask for (default: the model's context length)")
-    p.add_argument("--default-max-tokens", type=int, default=256,
+    p.add_argument("--default-max-tokens", type=int, default=ServeConfig.default_max_tokens,
                    help="max_tokens of chat requests that give none (default: %(default)s; completions: 16)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=int, default=ServeConfig.max_body_bytes,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     p.add_argument("--served-model-name", help="the model id clients use (default: the model's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -222,19 +222,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
         ray_serve.require_ray()  # before anything starts
 
+    config = ServeConfig(
+        default_method=a.method, default_options=options, tree_budget=a.tree_budget,
+        drafts=None if a.draft is None else tuple(a.draft), datastores=files["--datastore"],
+        heads=files["--head"], request_limits=limits, max_tokens_limit=a.max_tokens_limit,
+        default_max_tokens=a.default_max_tokens, served_model_name=a.served_model_name, api_keys=tuple(a.api_key or ()),
+        memory_scope=a.memory_scope, memory_budget_bytes=(a.memory_budget_mib << 20) or None,
+        metrics_public=a.metrics_public, max_batch=a.max_batch, max_queue=a.max_queue,
+        kv_budget_bytes=a.kv_budget_mib * 2**20, speculate_under_load=not a.no_speculation_under_load,
+        prefix_cache_bytes=a.prefix_cache_mib * 2**20, request_timeout=a.request_timeout,
+        max_body_bytes=a.max_body_bytes, max_grammar_bytes=a.max_grammar_bytes, grammar_timeout=a.grammar_timeout)
     settings = ServeSettings(
         model=a.model, load=dict(dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights,
                                  attention=a.attention, require_exact=a.require_exact),
-        method=a.method, options=options, drafts=a.draft, warmup=not a.no_warmup, threads=a.threads,
-        app=dict(api_key=a.api_key, max_queue=a.max_queue, request_timeout=a.request_timeout,
-                 max_tokens_limit=a.max_tokens_limit, default_max_tokens=a.default_max_tokens,
-                 served_model_name=a.served_model_name, tree_budget=a.tree_budget, max_body_bytes=a.max_body_bytes,
-                 max_batch=a.max_batch, kv_budget_bytes=a.kv_budget_mib * 2**20,
-                 prefix_cache_bytes=a.prefix_cache_mib * 2**20, speculate_under_load=not a.no_speculation_under_load,
-                 datastores=files["--datastore"], heads=files["--head"], request_limits=limits,
-                 memory_budget_bytes=(a.memory_budget_mib << 20) or None, memory_scope=a.memory_scope,
-                 metrics_public=a.metrics_public, max_grammar_bytes=a.max_grammar_bytes,
-                 grammar_timeout=a.grammar_timeout))
+        config=config, warmup=not a.no_warmup, threads=a.threads)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
@@ -242,9 +243,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         port = a.port or ray_serve.free_port(a.host)
         scale = ray_serve.Scale(replicas=a.replicas, max_replicas=a.max_replicas, replica_cpus=a.replica_cpus,
                                 threads=a.threads)
-        return ray_serve.run(settings, scale, address=a.ray_address, host=a.host, port=port,
-                             max_batch=a.max_batch, max_queue=a.max_queue,
-                             model_name=a.served_model_name or a.model, log_level=a.log_level)
+        return ray_serve.run(settings, scale, address=a.ray_address, host=a.host, port=port, log_level=a.log_level)
 
     app = settings.build_app()
     model = app.state.model

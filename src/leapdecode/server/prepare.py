@@ -35,7 +35,7 @@ from ..core.config import MethodConfig
 from ..core.prompt import encode_prompt
 from ..core.runner import ModelRunner
 from ..errors import GrammarError, InvalidParameterError
-from .config import ServerConfig
+from .config import ServeConfig
 from .engine import GenSpec
 from .errors import ApiError, BodyTimeout, BodyTooLarge
 from .exceptions import QueueFullError
@@ -65,7 +65,7 @@ class Prepared:
         return self.request.choices_per_prompt
 
     def scoped(self, scope: str | None) -> "Prepared":
-        """Its generations in the memory scope ``scope`` (``ServerConfig.scope``: the request's tenant)."""
+        """Its generations in the memory scope ``scope`` (``ServeConfig.scope``: the request's tenant)."""
         return replace(self, specs=[replace(spec, memory_scope=scope) for spec in self.specs])
 
     @property
@@ -145,7 +145,7 @@ def parse_json(raw: bytes) -> dict:
 
 
 # ---------------------------------------------------------------------------- preparation (worker thread)
-def check_model(name: str, cfg: ServerConfig) -> None:
+def check_model(name: str, cfg: ServeConfig) -> None:
     if name != cfg.model_name:
         raise ApiError(404, f"The model '{name}' does not exist; this server serves '{cfg.model_name}'",
                        param="model", code="model_not_found")
@@ -262,13 +262,13 @@ def constrain(prep: Prepared, runner: ModelRunner, timeout_s: float = COMPILE_TI
     return replace(prep, specs=specs, structure=None)
 
 
-def prepare(kind: Kind, raw: bytes | dict, cfg: ServerConfig, runner: ModelRunner) -> Prepared:
+def prepare(kind: Kind, raw: bytes | dict, cfg: ServeConfig, runner: ModelRunner) -> Prepared:
     """Parse (unless ``raw`` is parsed already), validate and tokenize a request (pydantic errors
     propagate: a 400 naming the field); its grammar, if any, is left in ``structure`` for ``constrain``."""
     body = raw if isinstance(raw, dict) else parse_json(raw)
     model = runner.model
     if kind == "chat":
-        req = ChatCompletionRequest.model_validate(body, context=cfg.defaults(runner))
+        req = ChatCompletionRequest.model_validate(body, context=cfg)
         check_model(req.model, cfg)
         calling = req.tool_calling
         with_tools = [i for i, m in enumerate(req.messages) if m.uses_tools]
@@ -288,7 +288,7 @@ def prepare(kind: Kind, raw: bytes | dict, cfg: ServerConfig, runner: ModelRunne
         max_new = [max_new_tokens(req.requested_max_tokens, len(ids), model.max_seq_len, cfg.default_max_tokens,
                                   "messages")]
     else:
-        req = CompletionRequest.model_validate(body, context=cfg.defaults(runner))
+        req = CompletionRequest.model_validate(body, context=cfg)
         check_model(req.model, cfg)
         vocab = len(model.tokenizer)
         prompts, texts = [], []
@@ -340,7 +340,7 @@ class Preparer:
     request's grammar compiles on the structured lane too.  At most ``limit`` requests are in
     preparation at once; one more is a ``QueueFullError`` (429 with ``retry_after()`` seconds)."""
 
-    def __init__(self, cfg: ServerConfig, runner: ModelRunner, limit: int,
+    def __init__(self, cfg: ServeConfig, runner: ModelRunner, limit: int,
                  retry_after: Callable[[], int] = lambda: 1) -> None:
         self.cfg, self.runner, self.limit, self.retry_after = cfg, runner, limit, retry_after
         self.pending = 0  # requests in either stage (changed on the event loop only)

@@ -1,8 +1,8 @@
 """The wire format: OpenAI request and response models (pydantic), and the ``leapdecode`` extension.
 
-Requests are validated with ``Model.model_validate(body, context=ServerDefaults(...))``: the
-context carries what validation needs to know about this server (its default method and options,
-the drafts loaded at start-up, its limits).  Every validation error is a pydantic
+Requests are validated with ``Model.model_validate(body, context=config)``: the server's
+configuration (``config.ServeConfig``, resolved by ``create_app``) carries what validation needs to
+know about it (its default method and options, the drafts loaded at start-up, its limits).  Every validation error is a pydantic
 ``ValidationError`` whose first error names the field (``errors.py`` turns it into a 400 with
 ``param`` set): the field's location (``messages[0].role``, ``leapdecode.top_k``), or, for an
 error found across fields (a method option), ``ctx["param"]`` (``leapdecode.options.k``).
@@ -19,7 +19,7 @@ Error types raised here (``PydanticCustomError``):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, SerializerFunctionWrapHandler, \
@@ -31,38 +31,22 @@ from ..core.prompt import CHAT_ROLES
 from ..core.kv_policy import KVPolicy, parse_kv_policy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
-from ..proposers.registry import DEFAULT_METHOD, METHODS, check_request_limits
-from ..request import GenerationRequest, RequestDefaults, validate_request
+from ..proposers.registry import METHODS, check_request_limits
+from ..request import GenerationRequest, validate_request
 from ..strategies.registry import STRATEGIES, StrategyConfig
+from .config import ServeConfig
 from .tools import NAME_RE, NO_PARAMETERS, Tool, ToolCalling
 
 
 # ---------------------------------------------------------------------------- server context
-@dataclass(frozen=True)
-class ServerDefaults:
-    """What request validation needs to know about the server (the ``context`` of ``model_validate``)."""
-
-    default_method: str = DEFAULT_METHOD
-    default_options: dict[str, Any] = field(default_factory=dict)  # for the default method only
-    default_draft: str | None = None  # for any method with a draft option
-    tree_budget: int | None = None  # for every method
-    drafts: frozenset[str] = frozenset()  # loaded at start-up; no other draft can be used
-    # options that name a file or directory (``datastore``, ``head``): the names given at start-up
-    # (``serve --datastore NAME=PATH``, ``--head NAME=PATH``) and their paths; a request picks a name,
-    # never a path (issue 45: a request must not make the server open a file it names)
-    files: dict[str, dict[str, str]] = field(default_factory=dict)
-    max_n: int = 16
-    max_tokens_limit: int | None = None
-    # the most a request may ask of each option that sizes shared or long-lived state or a step's
-    # work ("METHOD.OPTION" -> bound: ``proposers.registry.request_limits``; empty: unbounded)
-    limits: dict[str, Any] = field(default_factory=dict)
+# method options whose value is a path on the server: a request picks one of the names given at start-up
+# (``serve --datastore NAME=PATH``, ``--head NAME=PATH``), never a path (issue 45: a request must not make
+# the server open a file it names)
+FILE_OPTIONS = ("datastore", "head")
 
 
-FILE_OPTIONS = ("datastore", "head")  # method options whose value is a path on the server
-
-
-def _defaults(info: ValidationInfo) -> ServerDefaults:
-    return info.context if isinstance(info.context, ServerDefaults) else ServerDefaults()
+def _defaults(info: ValidationInfo) -> ServeConfig:
+    return info.context if isinstance(info.context, ServeConfig) else ServeConfig()
 
 
 # ---------------------------------------------------------------------------- errors and scalar types
@@ -187,14 +171,11 @@ def field_name(path: str, where: dict[str, str]) -> str:
     return where.get(path) or PROTOCOL_NAMES.get(path) or f"leapdecode.{path}"
 
 
-def validate(where: dict[str, str], d: ServerDefaults, **fields: Any) -> GenerationRequest:
+def validate(where: dict[str, str], d: ServeConfig, **fields: Any) -> GenerationRequest:
     """``validate_request`` with this server's defaults; a ``RequestError`` becomes the 400 naming
     the field as a request wrote it (``where``: the fields a shorthand set, e.g. ``n``)."""
-    defaults = RequestDefaults(method=d.default_method, options=d.default_options, temperature=1.0,
-                               every_method={k: v for k, v in (("tree_budget", d.tree_budget),
-                                                               ("draft", d.default_draft)) if v is not None})
     try:
-        return validate_request(defaults=defaults, **fields)
+        return validate_request(defaults=d.request_defaults(), **fields)
     except InvalidParameterError as e:  # every one the validator raises names its field
         raise verbatim(e.render(lambda path: field_name(path, where)),
                        param=field_name(e.field or "options", where)) from None
@@ -215,12 +196,12 @@ def method_options(ext: LeapdecodeExtension, where: dict[str, str]) -> dict[str,
     return options
 
 
-def server_method(cfg: MethodConfig, given: dict[str, Any], where: dict[str, str], d: ServerDefaults) -> MethodConfig:
+def server_method(cfg: MethodConfig, given: dict[str, Any], where: dict[str, str], d: ServeConfig) -> MethodConfig:
     """A validated method config on this server: the options a request set stay within the server's
-    bounds (``d.limits``), the file options it named (``datastore``, ``head``) become the paths given
+    bounds (``d.request_limits``), the file options it named (``datastore``, ``head``) become the paths given
     at start-up, and its draft must be loaded here."""
     try:
-        check_request_limits(cfg, given, d.limits)
+        check_request_limits(cfg, given, d.request_limits)
     except InvalidParameterError as e:
         raise verbatim(str(e), param=field_name(e.field or "options", where), code="request_limit") from None
     for key in FILE_OPTIONS:
@@ -233,15 +214,15 @@ def server_method(cfg: MethodConfig, given: dict[str, Any], where: dict[str, str
                                f"with leapdecode serve --{key} NAME=PATH: {listed})", param=param)
             cfg = cfg.replace(**{key: named[given[key]]})
     draft = getattr(cfg, "draft", None)
-    if draft is not None and draft not in d.drafts:
-        loaded = ", ".join(sorted(d.drafts)) or "none"
+    if draft is not None and draft not in (d.drafts or ()):
+        loaded = ", ".join(sorted(d.drafts or ())) or "none"
         raise verbatim(f"draft model {_shown(draft)} is not loaded on this server (loaded: {loaded}); drafts are "
                        "loaded at start-up (leapdecode serve --draft NAME)",
                        param=where.get("options.draft", "leapdecode.options.draft"), code="model_not_found")
     return cfg
 
 
-def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> MethodConfig:
+def resolve_method(ext: LeapdecodeExtension | None, d: ServeConfig) -> MethodConfig:
     """The validated method config of a request's extension alone (the server's default: ``None``)."""
     ext = ext or LeapdecodeExtension()
     where: dict[str, str] = {}
@@ -250,7 +231,7 @@ def resolve_method(ext: LeapdecodeExtension | None, d: ServerDefaults) -> Method
     return server_method(request.method, given, where, d)
 
 
-def resolve_request(req: "_Request", d: ServerDefaults) -> GenerationRequest:
+def resolve_request(req: "_Request", d: ServeConfig) -> GenerationRequest:
     """The validated ``GenerationRequest`` of a request (every rule is ``request.py``'s; the
     server adds its own: ``n`` as a strategy's ``num_return_sequences``, at most ``max_n``
     choices, no tools with a strategy, its file names and loaded drafts)."""

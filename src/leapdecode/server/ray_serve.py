@@ -126,9 +126,11 @@ def build_replica_app(settings: "ServeSettings"):
     return app
 
 
-def deployment(settings: "ServeSettings", scale: Scale, max_batch: int, max_queue: int):
+def deployment(settings: "ServeSettings", scale: Scale):
     """The bound Serve application: one deployment whose replicas each build the app."""
     from ray import serve
+
+    max_batch, max_queue = settings.config.max_batch, settings.config.max_queue
 
     def build():  # a closure: cloudpickle ships ``settings`` with it to every replica
         return build_replica_app(settings)
@@ -177,7 +179,7 @@ def _log(msg: str) -> None:
 
 
 def run(settings: "ServeSettings", scale: Scale, *, address: str | None, host: str, port: int,
-        max_batch: int, max_queue: int, model_name: str, log_level: str = "info") -> int:
+        log_level: str = "info") -> int:
     """Serve ``settings``' app on Ray Serve until Ctrl-C or SIGTERM; returns the exit status.
 
     ``address``: an existing cluster (``"auto"``, ``"HOST:PORT"``, ``"ray://..."``), or None to
@@ -192,8 +194,7 @@ def run(settings: "ServeSettings", scale: Scale, *, address: str | None, host: s
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run(settings, scale, stop, on_signal, address=address, host=host, port=port, max_batch=max_batch,
-                    max_queue=max_queue, model_name=model_name, log_level=log_level)
+        return _run(settings, scale, stop, on_signal, address=address, host=host, port=port, log_level=log_level)
     except KeyboardInterrupt:  # before Ray started, or a second Ctrl-C while shutting down
         _log("interrupted")
         return 130
@@ -202,12 +203,12 @@ def run(settings: "ServeSettings", scale: Scale, *, address: str | None, host: s
             signal.signal(sig, handler)
 
 
-def _run(settings, scale: Scale, stop: threading.Event, on_signal, *, address, host, port, max_batch, max_queue,
-         model_name, log_level) -> int:
+def _run(settings, scale: Scale, stop: threading.Event, on_signal, *, address, host, port, log_level) -> int:
     def check() -> None:
         if stop.is_set():
             raise KeyboardInterrupt
 
+    model_name = settings.config.served_model_name or settings.model
     local = address is None
     ray, serve = import_ray(local_head=local)
     check()
@@ -243,7 +244,7 @@ def _run(settings, scale: Scale, stop: threading.Event, on_signal, *, address, h
         _log(f"deploying {scale.replicas} replica(s) of {model_name} (at most {scale.max_replicas}; "
              f"{scale.threads} torch thread(s) and {scale.replica_cpus:g} Ray CPU(s) each)")
         deploying = True
-        serve.run(deployment(settings, scale, max_batch, max_queue), name=APP_NAME, route_prefix="/",
+        serve.run(deployment(settings, scale), name=APP_NAME, route_prefix="/",
                   blocking=False, logging_config=serve_logging)
         check()
         _log(f"serving {model_name} on http://{host}:{port}/v1 through Ray Serve "

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from .config import ServerConfig
+from .config import ServeConfig
 from .engine import Delta, Disconnected, Ended, Engine, Event, Failed, Finished, Job, Started
 from .errors import RequestTimeout, api_error
 from .prepare import Prepared
@@ -197,7 +197,7 @@ class Chunks:
 
 
 # ---------------------------------------------------------------------------- the answer
-async def answer(request: Request, engine: Engine, prep: Prepared, cfg: ServerConfig) -> Response:
+async def answer(request: Request, engine: Engine, prep: Prepared, cfg: ServeConfig) -> Response:
     """Submit the request's generations and answer (JSON, or an SSE stream)."""
     job = Job(prep.specs, deadline=time.monotonic() + cfg.request_timeout)
     engine.submit(job)  # QueueFullError: 429

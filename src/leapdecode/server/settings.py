@@ -1,24 +1,13 @@
-"""What ``leapdecode serve`` builds its app from (``ServeSettings``), validated by the command
-line (``cli.py``) and picklable, so that a Ray Serve replica (``ray_serve.py``) builds the very
-same app in its own process."""
+"""What ``leapdecode serve`` builds its app from (``ServeSettings``: the model, how to load it, and
+the app's ``ServeConfig``), validated by the command line (``cli.py``) and picklable, so that a
+Ray Serve replica (``ray_serve.py``) builds the very same app in its own process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def default_drafts(model, method: str, options: dict, given: list[str] | None) -> list[str]:
-    """The drafts to load: those given, else the model's registered draft when the method uses one."""
-    from ..proposers import METHODS
-
-    if given:
-        return list(given)
-    if options.get("draft"):
-        return [options["draft"]]
-    if METHODS[method].uses_draft_model and model.draft_name and options.get("use_draft", True) is not False:
-        return [model.draft_name]
-    return []
+from .config import ServeConfig
 
 
 @dataclass(frozen=True)
@@ -28,10 +17,7 @@ class ServeSettings:
 
     model: str
     load: dict[str, Any]  # load()'s keyword arguments: backend, dtype, device, weights, attention
-    method: str
-    options: dict[str, Any]  # the default method's options (--option)
-    drafts: list[str] | None  # --draft as given (None: the model's registered draft where the method uses one)
-    app: dict[str, Any] = field(default_factory=dict)  # create_app's other keyword arguments
+    config: ServeConfig = field(default_factory=ServeConfig)  # create_app's
     warmup: bool = True
     threads: int | None = None  # torch.set_num_threads before loading (None: leave torch's choice)
 
@@ -47,8 +33,7 @@ class ServeSettings:
 
             torch.set_num_threads(self.threads)
         model = load(self.model, **self.load)
-        app = create_app(model, default_method=self.method, default_options=self.options,
-                         drafts=default_drafts(model, self.method, self.options, self.drafts), **self.app)
+        app = create_app(model, self.config)
         if self.warmup:  # allocates the caches and builds the default method; fails here, not on a request
             generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
         else:  # the default method is still built once, so that what every request needs (a draft) fails here
