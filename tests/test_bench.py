@@ -23,6 +23,7 @@ from leapdecode.bench.workloads import (
     select,
 )
 from leapdecode.cli import build_parser, main
+from helpers.models import tiny_hf_dir
 
 
 # --------------------------------------------------------------------------- statistics
@@ -343,32 +344,8 @@ def test_bench_bad_workload_is_a_clean_error(tmp_path, capsys):
     assert "nosuch" in err and "qa" in err and "schema" not in err, err
 
 
-def _tiny_hf_dir(path: Path) -> Path:
-    """A tiny random Llama saved in Hugging Face format with the byte tokenizer."""
-    import torch
-    import transformers
-
-    from leapdecode.models.tiny import byte_tokenizer
-
-    tok = byte_tokenizer()
-    eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    cfg = transformers.LlamaConfig(
-        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.2)
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return path
-
-
 def test_bench_hf_peers_match_vanilla(tmp_path, capsys):
-    model_dir = _tiny_hf_dir(tmp_path / "tinyhf")
+    model_dir = tiny_hf_dir(tmp_path / "tinyhf")
     wl = write_jsonl(tmp_path / "q.jsonl", SHORT[:2])
     out = tmp_path / "out"
     rc = main(["bench", "-m", str(model_dir), "--dtype", "fp32", "--peers", "hf", "--draft", str(model_dir),
@@ -570,3 +547,28 @@ def test_progress_in_a_log_is_a_line_per_generation(tmp_path, capsys):
     assert {ln.split()[2] for ln in lines} == {"vanilla", "pld"}
     assert main([*common, "--no-progress", "--out", str(tmp_path / "b")]) == 0
     assert " tokens in " not in capsys.readouterr().err
+
+
+def test_a_record_is_the_line_results_jsonl_holds():
+    """``BenchRecord.to_dict`` is the results.jsonl line (the engine's stats only where the generation
+    reported them, the structured outcome only for a constrained prompt) and ``from_dict`` reads it back."""
+    from leapdecode.bench.record import BenchRecord
+    from leapdecode.bench.runners import RunOutput
+
+    q = Question(question_id=7, category="qa", turns=["Hi."])
+    res = RunOutput(tokens=[5, 6, 7], wall_s=0.5, target_forwards=2, finish_reason="length",
+                    extra={"stats": {"decided_tokens": 4, "tree_rows": 3, "verify_s": 0.1, "other": 1}})
+    rec = BenchRecord.of_run(res, method="pld", system="leapdecode", model="m", q=q, turn=1, repeat=0,
+                             prompt_tokens=9, reference=[5, 6, 8])
+    d = rec.to_dict()
+    assert list(d)[:3] == ["method", "model", "system"] and "valid" not in d and "other" not in d
+    assert (d["tokens_per_s"], d["mean_accepted"], d["identical"], d["first_divergence"]) == (6.0, 2.0, False, 2)
+    assert (d["tree_rows"], d["verify_s"]) == (3, 0.1) and "prefill_s" not in d
+    assert BenchRecord.from_dict(d).to_dict() == d
+    q.meta["json_schema"] = {"type": "object"}
+    for text, finish, valid in (('{"a": 1}', "stop", True), ("[1]", "stop", False), ('{"a"', "length", None)):
+        peer = RunOutput(tokens=[1], wall_s=0.0, finish_reason=finish, text=text)
+        d = BenchRecord.of_run(peer, method="hf", system="hf", model="m", q=q, turn=1, repeat=1, prompt_tokens=9,
+                               reference=None).to_dict()
+        assert (d["valid"], d["ended"], d["identical"], d["tokens_per_s"]) == (valid, finish == "stop", None, 0.0)
+        assert BenchRecord.from_dict(d).to_dict() == d

@@ -7,7 +7,6 @@ first turn is the history every runner gets for the second turn), ``repeats`` ti
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,12 +17,11 @@ from ..core.cost_model import machine_description
 from ..errors import InvalidParameterError, LeapdecodeError
 from ..models.kernel_library import isa_flags
 from . import report, stats
-from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, expand_peers, make_peers, split_method_row
+from .record import BenchRecord
+from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, RunOutput, expand_peers, make_peers, split_method_row
 from .workloads import Question, load_workload, select
 
 WARMUP_TOKENS = 8
-# a leapdecode generation's stats kept per record in results.jsonl (where the time went, what was drafted)
-RECORDED_STATS = ("tree_rows", "prefill_s", "draft_s", "verify_s", "auto_arms")
 
 
 @dataclass
@@ -98,6 +96,15 @@ def encode_turn(loaded, q: Question, history: list[dict], turn: str) -> list[int
     return encode_prompt(loaded, text, chat=False)
 
 
+def check_config(cfg: BenchConfig) -> None:
+    if cfg.max_new_tokens < 1:
+        raise InvalidParameterError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.repeats < 1:
+        raise InvalidParameterError(f"--repeats must be >= 1, got {cfg.repeats}")
+    if cfg.temperature < 0:
+        raise InvalidParameterError(f"--temperature must be >= 0, got {cfg.temperature}")
+
+
 def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None = None) -> dict:
     """Run the bench; writes results.jsonl, summary.json, report.md and plots to ``cfg.out``
     and returns the summary."""
@@ -112,12 +119,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         notes.append(msg)
         (say or (lambda m: console.print(f"leapdecode: {m}", markup=False, highlight=False, soft_wrap=True)))(msg)
 
-    if cfg.max_new_tokens < 1:
-        raise InvalidParameterError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.repeats < 1:
-        raise InvalidParameterError(f"--repeats must be >= 1, got {cfg.repeats}")
-    if cfg.temperature < 0:
-        raise InvalidParameterError(f"--temperature must be >= 0, got {cfg.temperature}")
+    check_config(cfg)
     methods = validate_methods(cfg.methods)
     try:
         peers = expand_peers(cfg.peers)
@@ -147,133 +149,26 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         runners += make_peers(peers, loaded, cfg.model, cfg.draft, n_ctx=loaded.max_seq_len, say=note)
     started = list(runners)  # (a runner dropped on the way is closed too)
     try:
-        greedy = cfg.temperature <= 0
-
-        # warm-up: one short generation per runner on the longest first-turn prompt that fits, so that
-        # every one-off cost (the kernel build, the prefill path's measurement and the dense copies a
-        # long prompt triggers, the verification-cost probe, a draft's lazy load and prefill, a peer's
-        # start-up) is paid before any timed prompt (tests/test_bench.py plants one)
-        fitting = [(q, ids) for q in questions
-                   if len(ids := encode_turn(loaded, q, [], q.turns[0])) + WARMUP_TOKENS < loaded.max_seq_len]
-        warm_q, first = max(fitting, key=lambda c: len(c[1])) if fitting else \
-            (questions[0], encode_turn(loaded, questions[0], [], questions[0].turns[0]))
-        for r in list(runners):
-            try:
-                mark = r.mark()
-                r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed, structure_of(warm_q))
-            except LeapdecodeError:
-                raise
-            except Exception as e:
-                if r.system == "leapdecode":
-                    raise
-                note(f"skipping {r.name}: warm-up failed ({type(e).__name__}: {e})")
-                runners.remove(r)
-                continue
-            r.rewind(mark)  # the warm-up prompt is timed later: its text is not in a memory then
-
+        warm_up(runners, loaded, questions, cfg, note)
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        records: list[dict] = []
-        total = sum(len(q.turns) for q in questions) * cfg.repeats * len(runners)
+        records: list[BenchRecord] = []
         order = [r.name for r in runners]
-
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
-        progress = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-                            disable=not cfg.progress, transient=False)
-        plain_lines = cfg.progress and not console.is_terminal  # a line per generation instead of the bar
-        n_prompt = 0
-        with progress:
-            task = progress.add_task("", total=total)
+        n_prompt = 0  # the prompts run (a sampled run's seed counts them)
+        total = sum(len(q.turns) for q in questions) * cfg.repeats * len(runners)
+        with BenchProgress(console, cfg.progress, total) as progress:
+            session = Session(loaded, runners, cfg, progress, note)
             for q in questions:
-                history: list[dict] = []
-                for turn_no, turn in enumerate(q.turns, start=1):
-                    ids = encode_turn(loaded, q, history, turn)
-                    if len(ids) + 1 > loaded.max_seq_len:
-                        note(f"question {q.question_id} turn {turn_no}: prompt of {len(ids)} tokens exceeds the "
-                             f"context ({loaded.max_seq_len}); skipped")
-                        progress.advance(task, cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
-                        break
-                    ref_tokens: list[int] | None = None
-                    ref_text = ""
-                    n_before = len(records)
-                    done_before = progress.tasks[0].completed
-                    failed = None
-                    marks = {r.name: r.mark() for r in runners} if cfg.repeats > 1 else {}
-                    for rep in range(cfg.repeats):
-                        if failed:
-                            break
-                        seed = None if greedy else cfg.seed * 1_000_003 + n_prompt * 101 + rep
-                        for r in list(runners):
-                            progress.update(task, description=f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
-                            if rep:
-                                r.rewind(marks[r.name])  # a repeat drafts from what the first run could
-                            try:
-                                res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed, structure_of(q))
-                            except LeapdecodeError:
-                                raise
-                            except Exception as e:
-                                if r.system == "leapdecode":
-                                    # an engine failure on one prompt: drop the prompt for every
-                                    # runner (so all rows cover the same prompts) and go on
-                                    failed = f"{r.name}: {type(e).__name__}: {e}"
-                                    break
-                                note(f"dropping {r.name}: {type(e).__name__}: {e}")
-                                runners.remove(r)
-                                continue
-                            if r.name == "vanilla" and ref_tokens is None:
-                                ref_tokens, ref_text = res.tokens, res.text
-                            div = (stats.first_divergence(res.tokens, ref_tokens)
-                                   if greedy and ref_tokens is not None else None)
-                            n = res.new_tokens
-                            gs = res.extra.get("stats") or {}  # a leapdecode generation's own stats
-                            # tokens decided per forward: a leapdecode generation's own count (its
-                            # end-of-sequence token included: vanilla is 1.00), else the new tokens
-                            decided = gs.get("decided_tokens", n)
-                            records.append({
-                                "method": r.name, "model": loaded.name, "system": r.system,
-                                "question_id": q.question_id, "category": q.category, "group": q.group,
-                                "turn": turn_no, "repeat": rep, "prompt_tokens": len(ids), "new_tokens": n,
-                                "wall_s": round(res.wall_s, 5),
-                                "tokens_per_s": round(n / res.wall_s, 4) if res.wall_s > 0 else 0.0,
-                                "target_forwards": res.target_forwards,
-                                "decided_tokens": decided,
-                                "mean_accepted": (round(decided / res.target_forwards, 4)
-                                                  if res.target_forwards else None),
-                                "identical": (div is None) if greedy and ref_tokens is not None else None,
-                                "first_divergence": div,
-                                "finish_reason": res.finish_reason,
-                                "peak_rss_mb": res.peak_rss_mb,
-                                "peak_gpu_mb": res.peak_gpu_mb,
-                                **{k: gs[k] for k in RECORDED_STATS if k in gs},
-                                **({"valid": output_valid(res.text, q.meta["json_schema"])
-                                    if res.finish_reason == "stop" else None,
-                                    "ended": res.finish_reason == "stop",
-                                    "constraint_s": res.constraint_s} if "json_schema" in q.meta else {}),
-                            })
-                            progress.advance(task)
-                            if plain_lines:  # a log file or a pipe: rich draws the bar only at the end
-                                console.print(f"bench {int(progress.tasks[0].completed)}/{total} {r.name} "
-                                              f"q{q.question_id} t{turn_no} r{rep + 1}: {n} tokens in "
-                                              f"{res.wall_s:.1f} s", markup=False, highlight=False, soft_wrap=True)
-                    if failed:
-                        del records[n_before:]
-                        note(f"question {q.question_id} turn {turn_no} ({len(ids)} prompt tokens) skipped: {failed}")
-                        progress.update(task, completed=done_before
-                                        + cfg.repeats * len(runners) * (len(q.turns) - turn_no + 1))
-                        break
-                    history += [{"role": "user", "content": turn}, {"role": "assistant", "content": ref_text}]
-                    n_prompt += 1
-                report.write_jsonl(out / "results.jsonl", records)  # partial results survive an interrupt
+                n_prompt += run_question(session, q, n_prompt, records)
+                # partial results survive an interrupt
+                report.write_jsonl(out / "results.jsonl", [r.to_dict() for r in records])
     finally:  # an interrupted or failed bench leaves no peer server running
         for r in started:
             r.close()
     if not records:
         raise LeapdecodeError("no prompt could be benchmarked: " + "; ".join(notes[-3:]))
 
-    summary = stats.summarize(records, order=order)
+    summary = stats.summarize([r.to_dict() for r in records], order=order)
     if structured:
         summary["structured"] = {**grammar, "rows": structured_rows(records, order)}
     summary.update({
@@ -288,18 +183,165 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
         "python": sys.version.split()[0], "cpu_flags": isa_flags(), "commit": _commit(),
         "command": cfg.command,
     })
+    write_outputs(summary, records, out, cfg.plots, note)
+    return summary
+
+
+def warm_up(runners: list[Runner], loaded, questions: list[Question], cfg: BenchConfig,
+            note: Callable[[str], None]) -> None:
+    """One short generation per runner on the longest first-turn prompt that fits, so that every
+    one-off cost (the kernel build, the prefill path's measurement and the dense copies a long prompt
+    triggers, the verification-cost probe, a draft's lazy load and prefill, a peer's start-up) is paid
+    before any timed prompt (tests/test_bench.py plants one); a peer whose warm-up fails is dropped."""
+    fitting = [(q, ids) for q in questions
+               if len(ids := encode_turn(loaded, q, [], q.turns[0])) + WARMUP_TOKENS < loaded.max_seq_len]
+    warm_q, first = max(fitting, key=lambda c: len(c[1])) if fitting else \
+        (questions[0], encode_turn(loaded, questions[0], [], questions[0].turns[0]))
+    for r in list(runners):
+        try:
+            mark = r.mark()
+            r.run(first, min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.temperature, cfg.seed, structure_of(warm_q))
+        except LeapdecodeError:
+            raise
+        except Exception as e:
+            if r.system == "leapdecode":
+                raise
+            note(f"skipping {r.name}: warm-up failed ({type(e).__name__}: {e})")
+            runners.remove(r)
+            continue
+        r.rewind(mark)  # the warm-up prompt is timed later: its text is not in a memory then
+
+
+class BenchProgress:
+    """The bench's progress: rich's bar in a terminal, and a line per generation in a log file or a
+    pipe (where rich draws the bar only at the end); nothing with ``enabled`` False."""
+
+    def __init__(self, console, enabled: bool, total: int) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.console, self.total = console, total
+        self.bar = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                            disable=not enabled, transient=False)
+        self.lines = enabled and not console.is_terminal
+
+    def __enter__(self) -> "BenchProgress":
+        self.bar.__enter__()
+        self.task = self.bar.add_task("", total=self.total)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    @property
+    def completed(self) -> float:
+        return self.bar.tasks[0].completed
+
+    def starting(self, label: str) -> None:
+        self.bar.update(self.task, description=label)
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.advance(self.task, n)
+
+    def set_completed(self, n: float) -> None:
+        self.bar.update(self.task, completed=n)
+
+    def ran(self, label: str, res: RunOutput) -> None:
+        self.advance()
+        if self.lines:
+            self.console.print(f"bench {int(self.completed)}/{self.total} {label}: {res.new_tokens} tokens in "
+                               f"{res.wall_s:.1f} s", markup=False, highlight=False, soft_wrap=True)
+
+
+@dataclass
+class Session:
+    """What running the bench's prompts needs: the target, the runners (a peer that fails is dropped
+    from the list), the configuration, the progress and the notes."""
+
+    loaded: Any
+    runners: list[Runner]
+    cfg: BenchConfig
+    progress: BenchProgress
+    note: Callable[[str], None]
+
+
+def run_question(p: Session, q: Question, n_prompt: int, records: list[BenchRecord]) -> int:
+    """Every turn of ``q`` on every runner (the history of a turn: vanilla's answers to the turns
+    before), into ``records``; returns the prompts run.  A prompt over the context, or one that fails
+    in leapdecode, ends the question: its later turns would have no history."""
+    history: list[dict] = []
+    done = 0
+    for turn_no, turn in enumerate(q.turns, start=1):
+        ids = encode_turn(p.loaded, q, history, turn)
+        left = len(q.turns) - turn_no + 1  # the turns not run, this one included
+        if len(ids) + 1 > p.loaded.max_seq_len:
+            p.note(f"question {q.question_id} turn {turn_no}: prompt of {len(ids)} tokens exceeds the "
+                   f"context ({p.loaded.max_seq_len}); skipped")
+            p.progress.advance(p.cfg.repeats * len(p.runners) * left)
+            break
+        done_before = p.progress.completed
+        rows, answer, failed = run_prompt(p, q, turn_no, ids, n_prompt + done)
+        if failed:
+            p.note(f"question {q.question_id} turn {turn_no} ({len(ids)} prompt tokens) skipped: {failed}")
+            p.progress.set_completed(done_before + p.cfg.repeats * len(p.runners) * left)
+            break
+        records += rows
+        history += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+        done += 1
+    return done
+
+
+def run_prompt(p: Session, q: Question, turn_no: int, ids: list[int], prompt_no: int):
+    """One prompt, ``repeats`` times, each time on every runner in turn (vanilla first: the reference
+    for token identity, and its answer the history of the next turn) -> (records, vanilla's answer,
+    None), or ([], "", why) when leapdecode failed on it (the prompt is dropped for every runner, so
+    that all rows cover the same prompts)."""
+    cfg = p.cfg
+    greedy = cfg.temperature <= 0
+    rows: list[BenchRecord] = []
+    reference: RunOutput | None = None
+    marks = {r.name: r.mark() for r in p.runners} if cfg.repeats > 1 else {}
+    for rep in range(cfg.repeats):
+        seed = None if greedy else cfg.seed * 1_000_003 + prompt_no * 101 + rep
+        for r in list(p.runners):
+            label = f"{r.name} q{q.question_id} t{turn_no} r{rep + 1}"
+            p.progress.starting(f"{r.name:<14} q{q.question_id} t{turn_no} r{rep + 1}")
+            if rep:
+                r.rewind(marks[r.name])  # a repeat drafts from what the first run could
+            try:
+                res = r.run(ids, cfg.max_new_tokens, cfg.temperature, seed, structure_of(q))
+            except LeapdecodeError:
+                raise
+            except Exception as e:
+                if r.system == "leapdecode":
+                    return [], "", f"{r.name}: {type(e).__name__}: {e}"
+                p.note(f"dropping {r.name}: {type(e).__name__}: {e}")
+                p.runners.remove(r)
+                continue
+            if r.name == "vanilla" and reference is None:
+                reference = res
+            rows.append(BenchRecord.of_run(res, method=r.name, system=r.system, model=p.loaded.name, q=q,
+                                           turn=turn_no, repeat=rep, prompt_tokens=len(ids),
+                                           reference=reference.tokens if greedy and reference else None))
+            p.progress.ran(label, res)
+    return rows, reference.text if reference else "", None
+
+
+def write_outputs(summary: dict, records: list[BenchRecord], out: Path, plots: bool,
+                  note: Callable[[str], None]) -> None:
+    """results.jsonl, summary.json, report.md and the plots; the summary names the files."""
     plot_files: list[Path] = []
-    if cfg.plots:
+    if plots:
         plot_files = report.plots(summary, out)
         if not plot_files:
             note("no plots: matplotlib is not installed (pip install 'leapdecode[bench]')")
     summary["plots"] = [str(p) for p in plot_files]
     summary["files"] = {"results": str(out / "results.jsonl"), "summary": str(out / "summary.json"),
                         "report": str(out / "report.md")}
-    report.write_jsonl(out / "results.jsonl", records)
+    report.write_jsonl(out / "results.jsonl", [r.to_dict() for r in records])
     report.write_json(out / "summary.json", summary)
     report.write_text(out / "report.md", report.markdown(summary))
-    return summary
 
 
 def structure_of(q: Question) -> dict | None:
@@ -345,43 +387,25 @@ def compile_structures(loaded, questions: list[Question], categories: list[str] 
                   "compile_ms_p50": pct(0.5), "compile_ms_p95": pct(0.95)}
 
 
-def output_valid(text: str, schema: dict) -> bool | None:
-    """The output parses as JSON and validates against the schema (``jsonschema``); None when
-    Python cannot check it (a pattern in an ECMA-262 regex dialect that ``re`` does not read, a
-    ``$ref`` to a remote schema)."""
-    import jsonschema
-
-    try:
-        instance = json.loads(text)
-    except ValueError:
-        return False
-    try:
-        jsonschema.validators.validator_for(schema)(schema).validate(instance)
-    except jsonschema.ValidationError:
-        return False
-    except Exception:  # noqa: BLE001  a pattern re cannot read (re.error), a remote $ref (referencing)
-        return None
-    return True
-
-
-def structured_rows(records: list[dict], order: list[str]) -> list[dict]:
+def structured_rows(records: list[BenchRecord], order: list[str]) -> list[dict]:
     """Per runner: outputs that ended (EOS) and those valid among them, outputs cut by the token
     limit, and the grammar engine's time per generated token and as a share of the wall time."""
     out = []
     for name in order:
-        rs = [r for r in records if r["method"] == name and "valid" in r]
+        rs = [r.structured for r in records if r.method == name and r.structured is not None]
         if not rs:
             continue
-        ended = [r for r in rs if r.get("ended", r["valid"] is not None)]
-        unchecked = sum(1 for r in ended if r["valid"] is None)
-        grammar_s = [r["constraint_s"] for r in rs if r.get("constraint_s") is not None]
-        tokens = sum(r["new_tokens"] for r in rs if r.get("constraint_s") is not None)
-        wall = sum(r["wall_s"] for r in rs if r.get("constraint_s") is not None)
+        timed = [(r, s) for r in records if r.method == name and (s := r.structured) is not None
+                 and s.constraint_s is not None]
+        ended = [s for s in rs if s.ended]
+        grammar_s = sum(s.constraint_s for _, s in timed)
+        tokens = sum(r.new_tokens for r, _ in timed)
+        wall = sum(r.wall_s for r, _ in timed)
         out.append({"runner": name, "outputs": len(rs), "ended": len(ended),
-                    "valid": sum(1 for r in ended if r["valid"]), "unchecked": unchecked,
+                    "valid": sum(1 for s in ended if s.valid), "unchecked": sum(1 for s in ended if s.valid is None),
                     "cut_by_limit": len(rs) - len(ended),
-                    "grammar_us_per_token": round(1e6 * sum(grammar_s) / tokens, 1) if tokens else None,
-                    "grammar_share_of_wall": round(sum(grammar_s) / wall, 4) if wall else None})
+                    "grammar_us_per_token": round(1e6 * grammar_s / tokens, 1) if tokens else None,
+                    "grammar_share_of_wall": round(grammar_s / wall, 4) if wall else None})
     return out
 
 
