@@ -34,7 +34,7 @@ def measure(name: str, questions: list[str], tokens: int, threads: int, **load) 
     import torch
 
     import leapdecode
-    from leapdecode.bench.llama_server import LlamaServer, free_port, server_binary, server_command
+    from leapdecode.bench.peers.llama_server import LlamaServer, free_port, server_binary, server_command
     from leapdecode.models.loader import model_files
 
     lm = leapdecode.load(name, **load)

@@ -262,7 +262,7 @@ def du(path: Path) -> int:
 
 # --------------------------------------------------------------------------- llama.cpp's server
 def llama_server(gguf: Path, prompt_ids: list[int], new_tokens: int, threads: int) -> dict:
-    from leapdecode.bench.llama_server import LlamaServer, free_port, server_binary, server_command
+    from leapdecode.bench.peers.llama_server import LlamaServer, free_port, server_binary, server_command
 
     binary = server_binary()
     if binary is None:

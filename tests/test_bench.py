@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from leapdecode.bench import stats
-from leapdecode.bench.runners import PEERS_INSTALL_HINT, expand_peers, make_peers
+from leapdecode.bench.peers import PEERS_INSTALL_HINT, expand_peers, make_peers
 from leapdecode.bench.workloads import (
     MT_BENCH_CATEGORIES,
     Question,
@@ -384,7 +384,7 @@ def test_demo_runs_llama_servers_plain_row_only_when_built(monkeypatch, tmp_path
     """With llama.cpp's server built by an earlier bench, the demo added its three rows and took
     13.5 min on the Xeon (2026-11-29); it adds the plain row alone."""
     from leapdecode.bench import cli as bench_cli
-    from leapdecode.bench import llama_server
+    from leapdecode.bench.peers import llama_server
 
     binary = tmp_path / "llama-server"
     binary.write_text("")
@@ -519,7 +519,7 @@ def test_hf_rows_run_quantized_targets_in_the_cpus_fast_dtype(monkeypatch):
     a float target keeps its own dtype."""
     from types import SimpleNamespace
 
-    from leapdecode.bench.runners import hf_dtype
+    from leapdecode.bench.peers.hf import hf_dtype
     from leapdecode.models import loader
 
     cpu = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""llama.cpp's server as a bench peer (bench/llama_server.py): the command of each configuration,
+"""llama.cpp's server as a bench peer (bench/peers/llama_server.py): the command of each configuration,
 the runner against a stand-in server process, and the failures that become one skip line."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from leapdecode.bench import llama_server
-from leapdecode.bench.runners import LlamaServerRunner, expand_peers, make_peers
+from leapdecode.bench.peers import llama_server
+from leapdecode.bench.peers import expand_peers, make_peers
+from leapdecode.bench.peers.llamacpp import LlamaServerRunner
 from leapdecode.models.loader import load
 
 # A stand-in for llama-server: answers /health, and /completion with the prompt's last token + 1,
@@ -167,7 +168,7 @@ def test_a_killed_bench_takes_its_servers_with_it(tmp_path):
     port = llama_server.free_port()
     parent = subprocess.Popen([sys.executable, "-c", f"""
 import time
-from leapdecode.bench import llama_server
+from leapdecode.bench.peers import llama_server
 s = llama_server.LlamaServer([{str(binary)!r}, "--port", "{port}"], {port})
 open({str(pid_file)!r}, "w").write(str(s.proc.pid))
 time.sleep(60)

@@ -97,7 +97,7 @@ def collect(model: str | None = None) -> dict:
     """The whole report (a JSON-able dict); ``model``: also whether it runs natively and exactly here."""
     import torch
 
-    from .bench.llama_server import ServerUnavailable, server_binary
+    from .bench.peers.llama_server import ServerUnavailable, server_binary
     from .core.cost_model import hardware_name
     from .models.kernel_library import compiler, cpu_flags, kernel_status
     from .models.store import cache_dir, writable

@@ -165,7 +165,7 @@ def config_from_args(a: argparse.Namespace):
                 cfg.peers.append("llamacpp")
             except ImportError:
                 pass
-            from .llama_server import ServerUnavailable, server_binary
+            from .peers.llama_server import ServerUnavailable, server_binary
 
             with contextlib.suppress(ServerUnavailable):
                 if server_binary() is not None:  # built by an earlier bench: the demo never builds it

