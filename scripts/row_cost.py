@@ -126,7 +126,7 @@ def main() -> int:
               "macs_per_row": macs, "weight_bytes": nbytes, "isa": isa,
               "peaks": peaks, "command": "python scripts/row_cost.py " + " ".join(sys.argv[1:])}
     if args.save:
-        from leapdecode.bench.results_page import RESULTS_DIR, ROW_COST_DIR, slug
+        from leapdecode.results.page import RESULTS_DIR, ROW_COST_DIR, slug
         from leapdecode.models.store import atomic_write
 
         path = RESULTS_DIR / ROW_COST_DIR / f"{report['date']}-{slug(machine.split(',')[0])}.json"

@@ -355,7 +355,7 @@ def main() -> int:
             shutil.rmtree(cache, ignore_errors=True)
     print(f"wrote {results_path}")
     if args.save:
-        from leapdecode.bench.results_page import RESULTS_DIR, slug
+        from leapdecode.results.page import RESULTS_DIR, slug
 
         saved = RESULTS_DIR / "scale" / f"{report['date']}-{slug(machine.split(',')[0])}.json"
         saved.parent.mkdir(parents=True, exist_ok=True)

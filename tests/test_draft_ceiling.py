@@ -57,7 +57,7 @@ def test_options(ceiling):
 
 
 def test_report_is_what_the_results_page_reads(ceiling):
-    from leapdecode.bench import results_page
+    from leapdecode.results import page as results_page
 
     a = ceiling.parse_args(["--workload", "similar", "--limit", "4", "--memory", "--save", "x.json"])
     spent = {"copy oracle": {"extract": 50.0, "tests": 20.0}, "copy oracle with memory": {"extract": 40.0, "tests": 20.0}}

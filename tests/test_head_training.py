@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from leapdecode.bench.results_page import head_table, heads_section, read_head_reports
+from leapdecode.results.page import head_table, heads_section, read_head_reports
 from leapdecode.bench.workloads import WorkloadError, find_default_workload
 from leapdecode.cli import main as cli_main
 from leapdecode.errors import HeadMismatchError, InvalidParameterError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from leapdecode.bench import results_page
+from leapdecode.results import page as results_page
 from leapdecode.cli import main
 from leapdecode.errors import InvalidParameterError
 
@@ -265,7 +265,7 @@ def test_N_RES7_check_with_and_without_plots_agree(tmp_path, monkeypatch, capsys
 
 
 def test_row_cost_section_shows_each_variant_against_its_instructions_peak():
-    from leapdecode.bench.results_page import row_cost_section
+    from leapdecode.results.page import row_cost_section
 
     report = {"report": "row-cost", "machine": "Some CPU, 2 cores", "date": "2026-12-06", "model": "m", "context": 256,
               "command": "python scripts/row_cost.py --save",

@@ -1,5 +1,5 @@
 """The results page's scale section (issue 62): the measurements of ``scripts/scale_bench.py`` reports
-and the projection of speculation at those sizes, drawn from committed reports (``bench/scale_report.py``)."""
+and the projection of speculation at those sizes, drawn from committed reports (``results/scale.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from leapdecode.bench import results_page
+from leapdecode.results import page as results_page
 from leapdecode.errors import InvalidParameterError
-from leapdecode.bench.scale_report import projected_speedup, rows_cost, scale_section
+from leapdecode.results.scale import projected_speedup, rows_cost, scale_section
 
 
 def _record(rows_ms: dict, decode_tps: float = 10.0) -> dict:

@@ -13,7 +13,7 @@ import sys
 from . import datastore_cli, diffusion_cli, doctor, kernels_cli
 from .training import cli as heads_cli
 from .bench import cli as bench_cli
-from .bench import results_page
+from .results import page as results_page
 from .cli_args import (add_decoding_args, add_model_args, check_diffusion_flags, decoding_request,
                        is_diffusion_model, load_from_args, read_stdin_text)
 from .errors import InvalidParameterError, LeapdecodeError

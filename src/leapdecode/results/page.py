@@ -27,8 +27,8 @@ from pathlib import Path
 
 from ..errors import InvalidParameterError
 from ..models.store import atomic_write, check_output
-from .scale_report import scale_section
-from .workloads import DEFAULT_WORKLOAD_REL
+from .scale import scale_section
+from ..bench.workloads import DEFAULT_WORKLOAD_REL
 
 RESULTS_DIR = Path("docs") / "results"
 PAGE = Path("docs") / "results.md"

@@ -112,7 +112,7 @@ def scale_section(latest: dict[str, dict], dev_runs: dict[str, dict]) -> list[st
         dev = dev_runs.get(cpu)
         if dev is not None and MEASURED_SHAPE in r["shapes"]:
             rows = {row.get("name"): row for row in dev.get("rows", [])}
-            parts += [f"**Projection, not a measurement** (the model in `bench/scale_report.py`): speculation's "
+            parts += [f"**Projection, not a measurement** (the model in `results/scale.py`): speculation's "
                       f"speedup over vanilla at each shape from the acceptance measured on qwen2.5-coder-1.5b "
                       f"({dev.get('date', '')[:10]}, {dev.get('prompts')} Spec-Bench dev prompts) and the row costs "
                       f"above; in brackets the drafted tokens a step it picks.", ""]

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..bench.results_page import DEV_SET, HUMANEVAL_SET
+from ..results.page import DEV_SET, HUMANEVAL_SET
 from ..bench.workloads import WorkloadError, find_default_workload, load_workload
 from ..models import store
 from ..proposers.heads.common import fingerprint

@@ -172,7 +172,7 @@ def cmd_heads_accuracy(a: argparse.Namespace) -> int:
     from ..core.cost_model import machine_description
     from ..models.kernel_library import isa_flags
     from ..errors import InvalidParameterError
-    from ..bench.results_page import head_table
+    from ..results.page import head_table
     from .accuracy import accuracy
     from .train import ProgressBars
     from ..proposers.heads.store import bundled_root, load_head

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from . import accuracy as head_accuracy
 from . import data as head_data
-from ..bench.results_page import DEV_SET, HUMANEVAL_SET
+from ..results.page import DEV_SET, HUMANEVAL_SET
 from ..errors import HeadMismatchError, InvalidParameterError
 from ..models import store
 from ..proposers.heads.common import fingerprint
