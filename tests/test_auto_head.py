@@ -21,7 +21,7 @@ from leapdecode.proposers import build_proposer, method_config
 from leapdecode.proposers.auto import AutoProposer
 from leapdecode.proposers.heads.eagle import EagleProposer
 from leapdecode.proposers.heads.store import MANIFEST, load_head, store_dir
-from test_heads import ALPHA, PROMPTS, _chi2_against, _counts, _joint3, _train, vanilla
+from helpers.heads import ALPHA, PROMPTS, chi2_against, count_first_three, joint3, train_tiny_head, vanilla
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +38,7 @@ def no_eos(tiny):
 def eagle_run(no_eos, tmp_path_factory):
     """An eagle head trained for a few seconds (its --out directory; installed per test)."""
     out = tmp_path_factory.mktemp("auto-eagle") / "head"
-    _train("eagle", no_eos, out, steps=150, install_head=False)
+    train_tiny_head("eagle", no_eos, out, steps=150, install_head=False)
     return out
 
 
@@ -210,10 +210,10 @@ def test_sampling_through_the_head_arm(no_eos, eagle_run, chi2, variant):
             return made[-1]
 
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, make, n, params)
+    counts, drafted, accepted = count_first_three(no_eos, ids, make, n, params)
     assert sum(p.stats()["auto_arms"].get("head", 0) for p in made) > n  # the head arm drafted
     assert drafted > 0.9 * n and accepted > 0.05 * n, (drafted, accepted)
-    stat, df, pval = _chi2_against(chi2, counts, _joint3(no_eos, ids, SamplingParams(**params)))
+    stat, df, pval = chi2_against(chi2, counts, joint3(no_eos, ids, SamplingParams(**params)))
     if variant == "exact":
         assert pval > ALPHA, (stat, df, pval, drafted, accepted)
     else:

@@ -86,9 +86,9 @@ def generate(model_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama in Hugging Face format (a local model: packed into the cache like a GGUF's)."""
-    from test_bench import _tiny_hf_dir
+    from helpers.models import tiny_hf_dir
 
-    return _tiny_hf_dir(tmp_path_factory.mktemp("tiny-model") / "m")
+    return tiny_hf_dir(tmp_path_factory.mktemp("tiny-model") / "m")
 
 
 # --------------------------------------------------------------------------- a read-only cache

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from test_strategies import EOS, hf_pair, prompt_ids, small_vocab
+from helpers.models import EOS, hf_pair, prompt_ids, small_vocab
 
 import leapdecode
 from leapdecode.core.runner import ModelRunner

@@ -12,10 +12,9 @@ import pytest
 
 import leapdecode
 from leapdecode.models import kernel_library
+from leapdecode.models.invariance import tree_mismatches
 from leapdecode.models.qkernel import QLinear
-
-from test_invariant_attention import _divergences
-from test_quant import _mismatches
+from helpers.exactness import divergences
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +40,13 @@ def test_default_is_the_gguf_blocks_with_invariant_attention(smol):
 
 
 def test_tree_logits_equal_one_token_logits_bitwise(smol):
-    assert _mismatches(smol.model) == {}
+    assert tree_mismatches(smol.model) == {}
 
 
 def test_greedy_speculation_gives_vanilla_tokens(smol):
     prompts = [smol.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                   add_generation_prompt=True) for p in CHAT_PROMPTS]
-    assert _divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead", "suffix")) == []
+    assert divergences(smol, prompts, ("sam", "pld", "recycling", "lookahead", "suffix")) == []
 
 
 def test_seeded_speculative_sampling_gives_vanilla_tokens(smol):
@@ -79,7 +78,7 @@ def test_retrieval_and_autos_trie_copier_give_vanilla_tokens(smol, tmp_path):
     path = build_datastore(answers, smol.tokenizer, smol.name).save(tmp_path / "answers.npz")
     cases = [("rest", {"datastore": str(path)}), ("auto", {"copier": "suffix"})]
     for method, options in cases:
-        assert _divergences(smol, prompts, (method,), options=options) == [], method
+        assert divergences(smol, prompts, (method,), options=options) == [], method
     kw = dict(max_new_tokens=40, temperature=0.8, top_p=0.95)
     accepted = 0
     for s in (1, 2):

@@ -31,7 +31,7 @@ from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.eagle import Eagle3Head, EagleHead, EagleProposer, default_layers
 from leapdecode.proposers.heads.store import load_head, save_head
-from test_heads import ALPHA, PROMPTS, TRAIN_TEXT, _chi2_against, _counts, _joint3, _train, vanilla
+from helpers.heads import ALPHA, PROMPTS, TRAIN_TEXT, chi2_against, count_first_three, joint3, train_tiny_head, vanilla
 
 
 @pytest.fixture(autouse=True)
@@ -215,7 +215,7 @@ def test_greedy_identity_random_eagle3_head(tiny, tmp_path, seed):
 
 def test_trained_eagle3_is_exact_and_accepts_more(tiny, tmp_path):
     model = tiny(seed=0)
-    manifest = _train("eagle3", model, tmp_path / "trained", steps=150, install_head=False)
+    manifest = train_tiny_head("eagle3", model, tmp_path / "trained", steps=150, install_head=False)
     assert manifest["kind"] == "eagle3" and manifest["config"]["layers"] == [0, 1, 2]
     assert manifest["recipe"]["ttt_steps"] == 3
     random_dir = write(Eagle3Head, model, tmp_path / "random")
@@ -245,7 +245,7 @@ def trained_eagle3(no_eos, tmp_path_factory):
     # while seeds 100000..103999 of the same head gave p = 0.72: a 1%-level test fails by chance on some
     # seed blocks, and these seeds are fixed)
     out = tmp_path_factory.mktemp("trained-eagle3")
-    _train("eagle3", no_eos, out / "head", steps=150, install_head=False)
+    train_tiny_head("eagle3", no_eos, out / "head", steps=150, install_head=False)
     return load_head("eagle3", no_eos, out / "head")[0]
 
 
@@ -274,9 +274,9 @@ def test_sampling_distribution(no_eos, trained_eagle3, chi2, variant):
         return made[-1]
 
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, make, n, params)
+    counts, drafted, accepted = count_first_three(no_eos, ids, make, n, params)
     assert made[-1].stats()["eagle_layer_kernel"] == int(variant == "exact_kernel_route")
-    stat, df, pval = _chi2_against(chi2, counts, _joint3(no_eos, ids, SamplingParams(**params)))
+    stat, df, pval = chi2_against(chi2, counts, joint3(no_eos, ids, SamplingParams(**params)))
     assert drafted > 0.9 * n and accepted > 0.05 * n, (drafted, accepted)
     if variant != "flat_q":
         assert pval > ALPHA, (stat, df, pval, drafted, accepted)
@@ -330,7 +330,7 @@ def test_prompt_features_prefix_cache_and_batch(tiny, tmp_path, kind):
     """Hydra and EAGLE-3 heads read the prefill's features (the first step drafts), stay exact when the
     prefix cache restores a prompt chunk (no features for it) and in batched steps (core/batch)."""
     from leapdecode.core.batch import step_batch
-    from test_hydra import write_hydra
+    from helpers.heads import write_hydra
 
     model = tiny(seed=0)
     head_dir = write_hydra(model, tmp_path / kind) if kind == "hydra" else write(Eagle3Head, model, tmp_path / kind)

@@ -20,13 +20,8 @@ from gguf.quants import dequantize
 from leapdecode.models import gguf_blocks
 from leapdecode.models.gguf_blocks import BLOCK_BYTES, decode, quantize_q4, requantize_q8, tensor_weight
 from leapdecode.models.kernel_pack import CODES_IQ4
+from helpers.kernels import FP16_FIELDS, random_raw
 
-# type -> byte offsets of its fp16 fields in a block (d, and m / dmin where it has one)
-FP16_FIELDS = {
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.IQ4_NL: (0,),
-    T.IQ4_XS: (0,),
-}
 # type -> (bits, group, offset) of the BlockWeight
 FORMAT = {
     T.Q4_0: (4, 32, 0), T.Q4_1: (4, 32, 0), T.Q5_0: (6, 32, 16), T.Q5_1: (6, 32, 0), T.Q8_0: (8, 32, 0),
@@ -36,18 +31,6 @@ FORMAT = {
 # the codes' range per format
 CODE_RANGE = {2: (0, 3), 3: (0, 7), 4: (0, 15), 6: (0, 63), CODES_IQ4: (0, 15), 8: (-128, 127)}
 TYPES = list(FP16_FIELDS)
-
-
-def random_raw(qtype: T, n: int, k: int, seed: int, scale: float = 0.01, zero_frac: float = 0.05) -> np.ndarray:
-    """Random blocks ``[n, k / block * bytes]`` (uint8) with small finite fp16 fields."""
-    per, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
-    for pos in FP16_FIELDS[qtype]:
-        vals = (rng.standard_normal((n, k // per)) * scale).astype(np.float16)
-        vals[rng.random(vals.shape) < zero_frac] = 0  # some zero scales too
-        raw[..., pos : pos + 2] = vals[..., None].view(np.uint8)
-    return raw.reshape(n, -1)
 
 
 def test_block_sizes_are_ggmls():

@@ -38,7 +38,7 @@ from leapdecode.proposers.heads.hydra import HydraHeads
 from leapdecode.proposers.heads.medusa import MedusaHeads
 from leapdecode.proposers.heads.store import (INT8_SCALE, MANIFEST, WEIGHTS, export_head, find_head, install,
                                               list_heads, load_head, read_head, save_head, stored_kind)
-from test_heads import PROMPTS, vanilla
+from helpers.heads import PROMPTS, vanilla
 
 EIGHT_BIT = (Int8Linear, QLinear)  # what a head's linears run on under head_weights=int8 (heads/common.int8_linear)
 

@@ -30,19 +30,15 @@ from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.errors import HeadFileError, HeadMismatchError, HeadNotFoundError, InvalidParameterError
-from leapdecode.training.train import CHECKPOINT, Recipe, train_head
+from leapdecode.training.train import CHECKPOINT
 from leapdecode.proposers import METHODS
 from leapdecode.proposers.heads import EagleHead, EagleProposer, MedusaHeads, MedusaProposer
 from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.store import MANIFEST, WEIGHTS, list_heads, load_head, save_head
 from leapdecode.proposers.heads import store as head_store
+from helpers.heads import ALPHA, PROMPTS, TRAIN_TEXT, chi2_against, count_first_three, joint3, train_tiny_head, vanilla
 
-ALPHA = 0.01
 KINDS = ("medusa", "eagle")
-PROMPTS = ["the cat sat on the mat the cat", "def f(x): return x\ndef g(y):", "hello hello hello world",
-           "abcabcab", "xyz xyz xy", "aaaa", " return xabzz", "zz return xzz return"]
-TRAIN_TEXT = ("the cat sat on the mat. hello world. def f(x): return x\n" * 6
-              + "abc xyz " * 20 + "\n".join(f"line {i}: the cat {i % 3}" for i in range(40)))
 
 
 @pytest.fixture(autouse=True)
@@ -76,10 +72,6 @@ def write_head(kind: str, model, directory: Path, seed: int = 0) -> Path:
 def gen(model, ids, kind, head_dir, **kw):
     return leapdecode.generate(ModelRunner(model), prompt_ids=ids, method=kind, options={"head": str(head_dir), **kw.pop("options", {})},
                                **kw)
-
-
-def vanilla(model, ids, **kw):
-    return leapdecode.generate(model, prompt_ids=ids, method="vanilla", **kw)
 
 
 # ============================================================================ registry
@@ -123,19 +115,6 @@ def test_greedy_identity_with_an_extra_eos_and_the_context_end(tiny, tmp_path, k
     assert gen(model, long, kind, head_dir, max_new_tokens=30).tokens == vanilla(model, long, max_new_tokens=30).tokens
 
 
-def _train(kind, model, out: Path, steps: int, **kw) -> dict:
-    data = out.parent / "data"
-    data.mkdir(exist_ok=True)
-    (data / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:6]))
-    (data / "text.txt").write_text(TRAIN_TEXT)
-    recipe = Recipe(kind=kind, data=(str(data / "prompts.jsonl"), str(data / "text.txt")), max_prompts=6,
-                    gen_tokens=48, text_chunks=8, seq_len=64, steps=steps, batch=2, lr=kw.pop("lr", 3e-3),
-                    medusa_heads=3, val_prompts=0, checkpoint_minutes=kw.pop("checkpoint_minutes", 5.0),
-                    eval_per_category=0, eval_humaneval=0)
-    kw.setdefault("log", lambda m: None)
-    return train_head(model, recipe, out, progress=False, **kw)
-
-
 def _mean_accepted(model, kind, head_dir, prompts) -> float:
     new = forwards = 0
     for p in prompts:
@@ -150,7 +129,7 @@ def _mean_accepted(model, kind, head_dir, prompts) -> float:
 @pytest.mark.parametrize("kind", KINDS)
 def test_trained_head_is_exact_and_accepts_more(tiny, tmp_path, kind):
     model = tiny(seed=0)
-    manifest = _train(kind, model, tmp_path / "trained", steps=150 if kind == "eagle" else 60, install_head=False)
+    manifest = train_tiny_head(kind, model, tmp_path / "trained", steps=150 if kind == "eagle" else 60, install_head=False)
     assert manifest["steps"] == (150 if kind == "eagle" else 60)
     random_dir = write_head(kind, model, tmp_path / "random")
     prompts = PROMPTS[:6]
@@ -160,26 +139,6 @@ def test_trained_head_is_exact_and_accepts_more(tiny, tmp_path, kind):
 
 
 # ============================================================================ 2. sampling distribution
-def _next_probs(model, ids, params) -> torch.Tensor:
-    cache = model.model.new_cache(batch_size=1, max_len=len(ids) + 8)
-    with torch.no_grad():
-        logits = model.model.forward(torch.tensor([ids]), cache, logits_for=slice(-1, None))[0, -1]
-    return target_probs(logits[None].float(), params)[0].double()
-
-
-def _joint3(model, ids, params) -> dict:
-    out = {}
-    p1 = _next_probs(model, ids, params)
-    for x in torch.nonzero(p1).flatten().tolist():
-        p2 = _next_probs(model, ids + [x], params)
-        for y in torch.nonzero(p2).flatten().tolist():
-            p3 = _next_probs(model, ids + [x, y], params)
-            for z in torch.nonzero(p3).flatten().tolist():
-                out[(x, y, z)] = float(p1[x] * p2[y] * p3[z])
-    total = sum(out.values())
-    return {k: v / total for k, v in out.items()}
-
-
 class GreedyMarkedSampled(MedusaProposer):
     """A planted error: children chosen as the head's top-k (not drawn) but marked as drawn from q."""
 
@@ -201,47 +160,6 @@ class GreedyMarkedSampled(MedusaProposer):
                 if float(tree.q[tree.parents[i]][tree.tokens[i]]) <= 0:
                     return type(tree)()
         return tree
-
-
-def _counts(model, ids, make_proposer, n, params):
-    """Counts of the first three tokens over runs 0..n-1, how many runs drafted and how many accepted
-    a draft (each run is cancelled once three tokens are decided).  Unseeded runs (the global torch
-    seed i fixed), so the verifier's recursive rejection sampling reads the heads' draft
-    distributions (a seeded run's draws are the positions' own numbers whatever the drafts: the
-    same-seed tests of tests/test_lossless.py cover those); each run starts from a runner memory
-    with nothing learned (auto's bandit tries every arm afresh)."""
-    from leapdecode.core.generate import Generation
-
-    counts: dict = {}
-    drafted = accepted = 0
-    runner = ModelRunner(model)
-    for i in range(n):
-        runner.memory.clear()
-        torch.manual_seed(i)
-        prop = make_proposer()
-        g = Generation(runner, ids, SamplingParams(**params), prop, method="test", max_new_tokens=12)
-        seen = []
-        observe = prop.observe
-
-        def spy(tokens, tree, verdict, logits, hidden=None, observe=observe, seen=seen, g=g):
-            seen.append((len(tree), len(verdict.accepted)))
-            observe(tokens, tree, verdict, logits, hidden)
-            if len(tokens) >= len(ids) + 3:
-                g.cancel()
-
-        prop.observe = spy
-        res = g.run()
-        assert len(res.tokens) >= 3, res
-        drafted += any(t for t, _ in seen)
-        accepted += any(a for _, a in seen)
-        key = tuple(res.tokens[:3])
-        counts[key] = counts.get(key, 0) + 1
-    return counts, drafted, accepted
-
-
-def _chi2_against(chi2, counts, expected):
-    keys = sorted(set(expected) | set(counts))
-    return chi2([counts.get(k, 0) for k in keys], [expected.get(k, 0.0) for k in keys])
 
 
 @pytest.fixture(scope="module")
@@ -276,9 +194,9 @@ def test_sampling_distribution(no_eos, trained, chi2, kind):
         return EagleProposer(no_eos, head, tree_budget=12, top_k=2, beam=2)
 
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, make, n, params)
-    expected = _joint3(no_eos, ids, sp)
-    stat, df, pval = _chi2_against(chi2, counts, expected)
+    counts, drafted, accepted = count_first_three(no_eos, ids, make, n, params)
+    expected = joint3(no_eos, ids, sp)
+    stat, df, pval = chi2_against(chi2, counts, expected)
     assert pval > ALPHA, (stat, df, pval, drafted, accepted)
     assert drafted > 0.9 * n and 0.05 * n < accepted < 0.95 * n, (drafted, accepted)
 
@@ -312,10 +230,10 @@ def test_eagle_tree_edits(no_eos, trained, chi2, variant):
     ids = no_eos.tokenizer.encode("the cat sat on")
     cls = FlatQ if variant == "flat_q" else SampledMarkedDeterministic
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, lambda: cls(no_eos, head, tree_budget=12, top_k=2, beam=2),
+    counts, drafted, accepted = count_first_three(no_eos, ids, lambda: cls(no_eos, head, tree_budget=12, top_k=2, beam=2),
                                         n, params)
     assert drafted > 0.9 * n and accepted > 0.05 * n, (drafted, accepted)
-    pval = _chi2_against(chi2, counts, _joint3(no_eos, ids, SamplingParams(**params)))[2]
+    pval = chi2_against(chi2, counts, joint3(no_eos, ids, SamplingParams(**params)))[2]
     if variant == "flat_q":
         assert pval < ALPHA, pval  # caught
     else:
@@ -330,17 +248,17 @@ def test_planted_error_is_caught(no_eos, trained, chi2):
     head = trained("medusa")
     ids = no_eos.tokenizer.encode("the cat sat on")
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, lambda: GreedyMarkedSampled(no_eos, head, tree_budget=6, top_k=1),
+    counts, drafted, accepted = count_first_three(no_eos, ids, lambda: GreedyMarkedSampled(no_eos, head, tree_budget=6, top_k=1),
                                         n, params)
     assert drafted > 0.9 * n and accepted > 0.05 * n, (drafted, accepted)
-    assert _chi2_against(chi2, counts, _joint3(no_eos, ids, sp))[2] < ALPHA
+    assert chi2_against(chi2, counts, joint3(no_eos, ids, sp))[2] < ALPHA
 
 
 # ============================================================================ 3. train-head, store, errors
 def test_train_checkpoint_resume_and_manifest(tiny, tmp_path, monkeypatch):
     model = tiny(seed=0)
     out = tmp_path / "run"
-    first = _train("medusa", model, out, steps=3, install_head=False)
+    first = train_tiny_head("medusa", model, out, steps=3, install_head=False)
     assert first["steps"] == 3
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)
     assert ckpt["step"] == 3 and ckpt["kind"] == "medusa"
@@ -351,10 +269,10 @@ def test_train_checkpoint_resume_and_manifest(tiny, tmp_path, monkeypatch):
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
     # the same work directory again: refused without --resume (it holds a checkpoint)
     with pytest.raises(InvalidParameterError, match="--resume"):
-        _train("medusa", model, out, steps=2, install_head=False)
+        train_tiny_head("medusa", model, out, steps=2, install_head=False)
     # a resumed run goes on from the saved step for --steps more, on the shards (nothing new to add)
     seen = []
-    second = _train("medusa", model, out, steps=2, install_head=True, log=seen.append, resume=True)
+    second = train_tiny_head("medusa", model, out, steps=2, install_head=True, log=seen.append, resume=True)
     assert second["steps"] == 5 and any("resuming from step 3" in m for m in seen), seen
     added = second["data"]["this_run"]
     assert added["added_sequences"] == second["data"]["sequences"] - first["data"]["sequences"] > 0
@@ -516,8 +434,8 @@ def test_vocabulary_subset_head(tiny, tmp_path, trained, chi2, kind):
         return EagleProposer(no_eos, head, tree_budget=12, top_k=2, beam=2, draft_vocab=64)
 
     n = 1000
-    counts, drafted, accepted = _counts(no_eos, ids, make, n, params)
-    stat, df, pval = _chi2_against(chi2, counts, _joint3(no_eos, ids, SamplingParams(**params)))
+    counts, drafted, accepted = count_first_three(no_eos, ids, make, n, params)
+    stat, df, pval = chi2_against(chi2, counts, joint3(no_eos, ids, SamplingParams(**params)))
     assert pval > ALPHA, (stat, df, pval, drafted, accepted)
     assert drafted > 0.9 * n and accepted > 0.05 * n, (drafted, accepted)
 

@@ -23,30 +23,15 @@ from leapdecode.cli import main as cli_main
 from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import HeadMismatchError, HeadNotFoundError, InvalidParameterError
 from leapdecode.proposers import METHODS
-from leapdecode.proposers.heads.common import fingerprint
 from leapdecode.proposers.heads.hydra import HydraHeads, HydraProposer
-from leapdecode.proposers.heads.store import load_head, save_head
-from test_heads import ALPHA, PROMPTS, TRAIN_TEXT, _chi2_against, _counts, _joint3, _train, vanilla
+from leapdecode.proposers.heads.store import load_head
+from helpers.heads import ALPHA, PROMPTS, TRAIN_TEXT, chi2_against, count_first_three, joint3, train_tiny_head, vanilla
+from helpers.heads import random_hydra, write_hydra
 
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LEAPDECODE_CACHE", str(tmp_path / "cache"))
-
-
-def random_hydra(model, seed: int = 0, std: float = 0.05, heads: int = 3) -> HydraHeads:
-    torch.manual_seed(seed)
-    head = HydraHeads.for_target(model, heads=heads)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * std)
-    return head.eval()
-
-
-def write_hydra(model, directory, seed: int = 0):
-    save_head(directory, random_hydra(model, seed), {"target": {"name": model.name, "fingerprint": fingerprint(model)},
-                                                     "steps": 0, "data": {}, "acceptance": None})
-    return directory
 
 
 def gen(model, ids, head_dir, **kw):
@@ -92,7 +77,7 @@ def test_greedy_identity_random_head(tiny, tmp_path, seed):
 
 def test_trained_head_is_exact_and_accepts_more(tiny, tmp_path):
     model = tiny(seed=0)
-    manifest = _train("hydra", model, tmp_path / "trained", steps=60, install_head=False)
+    manifest = train_tiny_head("hydra", model, tmp_path / "trained", steps=60, install_head=False)
     assert manifest["kind"] == "hydra" and manifest["steps"] == 60 and manifest["config"]["heads"] == 3
     random_dir = write_hydra(model, tmp_path / "random")
 
@@ -132,7 +117,7 @@ def no_eos(tiny):
 @pytest.fixture(scope="module")
 def trained_hydra(no_eos, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained-hydra")
-    _train("hydra", no_eos, out / "head", steps=40, install_head=False)
+    train_tiny_head("hydra", no_eos, out / "head", steps=40, install_head=False)
     return load_head("hydra", no_eos, out / "head")[0]
 
 
@@ -152,9 +137,9 @@ def test_sampling_distribution(no_eos, trained_hydra, chi2, variant):
     ids = no_eos.tokenizer.encode("the cat sat on")
     cls = HydraProposer if variant == "exact" else FlatQ
     n = 1500
-    counts, drafted, accepted = _counts(no_eos, ids, lambda: cls(no_eos, trained_hydra, tree_budget=12, top_k=2,
+    counts, drafted, accepted = count_first_three(no_eos, ids, lambda: cls(no_eos, trained_hydra, tree_budget=12, top_k=2,
                                                                    beam=2), n, params)
-    stat, df, pval = _chi2_against(chi2, counts, _joint3(no_eos, ids, SamplingParams(**params)))
+    stat, df, pval = chi2_against(chi2, counts, joint3(no_eos, ids, SamplingParams(**params)))
     assert drafted > 0.9 * n and 0.05 * n < accepted, (drafted, accepted)
     if variant == "exact":
         assert pval > ALPHA, (stat, df, pval, drafted, accepted)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import leapdecode
 from leapdecode.errors import InvalidParameterError
 from leapdecode.models.kv_cache import KVCache
 from leapdecode.models.loader import load
 
-from leapdecode.models.invariance import CASES, TREE
-from test_quant import PROMPTS, _mismatches, _tree_vs_sequential
+from leapdecode.models.invariance import CASES, TREE, tree_mismatches, tree_vs_sequential
+from helpers.exactness import PROMPTS, divergences
 
 
 def test_attended_slots_are_prefix_then_ancestors_then_self():
@@ -56,7 +55,7 @@ def test_invariant_tree_logits_equal_one_token_at_a_time(weights):
     # output projection, prompt 600, with the attention kernel's outputs bitwise equal)
     # branching trees and chains, short contexts (prefilled through the invariant path too) and
     # long ones (prefilled in 128-token chunks through stock SDPA): bitwise equal logits
-    assert _mismatches(load("tiny-random", weights=weights, attention="invariant").model) == {}
+    assert tree_mismatches(load("tiny-random", weights=weights, attention="invariant").model) == {}
 
 
 def _tree_logits_by_attention(model) -> dict:
@@ -105,31 +104,16 @@ def test_a_forward_longer_than_the_limit_uses_stock_attention():
     logits = model.forward(toks, cache, parents=parents)
     assert logits.shape == (1, len(parents), model.vocab_size) and torch.isfinite(logits).all()
     # and the invariant path agrees bitwise on a 64-token one
-    assert _tree_vs_sequential(model, 5, list(range(-1, model.INVARIANT_MAX_TOKENS - 1)), 0) == []
-
-
-def _divergences(lm, prompts, methods, options=None) -> list:
-    out = []
-    for prompt in prompts:
-        vanilla = leapdecode.generate(lm, prompt, max_new_tokens=40, method="vanilla")
-        assert 0 < len(vanilla.tokens) <= 40
-        for method in methods:
-            got = leapdecode.generate(lm, prompt, max_new_tokens=40, method=method,
-                                      **({"options": options} if options else {}))
-            if got.tokens != vanilla.tokens:
-                first = next((i for i, (a, b) in enumerate(zip(got.tokens, vanilla.tokens)) if a != b),
-                             min(len(got.tokens), len(vanilla.tokens)))
-                out.append((method, prompt, first))
-    return out
+    assert tree_vs_sequential(model, 5, list(range(-1, model.INVARIANT_MAX_TOKENS - 1)), 0) == []
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_greedy_speculation_is_lossless_with_invariant_attention(weights):
     # the prompts on which stock attention flips greedy tokens (test_quant's strict xfail)
     lm = load("tiny-random", weights=weights, attention="invariant")
-    assert _divergences(lm, PROMPTS, ("sam", "pld")) == []
+    assert divergences(lm, PROMPTS, ("sam", "pld")) == []
 
 
 def test_greedy_draft_is_lossless_with_invariant_attention():
     lm = load("tiny-random", weights="int4", attention="invariant")
-    assert _divergences(lm, PROMPTS, ("draft",), options={"draft": "tiny-random:1"}) == []
+    assert divergences(lm, PROMPTS, ("draft",), options={"draft": "tiny-random:1"}) == []

@@ -94,7 +94,7 @@ def test_a_prebuilt_variant_loads_and_gives_the_native_builds_bits(tmp_path, mon
     monkeypatch.setenv(kernel_library.KERNEL_ENV, "avx2")
     lib = kernel_library.prebuilt_library()
     assert lib is not None and lib.ld_simd() == 2
-    from test_qkernel import FORMATS, random_block, random_x
+    from helpers.kernels import FORMATS, random_block, random_x
 
     native = kernel_library.library()
     for bits, group, offset in FORMATS:

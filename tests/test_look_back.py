@@ -313,7 +313,7 @@ def test_server_runs_look_back_as_the_api_does(server):
 
 
 def test_look_back_on_the_transformers_backend_equals_the_reference():
-    from test_strategies import EOS, hf_pair
+    from helpers.models import EOS, hf_pair
 
     from leapdecode.models.decoder import LoadedModel
     from leapdecode.models.hf_backend import HFCausalLM

@@ -283,9 +283,9 @@ def test_compared_targets_are_batch_invariant(tiny, seed_):
     The plain fp32 ones did not on this project's machines (MKL's ``F.linear`` and masked SDPA: all
     14 cases mismatched), which is why they are not used; that depends on the BLAS, so it is not
     asserted."""
-    from test_quant import _mismatches
+    from leapdecode.models.invariance import tree_mismatches
 
-    assert _mismatches(tiny(seed=seed_, invariant=True).model) == {}
+    assert tree_mismatches(tiny(seed=seed_, invariant=True).model) == {}
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -27,8 +27,8 @@ from leapdecode.models import kernel_library, qkernel
 from leapdecode.models.architecture import ModelConfig
 from leapdecode.models.moe import SparseMoe
 from leapdecode.models.native import NativeCausalLM
-from test_architectures import (assert_speculation_gives_vanillas_tokens, assert_transformers_logits_and_tokens,
-                                native_of, token_seq)
+from helpers.architectures import (assert_speculation_gives_vanillas_tokens, assert_transformers_logits_and_tokens,
+                                  native_of, token_seq)
 
 VOCAB = 288  # the byte symbols, two merges and the specials of tests/tiny_gguf.py, and spare ids
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,

@@ -50,12 +50,10 @@ from leapdecode.models.kernel_library import kernel_problem
 from leapdecode.models.kernel_pack import CODES_IQ4, IQ4_VALUES, UNIT_BYTES, BlockWeight, pack, padded
 from leapdecode.models.qkernel import MAX_ROWS, QLinear, QPart
 
-from test_quant import _tree_vs_sequential as _tree_vs_one_at_a_time
+from leapdecode.models.invariance import tree_vs_sequential as _tree_vs_one_at_a_time
+from helpers.kernels import FORMAT_IDS, FORMATS, random_block, random_x
 
 BF16 = torch.bfloat16
-# (bits, group, offset): Q4_*/Q4_K; Q6_K; Q5_0; Q8_0; Q2_K; Q3_K; IQ4_NL/IQ4_XS
-FORMATS = [(4, 32, 0), (6, 16, 32), (6, 32, 16), (8, 32, 0), (2, 16, 0), (3, 16, 4), (CODES_IQ4, 32, 0)]
-FORMAT_IDS = ["4b-g32", "6b-g16-o32", "6b-g32-o16", "8b-g32", "2b-g16", "3b-g16-o4", "iq4-g32"]
 LOOSE = 2e-2  # QLinear vs the float product x @ W.T: at most this fraction of max|y| (int8 activations)
 
 
@@ -97,21 +95,6 @@ class _threads:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.before)
-
-
-def random_block(n: int, k: int, bits: int, group: int, offset: int = 0, seed: int = 0) -> BlockWeight:
-    rng = np.random.default_rng(seed)
-    if bits != 8:
-        codes = rng.integers(0, {2: 4, 3: 8, 6: 64}.get(bits, 16), (n, k)).astype(np.uint8)
-    else:
-        codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
-    scales = (rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float32)
-    zeros = (rng.standard_normal((n, k // group)) * 0.05).astype(np.float32)
-    return BlockWeight(codes, scales, zeros, bits, group, offset)
-
-
-def random_x(m: int, k: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(BF16)
 
 
 def reference(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -396,7 +379,7 @@ def gguf_block(name: str, n: int, blocks: int, seed: int) -> BlockWeight:
     import gguf
 
     from leapdecode.models.gguf_blocks import decode
-    from test_gguf_blocks import random_raw
+    from helpers.kernels import random_raw
 
     qtype = gguf.GGMLQuantizationType[name]
     k = blocks * gguf.GGML_QUANT_SIZES[qtype][0]

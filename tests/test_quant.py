@@ -40,6 +40,7 @@ from leapdecode.models import kernel_library
 from leapdecode.models.qkernel import QLinear
 from leapdecode.models.quant import Int4Linear, Int8Linear, kernel_problem, quantize_model
 from leapdecode.models.tiny import tiny_native
+from helpers.exactness import PROMPTS
 
 BF16 = torch.bfloat16
 
@@ -201,7 +202,7 @@ def test_quantized_linear_rows_do_not_depend_on_the_batch(name, threads):
 
 
 # ------------------------------------------------------------------ 3. whole model
-_tree_vs_sequential = tree_vs_sequential  # (models/invariance.py; names other test files import)
+_tree_vs_sequential = tree_vs_sequential  # (models/invariance.py)
 _mismatches = tree_mismatches
 
 
@@ -297,10 +298,6 @@ def test_layers_a_kernel_cannot_take_stay_bf16():
 
 
 # ------------------------------------------------------------------ 4. load() and generate
-PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabcabc", "Hello, world! Hello",
-           "1 2 3 4 1 2 3 4 1 2", "to be or not to be, that is", "aaaa bbbb aaaa bbbb"]
-
-
 def _divergences(lm, prompts) -> list:
     """(method, prompt, first differing token) wherever sam or pld departs from vanilla.  Fixed
     tree shapes (``cost_aware=False``): cost-aware chains follow the measured verification costs,

@@ -16,7 +16,6 @@ stochastic beam and conditional Poisson beam, on the KV cache's token tree.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -31,56 +30,16 @@ from leapdecode.core.runner import ModelRunner
 from leapdecode.errors import InvalidParameterError
 from leapdecode.models.decoder import LoadedModel
 from leapdecode.models.kv_cache import KVCache
-from leapdecode.models.native import NativeCausalLM
-from leapdecode.models.tiny import byte_tokenizer, tiny_config, tiny_native
 from leapdecode.strategies import search as search_mod
 from leapdecode.strategies.registry import STRATEGIES, BeamConfig, strategy_config
 from leapdecode.strategies.stochastic_beam import conditional_poisson_sample, odds_weights
 from conftest import tiny_server
+from helpers.models import EOS, hf_pair, prompt_ids, small_vocab
 
-EOS = (257, 258)
 PROMPTS = ["Hello there", "The cat", "a"]
 
 
 # ---------------------------------------------------------------------------- models
-@functools.lru_cache(maxsize=None)
-def hf_pair(seed: int = 1, std: float = 0.08):
-    """A tiny transformers ``LlamaForCausalLM`` (fp32, the tiny-random shape) and a native
-    ``LoadedModel`` with the same weights (``NativeCausalLM.from_state_dict``)."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    hf.eval()
-    native = NativeCausalLM.from_state_dict(tiny_config(), hf.state_dict())
-    return hf, LoadedModel(name=f"hf-llama:{seed}", model=native, tokenizer=byte_tokenizer(), eos_token_ids=set(EOS))
-
-
-@functools.lru_cache(maxsize=None)
-def small_vocab(vocab: int, seed: int = 0, std: float = 0.5, embed_scale: float = 1.0) -> LoadedModel:
-    """A tiny native model over ``vocab`` tokens, the last one its end-of-sequence token (brute force
-    over sequences is cheap); ``embed_scale < 1`` flattens its distributions (the head is tied)."""
-    model = tiny_native(seed=seed, vocab_size=vocab, weight_std=std)
-    if embed_scale != 1.0:
-        with torch.no_grad():
-            model.embed.weight.mul_(embed_scale)
-    return LoadedModel(name=f"tiny-vocab{vocab}:{seed}", model=model, tokenizer=byte_tokenizer(),
-                       eos_token_ids={vocab - 1})
-
-
-def prompt_ids(lm: LoadedModel, text: str) -> list[int]:
-    return lm.tokenizer.encode(text)
-
-
 def hf_logp(hf, ids: list[int]) -> torch.Tensor:
     """transformers' fp32 next-token log-probabilities after ``ids`` (one full forward)."""
     with torch.no_grad():

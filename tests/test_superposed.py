@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_strategies import EOS, hf_pair
+from helpers.models import EOS, hf_pair
 
 import leapdecode
 from leapdecode.core.runner import ModelRunner
@@ -235,7 +235,7 @@ def test_k_drafts_equal_a_brute_force_reference(tiny, corpus_file, opts, model_s
 
 
 def test_drafts_that_end_join_the_finished_pool():
-    from test_strategies import small_vocab
+    from helpers.models import small_vocab
 
     ids = [1, 2, 3]
     stopped = 0
