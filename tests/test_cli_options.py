@@ -110,3 +110,23 @@ def test_chat_keeps_the_conversation_and_reports_what_the_prefix_cache_gave(monk
     (new1, reused1, prompt1), (_, reused2, prompt2) = [tuple(map(int, s)) for s in stats]
     assert reused1 == 0 and int(new1) == 40
     assert prompt2 > max(prompt1, 64) and 16 <= reused2 <= prompt2 - 1 and reused2 % 16 == 0
+
+
+def test_every_front_end_loads_the_model_flags_the_same_way(monkeypatch):
+    """``LoadOptions``: the model flags of ``generate``, ``bench`` and ``bench --quality`` as the
+    loader's keywords, one set (its defaults the flags' defaults)."""
+    from leapdecode.bench.cli import config_from_args
+    from leapdecode.cli_args import LoadOptions
+
+    parser = cli.build_parser()
+    assert LoadOptions.from_args(parser.parse_args(["generate", "hi"])) == LoadOptions()
+    flags = ["--dtype", "fp32", "--weights", "int8", "--attention", "invariant", "--device", "cpu",
+             "--backend", "native", "--require-exact"]
+    want = LoadOptions(dtype="fp32", weights="int8", attention="invariant", device="cpu", backend="native",
+                       require_exact=True)
+    assert config_from_args(parser.parse_args(["bench", *flags])).load_options == want
+    seen = []
+    monkeypatch.setattr(loader, "load", lambda model, **kw: seen.append((model, kw)) or "loaded")
+    assert cli_args.load_from_args(parser.parse_args(["generate", "-m", "tiny-random", *flags, "hi"])) == "loaded"
+    assert seen == [("tiny-random", {"dtype": "fp32", "weights": "int8", "attention": "invariant", "device": "cpu",
+                                     "backend": "native", "require_exact": True})]

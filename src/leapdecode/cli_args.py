@@ -8,9 +8,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .errors import InvalidParameterError, LeapdecodeError
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How the model of ``-m`` loads: the model flags (``add_model_args``) as ``models.loader.load``'s
+    keywords, their defaults written here once."""
+
+    dtype: str = "auto"
+    weights: str = "auto"
+    attention: str = "auto"
+    device: str = "auto"
+    backend: str = "auto"
+    require_exact: bool = False
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "LoadOptions":
+        return cls(**{f.name: getattr(a, f.name) for f in fields(cls)})
+
+    def load(self, model: str):
+        from .models.loader import load
+
+        return load(model, **asdict(self))
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
@@ -19,12 +42,12 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
     p.add_argument("-m", "--model", default=default_model or DEFAULT_MODEL,
                    help="registered name (see `leapdecode models list`), HF model directory, .gguf file "
                         "or hub id (default: %(default)s)")
-    p.add_argument("--backend", choices=["auto", "native", "hf"], default="auto",
+    p.add_argument("--backend", choices=["auto", "native", "hf"], default=LoadOptions.backend,
                    help="native: leapdecode's Llama/Qwen2 decoder; hf: transformers fallback "
                         "(auto: native where supported)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), fp32, bf16")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
+    p.add_argument("--dtype", default=LoadOptions.dtype, help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), fp32, bf16")
+    p.add_argument("--device", default=LoadOptions.device, help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--weights", default=LoadOptions.weights, choices=["auto", "bf16", "fp32", "int8", "int4"],
                    help="weight format of the native backend. auto (default): int4 for a GGUF model on "
                         "a CPU with AVX512-VNNI or AVX2 (the file's own quantized blocks on leapdecode's "
                         "batch-invariant kernel), "
@@ -33,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
                         "float weights (fast prefill, but greedy speculation is not guaranteed to "
                         "reproduce vanilla bit for bit). A diffusion model (LLaDA/Dream): fp32 by default, "
                         "int8/int4 quantized at load the same way")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "invariant"],
+    p.add_argument("--attention", default=LoadOptions.attention, choices=["auto", "sdpa", "invariant"],
                    help="native backend: invariant = per-row attention, so a token's logits are the same "
                         "bits in a tree forward as alone (exact speculation together with int8/int4 "
                         "weights); auto (default): invariant with int8/int4 weights, else sdpa")
@@ -235,10 +258,7 @@ def structure_kwargs(a: argparse.Namespace, where: dict[str, str] | None = None)
 
 
 def load_from_args(a: argparse.Namespace):
-    from .models.loader import load
-
-    return load(a.model, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights,
-                attention=a.attention, require_exact=a.require_exact)
+    return LoadOptions.from_args(a).load(a.model)
 
 
 def read_stdin_text() -> str:

@@ -139,13 +139,14 @@ def _csv(s: str | None) -> list[str]:
 
 
 def config_from_args(a: argparse.Namespace):
+    from ..cli_args import LoadOptions
     from ..proposers import METHODS
     from .suite import BenchConfig
 
     methods = list(METHODS) if a.methods.strip() == "all" else _csv(a.methods)
     cfg = BenchConfig(
         model=a.model, methods=methods, peers=_csv(a.peers), draft=a.draft, tree_budget=a.tree_budget,
-        dtype=a.dtype, weights=a.weights, attention=a.attention, require_exact=a.require_exact, device=a.device, backend=a.backend, workload=a.workload, limit=a.limit,
+        load_options=LoadOptions.from_args(a), workload=a.workload, limit=a.limit,
         categories=_csv(a.categories) or None, seed=a.seed, max_new_tokens=a.max_new_tokens,
         temperature=a.temperature, repeats=DEFAULT_REPEATS if a.repeats is None else a.repeats, plots=not a.no_plots, progress=not a.no_progress,
         json_object=a.json_object,

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..cli_args import LoadOptions
 from ..errors import InvalidParameterError, LeapdecodeError
 from ..models.store import atomic_write
 
@@ -139,12 +140,7 @@ class QualityConfig:
     temperature: float = 0.0
     workload: str | None = None  # the math task's Spec-Bench-format jsonl
     out: Path = Path("bench_out") / "quality"
-    dtype: str = "auto"
-    weights: str = "auto"
-    attention: str = "auto"
-    require_exact: bool = False
-    device: str = "auto"
-    backend: str = "auto"
+    load_options: LoadOptions = field(default_factory=LoadOptions)  # how the model loads (the model flags)
     draft: str | None = None
     progress: bool = True
 
@@ -547,15 +543,12 @@ def plan(cfg: QualityConfig) -> tuple[dict[str, list[Row]], dict[str, list[dict]
 def run_quality(cfg: QualityConfig, console=None, say: Callable[[str], None] | None = None) -> dict:
     """Run the benchmark; writes ``quality.json``, ``quality.md`` and ``quality_results.jsonl`` to
     ``cfg.out`` and returns the summary."""
-    from ..models.loader import load
-
     rows, skipped = plan(cfg)
     problems = {}
     for task in cfg.tasks:
         problems[task] = humaneval_problems(cfg.limit) if task == "humaneval" else math_problems(cfg.workload,
                                                                                                   cfg.limit)
-    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights,
-                  attention=cfg.attention, require_exact=cfg.require_exact)
+    loaded = cfg.load_options.load(cfg.model)
     encoded = {task: [_encode(loaded, p) for p in ps] for task, ps in problems.items()}
     drafts: dict = {}  # drafts and amateurs, loaded once for the bench, before any row runs
     for task in cfg.tasks:
@@ -643,8 +636,8 @@ def main_quality(a) -> int:
     cfg = QualityConfig(model=a.model, tasks=[t.strip() for t in a.tasks.split(",") if t.strip()], rows=rows,
                         methods=methods, limit=a.limit, seed=a.seed, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, workload=a.workload,
-                        out=a.out or Path("bench_out") / f"{safe}_quality", dtype=a.dtype, weights=a.weights,
-                        attention=a.attention, require_exact=a.require_exact, device=a.device, backend=a.backend, draft=a.draft,
+                        out=a.out or Path("bench_out") / f"{safe}_quality", load_options=LoadOptions.from_args(a),
+                        draft=a.draft,
                         progress=not a.no_progress)
     summary = run_quality(cfg, say=None if a.no_progress else (lambda s: print(s, file=sys.stderr, flush=True)))
     if a.json:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..cli_args import LoadOptions
 from ..core.cost_model import machine_description
 from ..errors import InvalidParameterError, LeapdecodeError
 from ..models.kernel_library import isa_flags
@@ -32,12 +33,7 @@ class BenchConfig:
     peers: list[str] = field(default_factory=list)
     draft: str | None = None
     tree_budget: int | None = None
-    dtype: str = "auto"
-    weights: str = "auto"
-    attention: str = "auto"
-    require_exact: bool = False
-    device: str = "auto"
-    backend: str = "auto"
+    load_options: LoadOptions = field(default_factory=LoadOptions)  # how the model loads (the model flags)
     workload: str | None = None
     limit: int | None = None
     categories: list[str] | None = None
@@ -111,8 +107,6 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     and returns the summary."""
     from rich.console import Console
 
-    from ..models.loader import load
-
     console = console or Console(stderr=True)
     notes: list[str] = []
 
@@ -133,8 +127,7 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     structured = any("json_schema" in q.meta for q in questions)
 
     t_start = time.perf_counter()
-    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend, weights=cfg.weights,
-                  attention=cfg.attention, require_exact=cfg.require_exact)
+    loaded = cfg.load_options.load(cfg.model)
     grammar: dict[str, Any] = {}
     if structured:  # compile every schema once: what the engine supports, and how fast
         questions, grammar = compile_structures(loaded, questions, cfg.categories)
