@@ -21,6 +21,7 @@ from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.task import StepOutput
 from leapdecode.models.loader import load
 from leapdecode.proposers import method_config
+from leapdecode.request import GenerationRequest
 from leapdecode.server.engine import Ended, Engine, Finished, GenSpec, Job, build_runner
 from leapdecode.strategies.registry import strategy_config
 from leapdecode.strategies.search import TreeSearch
@@ -45,10 +46,11 @@ def searches_alone(original):
 
 async def one_run(engine: Engine, model, beams: int, others: int, tokens: int) -> tuple[float, float, list]:
     tok = model.tokenizer
-    search = [GenSpec(tok.encode(PROMPTS[0]), tokens, method_config("vanilla"), SamplingParams(),
-                      strategy=strategy_config("beam", {"num_beams": beams, "num_return_sequences": 1}))]
-    plain = [[GenSpec(tok.encode(PROMPTS[1 + i % (len(PROMPTS) - 1)]), tokens, method_config("vanilla"),
-                      SamplingParams())] for i in range(others)]
+    beam = strategy_config("beam", {"num_beams": beams, "num_return_sequences": 1})
+    search = [GenSpec(tok.encode(PROMPTS[0]), GenerationRequest(method_config("vanilla"), SamplingParams(), tokens,
+                                                                strategy=beam))]
+    plain = [[GenSpec(tok.encode(PROMPTS[1 + i % (len(PROMPTS) - 1)]),
+                      GenerationRequest(method_config("vanilla"), SamplingParams(), tokens))] for i in range(others)]
     t0 = time.perf_counter()
     done: dict[int, float] = {}
 

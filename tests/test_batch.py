@@ -43,6 +43,7 @@ from leapdecode.models import kernel_library
 from leapdecode.models.kv_cache import KVCache
 from leapdecode.models.native import BatchItem
 from leapdecode.proposers import method_config
+from leapdecode.request import GenerationRequest
 from leapdecode.server.engine import Delta, Ended, Engine, Failed, Finished, GenSpec, Job, build_runner
 from leapdecode.server.exceptions import RequestTooLargeError
 
@@ -751,8 +752,8 @@ async def _all(engine: Engine, groups: list[list[GenSpec]]) -> list[list]:
 def _engine_specs(tokenizer):
     out = []
     for k, ((method, options), n) in enumerate(zip(METHODS, [300, 9, 40, 1, 70, 20])):
-        out.append(GenSpec(prompt_ids(tokenizer, n, seed=60 + k), 16 + 2 * k, method_config(method, options),
-                           SamplingParams()))
+        out.append(GenSpec(prompt_ids(tokenizer, n, seed=60 + k),
+                           GenerationRequest(method_config(method, options), SamplingParams(), 16 + 2 * k)))
     return out
 
 
@@ -764,9 +765,10 @@ def _check_events(events, specs, model, draft):
         fin = [e for e in mine if isinstance(e, Finished)]
         assert len(fin) == 1
         result = fin[0].result
-        options = {"draft": "copy"} if spec.method.method == "draft" else {}
-        ref = solo(model, draft, spec.prompt_ids, spec.method.method, options, spec.max_new_tokens)
-        assert result.tokens == ref.tokens, spec.method.method
+        method = spec.request.method.method
+        options = {"draft": "copy"} if method == "draft" else {}
+        ref = solo(model, draft, spec.prompt_ids, method, options, spec.request.max_new_tokens)
+        assert result.tokens == ref.tokens, method
         assert [t for e in mine if isinstance(e, Delta) for t in e.tokens] == result.tokens
 
 
@@ -796,7 +798,7 @@ def test_engine_kv_budget_bounds_the_batch_and_refuses_what_never_fits(q4):
     model, draft = q4
     runner = build_runner(model, drafts={"copy": draft})
     runner.verify_cost = lambda cache: COST
-    specs = [GenSpec(prompt_ids(model.tokenizer, 30, seed=70 + k), 24, method_config(m, o), SamplingParams())
+    specs = [GenSpec(prompt_ids(model.tokenizer, 30, seed=70 + k), GenerationRequest(method_config(m, o), SamplingParams(), 24))
              for k, (m, o) in enumerate(METHODS[:5])]
     probe = Engine(runner)
     try:
@@ -808,7 +810,8 @@ def test_engine_kv_budget_bounds_the_batch_and_refuses_what_never_fits(q4):
     engine = Engine(runner, max_batch=8, kv_budget_bytes=2 * need[0], metrics=log)
     log.engine = engine
     try:
-        too_big = GenSpec(prompt_ids(model.tokenizer, 30, seed=79), 2000, method_config("vanilla"), SamplingParams())
+        too_big = GenSpec(prompt_ids(model.tokenizer, 30, seed=79),
+                          GenerationRequest(method_config("vanilla"), SamplingParams(), 2000))
         assert engine.reservation(too_big) > engine.kv_budget_bytes
 
         async def refused(group):

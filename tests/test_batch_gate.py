@@ -35,6 +35,7 @@ from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.tree import TokenTree
 from leapdecode.errors import InvalidParameterError
 from leapdecode.proposers import method_config
+from leapdecode.request import GenerationRequest
 from leapdecode.server.engine import Engine, Finished, GenSpec
 
 from conftest import collect_job_events
@@ -289,8 +290,8 @@ class OracleSpec(GenSpec):
     oracle: Oracle | None = None
 
     def start(self, runner):
-        return Generation(runner, self.prompt_ids, self.sampling, proposer=self.oracle, method="oracle",
-                          max_new_tokens=self.max_new_tokens, tree_budget=8)
+        return Generation(runner, self.prompt_ids, self.request.sampling, proposer=self.oracle, method="oracle",
+                          max_new_tokens=self.request.max_new_tokens, tree_budget=8)
 
 
 def prompt(model, k: int) -> list[int]:
@@ -316,7 +317,7 @@ def run_oracles(model, goods, n=48, cost=None, **engine_kwargs):
         ids = prompt(model, k)
         ref = reference(model, ids, n)
         refs.append(ref)
-        specs.append(OracleSpec(ids, n, method_config("vanilla"), SamplingParams(),
+        specs.append(OracleSpec(ids, GenerationRequest(method_config("vanilla"), SamplingParams(), n),
                                 oracle=Oracle(len(ids), ref + [0] * 16, vocab, good)))
     engine = Engine(runner, max_batch=len(goods), **engine_kwargs)
     if cost is not None and engine.scheduler is not None:  # and no host time either: no clock decides
@@ -398,8 +399,8 @@ def test_a_gated_sequence_comes_back_when_its_drafts_turn_good(q4):
 # ============================================================================ 4. seeded sampling
 def test_seeded_sampled_text_is_the_same_alone_and_under_load(q4):
     ids = prompt(q4, 3) * 3  # repetitive: pld finds matches, so trees matter for the draws
-    seeded = GenSpec(ids, 40, method_config("pld"), SamplingParams(temperature=0.8, seed=11))
-    others = [GenSpec(prompt(q4, k), 40, method_config(m), SamplingParams())
+    seeded = GenSpec(ids, GenerationRequest(method_config("pld"), SamplingParams(temperature=0.8, seed=11), 40))
+    others = [GenSpec(prompt(q4, k), GenerationRequest(method_config(m), SamplingParams(), 40))
               for k, m in enumerate(["pld", "vanilla", "sam"])]
 
     def run(specs):
@@ -417,6 +418,6 @@ def test_seeded_sampled_text_is_the_same_alone_and_under_load(q4):
     loaded = run([seeded] + others)
     assert loaded[0].tokens == alone.tokens and loaded[0].text == alone.text
     for spec, res in zip(others, loaded[1:]):  # greedy ones: their solo output
-        ref = leapdecode.generate(new_runner(q4), prompt_ids=spec.prompt_ids, method=spec.method.method,
+        ref = leapdecode.generate(new_runner(q4), prompt_ids=spec.prompt_ids, method=spec.request.method.method,
                                   max_new_tokens=40)
         assert res.tokens == ref.tokens

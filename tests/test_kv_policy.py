@@ -309,7 +309,7 @@ def test_h2o_scores_are_the_attention_each_token_received(tiny, fresh_runner):
     gen = start_generation(fresh_runner(lm), PROMPT[:60], max_new_tokens=5, kv_policy="h2o:budget=500,recent=4")
     gen.run()  # no eviction at this budget: the scores are sums over every committed query
     committed = gen.tokens[:-1]
-    state = gen._kv
+    state = gen.slot.kv
     for layer, (q, k, _, _) in enumerate(_reference_qkv(lm, committed)):
         probs = attention_probs(q, k, first=0)  # every committed query over every committed key
         want = probs.sum(dim=(1, 2))
@@ -340,7 +340,7 @@ def test_expected_attention_statistics_and_scores(tiny, fresh_runner):
     policy = ExpectedAttentionConfig(budget=400, sink=4, queries=16, future=32)
     gen = start_generation(fresh_runner(lm), PROMPT[:50], max_new_tokens=1, kv_policy=policy)
     gen.start()
-    state, cache = gen._kv, gen.cache
+    state, cache = gen.slot.kv, gen.cache
     prompt = gen.prompt_ids[:-1]
     ref = _reference_qkv(lm, prompt)
     cfg = lm.model.cfg
@@ -469,7 +469,7 @@ def test_no_policy_changes_nothing(tiny, fresh_runner):
     runner = fresh_runner(lm)
     gen = start_generation(runner, PROMPT * 2, max_new_tokens=20)
     gen.start()
-    assert gen.kv_policy is None and gen._kv is None and gen.cache.observer is None
+    assert gen.kv_policy is None and gen.slot.kv is None and gen.cache.observer is None
     assert type(gen.cache) is KVCache and gen.cache.pos_offset == 0
     res = gen.run()
     assert not any(k.startswith("kv_") for k in res.stats)
@@ -578,20 +578,22 @@ def test_policies_in_step_batch_give_their_solo_output(q4, fresh_runner):
 
 def test_engine_reserves_the_policy_slot(tiny):
     from leapdecode.proposers import method_config
+    from leapdecode.request import GenerationRequest
     from leapdecode.server.engine import Engine, GenSpec, build_runner, kv_bytes_per_token
 
     lm = tiny()
     engine = Engine(build_runner(lm), max_batch=2)
     try:
         ids = list(range(1, 1001))
-        base = GenSpec(ids, 500, method_config("vanilla", {}), SamplingParams())
+        base = GenSpec(ids, GenerationRequest(method_config("vanilla", {}), SamplingParams(), 500))
         full = engine.reservation(base)
         assert full == kv_bytes_per_token(lm) * slot_len(lm, 1000 + 500 + TREE_MARGIN)
         import dataclasses
 
-        stream = engine.reservation(dataclasses.replace(base, kv_policy=StreamingConfig(sink=4, window=256)))
+        policy = StreamingConfig(sink=4, window=256)
+        stream = engine.reservation(GenSpec(ids, dataclasses.replace(base.request, kv_policy=policy)))
         assert stream == kv_bytes_per_token(lm) * 512 and stream < full / 2
-        q8 = engine.reservation(dataclasses.replace(base, kv_policy=Int8Config()))
+        q8 = engine.reservation(GenSpec(ids, dataclasses.replace(base.request, kv_policy=Int8Config())))
         assert q8 == kv_bytes_per_token(lm, "int8") * slot_len(lm, 1000 + 500 + TREE_MARGIN) and q8 < full / 2
     finally:
         engine.stop()

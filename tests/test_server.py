@@ -801,12 +801,13 @@ def test_engine_typed_events(ref):
     from leapdecode.core.sampling import SamplingParams
     from leapdecode.errors import PromptTooLongError
     from leapdecode.proposers import method_config
+    from leapdecode.request import GenerationRequest
 
     runner = build_runner(ref)
     engine = Engine(runner, max_queue=2)
     try:
         ids = ref.tokenizer.encode("Hello")
-        spec = GenSpec(ids, 12, method_config("pld"), SamplingParams())
+        spec = GenSpec(ids, GenerationRequest(method_config("pld"), SamplingParams(), 12))
         events = asyncio.run(collect_job_events(engine, [spec, spec]))
         assert [type(e) for e in (events[0], events[-2], events[-1])] == [Started, Finished, Ended]
         for i in (0, 1):
@@ -819,7 +820,7 @@ def test_engine_typed_events(ref):
             assert [t for d in deltas for t in d.tokens] == result.tokens and len(result.tokens) == 12
             assert result.text == ref_generate(ref, "Hello", max_new_tokens=12).text
         # a client's mistake found by the engine: Failed with the error itself (no internal error id)
-        bad = GenSpec([7] * 2048, 4, method_config("vanilla"), SamplingParams())
+        bad = GenSpec([7] * 2048, GenerationRequest(method_config("vanilla"), SamplingParams(), 4))
         events = asyncio.run(collect_job_events(engine, [bad]))
         assert [type(e) for e in events] == [Failed, Ended]
         assert isinstance(events[0].error, PromptTooLongError) and events[0].error_id is None

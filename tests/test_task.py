@@ -18,6 +18,7 @@ from leapdecode.core.sampling import SamplingParams
 from leapdecode.core.task import Forward, StepOutput, Task
 from leapdecode.models.native import NativeCausalLM
 from leapdecode.proposers import method_config
+from leapdecode.request import GenerationRequest
 from leapdecode.server.engine import Delta, Engine, Finished, GenSpec, build_runner
 from leapdecode.strategies.parallel import ParallelSamples
 from leapdecode.strategies.registry import strategy_config
@@ -140,8 +141,8 @@ def test_a_beam_search_batches_with_other_requests_on_the_server(q4, batches):
     ids = _ids(q4)
     beam = strategy_config("beam", {"num_beams": 3, "num_return_sequences": 2})
     try:
-        search = [GenSpec(ids, 8, method_config("vanilla"), SamplingParams(), strategy=beam)]
-        plain = [GenSpec(ids, 24, method_config("vanilla"), SamplingParams())]
+        search = [GenSpec(ids, GenerationRequest(method_config("vanilla"), SamplingParams(), 8, strategy=beam))]
+        plain = [GenSpec(ids, GenerationRequest(method_config("vanilla"), SamplingParams(), 24))]
 
         async def both():
             return await asyncio.gather(collect_job_events(engine, search), collect_job_events(engine, plain))

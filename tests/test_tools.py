@@ -206,7 +206,7 @@ def test_templates_without_tools_refuse_them(unserved):
         prep(messages=HISTORY)
     assert e.value.param == "messages[1]"
     p = prep(tools=TOOLS, tool_choice="none")
-    assert p.tools is None and p.specs[0].constraint is None
+    assert p.tools is None and p.specs[0].request.constraint is None
     assert p.specs[0].prompt_ids == prep().specs[0].prompt_ids
 
 
@@ -220,7 +220,7 @@ def test_prompt_carries_tools_and_past_calls(unserved):
         return p, tok.decode(p.specs[0].prompt_ids)
 
     p, text = prompt(tools=TOOLS, messages=HISTORY)
-    assert p.tools is not None and p.tools.mode == "auto" and p.specs[0].constraint is None
+    assert p.tools is not None and p.tools.mode == "auto" and p.specs[0].request.constraint is None
     assert json.dumps(TOOLS[0], ensure_ascii=False) in text  # described to the model
     assert '"name": "now", "description": "The time", "parameters": {"type": "object"' in text  # none: {}
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>' in text
@@ -229,8 +229,8 @@ def test_prompt_carries_tools_and_past_calls(unserved):
     p, text = prompt(tools=TOOLS, tool_choice="none", messages=HISTORY)
     assert p.tools is None and "<tools>" not in text and "<tool_response>" in text
     p, _ = prompt(tools=TOOLS, tool_choice="required", n=2)
-    assert p.tools.mode == "required" and all(s.constraint is not None for s in p.specs)
-    assert p.specs[0].constraint is not p.specs[1].constraint  # one grammar state per choice
+    assert p.tools.mode == "required" and all(s.request.constraint is not None for s in p.specs)
+    assert p.specs[0].request.constraint is not p.specs[1].request.constraint  # one grammar state per choice
 
 
 # ---------------------------------------------------------------------------- constrained calls, end to end

@@ -21,7 +21,7 @@ worker reports back through an ``asyncio.Queue`` of typed events fed with
 gone, request timed out) removes a waiting job from the queue at once, or stops a running one
 at its next iteration (its cache slot is free for the next request then).
 
-A spec with a decoding strategy (``GenSpec.strategy``) runs a search (``strategies/search.py``)
+A spec whose request has a decoding strategy (``GenerationRequest.strategy``) runs a search (``strategies/search.py``)
 or N parallel samples instead of a generation: every one of them is a task (``core/task.py``)
 and hands its forwards to the same batched forward, one round per iteration (a beam search's
 new nodes are rows of the batch beside other requests' steps; its prompt prefills inside its
@@ -43,16 +43,11 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 from ..api import start_request
 from ..core.batch import BatchTiming, SpeculationScheduler, speculation_caps, step_batch
-from ..core.config import MethodConfig
-from ..core.constraint import Constraint
-from ..core.generate import cache_tokens
-from ..core.kv_policy import KVPolicy
+from ..core.slot import cache_tokens
 from ..core.runner import ModelRunner, slot_len
-from ..core.sampling import SamplingParams
 from ..core.task import Task
 from ..errors import InvalidParameterError
 from ..request import GenerationRequest
-from ..strategies.registry import StrategyConfig
 from ..strategies.search import search_cache_tokens
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 
@@ -106,29 +101,20 @@ Event = Union[Started, Delta, Finished, Failed, Ended, Disconnected]
 # ---------------------------------------------------------------------------- jobs
 @dataclass(frozen=True)
 class GenSpec:
-    """One generation, validated (``request.py``): its prompt and a ``GenerationRequest``'s parts."""
+    """One generation (or search) to run: its prompt's token ids and its validated request
+    (``request.py``; its structure compiled already into its ``constraint``, this choice's own)."""
 
     prompt_ids: list[int]
-    max_new_tokens: int
-    method: MethodConfig
-    sampling: SamplingParams
-    stop: list[str] | None = None
-    constraint: Constraint | None = None  # structured output: this generation's own grammar state
-    kv_policy: KVPolicy | None = None  # lossy KV-cache compression (core/kv_policy.py); None: exact
-    strategy: StrategyConfig | None = None  # a search: its hypotheses are this spec's choices
-    memory_scope: str | None = None  # whose cross-request memory it reads and feeds (its tenant's)
+    request: GenerationRequest
 
     @property
     def choices(self) -> int:
         """How many choices this spec answers (a search's ``returns``, else 1)."""
-        return 1 if self.strategy is None else self.strategy.returns
+        return 1 if self.request.strategy is None else self.request.strategy.returns
 
     def start(self, runner: ModelRunner):
         """The generation (or search) of this spec, not started."""
-        request = GenerationRequest(method=self.method, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
-                                    stop=tuple(self.stop or ()), strategy=self.strategy, kv_policy=self.kv_policy,
-                                    constraint=self.constraint, memory_scope=self.memory_scope)
-        return start_request(runner, request, prompt_ids=self.prompt_ids)
+        return start_request(runner, self.request, prompt_ids=self.prompt_ids)
 
 
 TRIM_EVERY_S = 2.0  # at most one heap trim per this many seconds, after a request ends
@@ -309,17 +295,16 @@ class Engine:
     def reservation(self, spec: GenSpec) -> int:
         """KV-cache bytes a generation's slot takes (as ``Generation.start`` sizes it; a KV-cache
         policy's slot is smaller: ``KVPolicy.cache_tokens``, and int8 takes fewer bytes a token)."""
-        model = self.runner.model
-        policy = spec.kv_policy
-        if spec.strategy is not None and spec.strategy.parallel:  # N generations' slots (test-time scaling)
-            return spec.strategy.width * self._per_token * slot_len(
-                model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens))
-        if spec.strategy is not None:
-            return self._per_token * slot_len(model, search_cache_tokens(model, spec.strategy, len(spec.prompt_ids),
-                                                                         spec.max_new_tokens))
+        model, request = self.runner.model, spec.request
+        policy, strategy, prompt_len, max_new = request.kv_policy, request.strategy, len(spec.prompt_ids), \
+            request.max_new_tokens
+        if strategy is not None and strategy.parallel:  # N generations' slots (test-time scaling)
+            return strategy.width * self._per_token * slot_len(model, cache_tokens(model, prompt_len, max_new))
+        if strategy is not None:
+            return self._per_token * slot_len(model, search_cache_tokens(model, strategy, prompt_len, max_new))
         if policy is None:
-            return self._per_token * slot_len(model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens))
-        tokens = slot_len(model, cache_tokens(model, len(spec.prompt_ids), spec.max_new_tokens, policy))
+            return self._per_token * slot_len(model, cache_tokens(model, prompt_len, max_new))
+        tokens = slot_len(model, cache_tokens(model, prompt_len, max_new, policy))
         return kv_bytes_per_token(model, policy.cache_kind) * tokens
 
     def submit(self, job: Job) -> None:

@@ -66,7 +66,8 @@ class Prepared:
 
     def scoped(self, scope: str | None) -> "Prepared":
         """Its generations in the memory scope ``scope`` (``ServeConfig.scope``: the request's tenant)."""
-        return replace(self, specs=[replace(spec, memory_scope=scope) for spec in self.specs])
+        return replace(self, specs=[replace(spec, request=replace(spec.request, memory_scope=scope))
+                                    for spec in self.specs])
 
     @property
     def choices(self) -> int:
@@ -218,17 +219,16 @@ def _tool_schema_error(runner: ModelRunner, calling: ToolCalling, error: Invalid
     return ApiError(400, str(error), param="tools")
 
 
-def _specs(req, prompts: list[list[int]], max_new: list[int], runner: ModelRunner) -> list[GenSpec]:
-    n = req.choices_per_prompt
-    if req.strategy_config is not None:  # one search per prompt; its hypotheses are the n choices
-        stop = req.stop if req.strategy_config.parallel else None  # test-time scaling: its samples' stop strings
-        return [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p), stop,
-                        strategy=req.strategy_config)
+def _specs(req, prompts: list[list[int]], max_new: list[int]) -> list[GenSpec]:
+    """One spec per choice (a search: one per prompt, answering its n choices), prompt-major; each
+    with its prompt's token budget and its own seed (counted up from the request's)."""
+    request = replace(req.generation_request, structure=None)  # compiled into each spec's constraint
+    if request.strategy is not None:  # one search per prompt; its hypotheses are the n choices
+        return [GenSpec(ids, replace(request, max_new_tokens=max_new[p], sampling=req.sampling(seed_offset=p)))
                 for p, ids in enumerate(prompts)]
-    specs = [GenSpec(ids, max_new[p], req.method_config, req.sampling(seed_offset=p * n + j), req.stop,
-                     kv_policy=req.kv_policy)
-             for p, ids in enumerate(prompts) for j in range(n)]
-    return specs
+    n = req.choices_per_prompt
+    return [GenSpec(ids, replace(request, max_new_tokens=max_new[p], sampling=req.sampling(seed_offset=p * n + j)))
+            for p, ids in enumerate(prompts) for j in range(n)]
 
 
 def _structure(req, runner: ModelRunner) -> dict | None:
@@ -258,7 +258,8 @@ def constrain(prep: Prepared, runner: ModelRunner, timeout_s: float = COMPILE_TI
         if calling is not None and calling.constrained:
             raise _tool_schema_error(runner, calling, e) from None
         raise ApiError(400, str(e), param=param) from None
-    specs = [replace(spec, constraint=first if i == 0 else first.fork()) for i, spec in enumerate(prep.specs)]
+    specs = [replace(spec, request=replace(spec.request, constraint=first if i == 0 else first.fork()))
+             for i, spec in enumerate(prep.specs)]
     return replace(prep, specs=specs, structure=None)
 
 
@@ -316,7 +317,7 @@ def prepare(kind: Kind, raw: bytes | dict, cfg: ServeConfig, runner: ModelRunner
         raise ApiError(400, f"kv_policy needs the native backend; this server runs {model.name} on the "
                             f"{runner.model.backend!r} backend", param="leapdecode.kv_policy")
     return Prepared(kind=kind, request=req, prompt_lens=[len(p) for p in prompts], echo=echo,
-                    specs=_specs(req, prompts, max_new, runner), draft=draft_in_use(req.method_config, runner),
+                    specs=_specs(req, prompts, max_new), draft=draft_in_use(req.method_config, runner),
                     tools=req.tool_calling if kind == "chat" else None, structure=_structure(req, runner))
 
 

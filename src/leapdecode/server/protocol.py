@@ -457,6 +457,11 @@ class _Request(BaseModel):
         return self._request.method
 
     @property
+    def generation_request(self) -> GenerationRequest:
+        """The validated request (``request.py``), on this server (its method's names resolved)."""
+        return self._request
+
+    @property
     def kv_policy(self) -> KVPolicy | None:
         """The request's KV-cache policy (lossy; None: the exact cache)."""
         return self._request.kv_policy
