@@ -1,4 +1,4 @@
-"""scripts/draft_ceiling.py's replays: the copy oracle drafts what an earlier occurrence continues
+"""``leapdecode bench --ceiling`` (bench/ceiling.py) and its replays: the copy oracle drafts what an earlier occurrence continues
 and pays for exactly the accepted part; the perfect drafter's dynamic programme finds the cheapest
 split of an output into steps (checked against brute force on small cases)."""
 
@@ -11,12 +11,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import load_script
+from leapdecode.bench import ceiling as ceiling_module
+from leapdecode.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
 def ceiling():
-    return load_script("draft_ceiling")
+    return ceiling_module
+
+
+def config(*argv: str):
+    from leapdecode.bench.cli import ceiling_from_args
+
+    return ceiling_from_args(build_parser().parse_args(["bench", "--ceiling", *argv]))
 
 
 def test_copy_continuation_is_the_most_recent_longest_match(ceiling):
@@ -50,24 +57,48 @@ def test_copy_oracle_with_memory_copies_from_earlier_outputs(ceiling):
     assert ceiling.copy_oracle_cost([5], [6, 7, 8], unit, memory=[[5, 6], [7, 8]]) == 2.0
 
 
-def test_options(ceiling):
-    a = ceiling.parse_args(["--workload", "similar", "--limit", "24", "--memory"])
-    assert (a.workload, a.limit, a.memory, a.max_new_tokens, a.save) == ("similar", 24, True, 192, None)
-    assert not ceiling.parse_args([]).memory
+def test_options(capsys):
+    c = config("--workload", "similar", "--limit", "24", "--memory", "--categories", "a, b")
+    assert (c.workload, c.limit, c.memory, c.max_new_tokens, c.save, c.categories) == (
+        "similar", 24, True, 256, None, ["a", "b"])
+    assert not config().memory and config().replay == []
+    # the speed bench's flags are refused with --ceiling, and --ceiling's without it
+    for argv, named in ((["--ceiling", "--peers", "hf"], "--peers"), (["--ceiling", "--repeats", "2"], "--repeats"),
+                        (["--memory"], "--memory"), (["--save", "x.json"], "--save")):
+        assert main(["bench", "-m", "tiny-random", *argv]) == 2
+        assert named in capsys.readouterr().err
 
 
 def test_report_is_what_the_results_page_reads(ceiling):
     from leapdecode.results import page as results_page
 
-    a = ceiling.parse_args(["--workload", "similar", "--limit", "4", "--memory", "--save", "x.json"])
+    c = config("--workload", "similar", "--limit", "4", "--memory", "--save", "x.json")
     spent = {"copy oracle": {"extract": 50.0, "tests": 20.0}, "copy oracle with memory": {"extract": 40.0, "tests": 20.0}}
-    r = ceiling.report(a, "m", "similar (requests of one kind in a row)", "CPU A, 2 cores", ["avx2"],
+    r = ceiling.report(c, "m", "similar (requests of one kind in a row)", "CPU A, 2 cores", ["avx2"],
                        {1: 1.0, 4: 1.5}, {"extract": 100, "tests": 40}, spent)
     assert r["ceilings"]["copy oracle"] == {"overall": 2.0, "by_group": {"extract": 2.0, "tests": 2.0}}
     assert r["ceilings"]["copy oracle with memory"]["overall"] == pytest.approx(140 / 60, abs=1e-4)
     assert r["relative_cost"] == {"1": 1.0, "4": 1.5} and r["tokens"] == 140
     key = ("CPU A (AVX2)", "m", "similar")
     assert results_page.latest_ceilings([r]) == {key: r}
+
+
+def test_ceiling_end_to_end_tiny(tmp_path, capsys):
+    """``bench --ceiling`` on a tiny model: vanilla's outputs kept (``--outputs``) and reused, the table
+    printed, the report saved for the results page with the command that made it."""
+    wl = tmp_path / "q.jsonl"
+    wl.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Say hello.", "Again."]}) + "\n")
+    argv = ["bench", "--ceiling", "-m", "tiny-random", "--dtype", "fp32", "--workload", str(wl), "--max-new-tokens",
+            "6", "--memory", "--replay", "pld", "--outputs", str(tmp_path / "o.json"), "--save", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "question 1: " in out and "| perfect drafter |" in out and "| replayed pld |" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["report"] == "draft-ceiling" and r["max_new_tokens"] == 6 and r["tokens"] > 0
+    assert set(r["ceilings"]) == {"copy oracle", "copy oracle with memory", "perfect drafter"} and "pld" in r["replays"]
+    assert r["ceilings"]["perfect drafter"]["overall"] >= 1.0
+    assert main(argv) == 0  # the kept outputs: vanilla does not run again
+    assert "question 1: " not in capsys.readouterr().out
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,12 +153,14 @@ def test_replay_stops_at_max_new_tokens_and_the_output_end(ceiling):
 
 
 def test_replay_methods_are_model_free(ceiling):
-    with pytest.raises(SystemExit, match="needs the model"):
+    from leapdecode.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="needs the model"):
         ceiling.replay_proposer("eagle")
-    with pytest.raises(Exception, match="unknown method"):
+    with pytest.raises(InvalidParameterError, match="unknown method"):
         ceiling.replay_proposer("nonsense")
-    a = ceiling.parse_args(["--replay", "sam,pld", "--outputs", "o.json"])
-    assert a.replay == "sam,pld" and str(a.outputs) == "o.json"
+    c = config("--replay", "sam,pld", "--outputs", "o.json")
+    assert c.replay == ["sam", "pld"] and str(c.outputs) == "o.json"
 
 
 def test_replay_of_memory_uses_earlier_outputs(ceiling):
@@ -143,12 +176,34 @@ def test_replay_of_memory_uses_earlier_outputs(ceiling):
 
 
 def test_outputs_file_is_reused_only_for_the_same_options(ceiling, tmp_path):
-    a = ceiling.parse_args(["--limit", "4", "--outputs", str(tmp_path / "o.json")])
-    assert ceiling.load_outputs(a.outputs, a) is None  # none yet
-    (tmp_path / "o.json").write_text(json.dumps({"key": ceiling._outputs_key(a), "outputs": []}))
-    assert ceiling.load_outputs(a.outputs, a)["outputs"] == []
-    b = ceiling.parse_args(["--limit", "5", "--outputs", str(tmp_path / "o.json")])
-    assert ceiling.load_outputs(b.outputs, b) is None  # another sample: vanilla runs again
+    from leapdecode.errors import InvalidParameterError
+
+    said = []
+    a = config("--limit", "4", "--outputs", str(tmp_path / "o.json"))
+    assert ceiling.load_outputs(a, said.append) is None  # none yet
+    (tmp_path / "o.json").write_text(json.dumps({"key": ceiling.outputs_key(a), "outputs": []}))
+    assert ceiling.load_outputs(a, said.append)["outputs"] == [] and not said
+    b = config("--limit", "5", "--outputs", str(tmp_path / "o.json"))
+    assert ceiling.load_outputs(b, said.append) is None and "other options" in said[0]  # vanilla runs again
     (tmp_path / "o.json").write_text("{broken")
-    with pytest.raises(SystemExit, match="not a readable outputs file"):
-        ceiling.load_outputs(a.outputs, a)
+    with pytest.raises(InvalidParameterError, match="not a readable outputs file"):
+        ceiling.load_outputs(a, said.append)
+
+
+def test_the_script_is_the_bench_mode_with_its_own_default(monkeypatch):
+    """scripts/draft_ceiling.py runs ``leapdecode bench --ceiling`` with 192 new tokens unless told, and
+    its reports name it as their command."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    seen = []
+    monkeypatch.setattr(ceiling_module, "run_ceiling", lambda cfg, say: seen.append(cfg))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+    for argv, tokens in (([], 192), (["--limit", "2", "--max-new-tokens", "64"], 64)):
+        monkeypatch.setattr(sys, "argv", ["scripts/draft_ceiling.py", *argv])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(script), run_name="__main__")
+        assert done.value.code == 0 and seen[-1].max_new_tokens == tokens
+    command = seen[-1].command  # (runpy puts the script's full path first)
+    assert command.startswith("python ") and command.endswith("draft_ceiling.py --limit 2 --max-new-tokens 64")

@@ -91,6 +91,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "default: each task's standard rows)")
     q.add_argument("--tasks", default="humaneval", help="--quality: humaneval, math or both, comma-separated "
                                                         "(default: %(default)s)")
+    c = p.add_argument_group("draft ceilings (--ceiling: the decoding phase's speedup ceilings per workload, replayed "
+                             "from vanilla's outputs and this machine's verification costs; bench/ceiling.py)")
+    c.add_argument("--ceiling", action="store_true",
+                   help="run vanilla on the workload's prompts (-m, --workload, --categories, --limit, --seed, "
+                        "--json-object, --max-new-tokens as for the bench) and print the ceilings of any drafter, "
+                        "of copying and (--memory) of copying from earlier outputs too")
+    c.add_argument("--memory", action="store_true",
+                   help="--ceiling: also the copy oracle that may copy from the earlier requests' outputs")
+    c.add_argument("--replay", metavar="ROWS",
+                   help="--ceiling: comma-separated model-free methods to replay against the outputs (pld, sam, "
+                        "suffix; METHOD:KEY=VALUE rows as --methods)")
+    c.add_argument("--outputs", type=Path, metavar="FILE",
+                   help="--ceiling: keep vanilla's outputs and the verification profile in this file (reused when "
+                        "it was made with the same model, workload and options)")
+    c.add_argument("--save", type=Path, metavar="FILE",
+                   help="--ceiling: also write the ceilings as a JSON report (for `leapdecode results`)")
     d = p.add_argument_group("diffusion models (a LLaDA/Dream checkpoint, tiny-llada, tiny-dream: runs "
                              "`leapdecode diffusion bench`, docs/diffusion.md)")
     d.add_argument("--thresholds", default="0.5,0.7,0.9", help="thresholds swept for the threshold decoders")
@@ -136,6 +152,38 @@ def diffusion_bench(a: argparse.Namespace) -> int:
 
 def _csv(s: str | None) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+CEILING_FLAGS = (("--memory", "memory"), ("--replay", "replay"), ("--outputs", "outputs"), ("--save", "save"))
+
+
+def ceiling_from_args(a: argparse.Namespace):
+    """``bench --ceiling``'s configuration; the speed bench's own flags are refused with it."""
+    from ..cli_args import LoadOptions
+    from ..errors import InvalidParameterError
+    from .ceiling import CeilingConfig
+
+    speed_only = [flag for flag, given in (("--methods", a.methods != "vanilla"), ("--peers", a.peers),
+                                           ("--draft", a.draft), ("--tree-budget", a.tree_budget is not None),
+                                           ("--temperature", a.temperature != 0.0),
+                                           ("--repeats", a.repeats is not None), ("--demo", a.demo),
+                                           ("--quality", a.quality), ("--strategies", a.strategies),
+                                           ("--tasks", a.tasks != "humaneval"), ("--out", a.out), ("--json", a.json))
+                  if given]
+    if speed_only:
+        raise InvalidParameterError(f"{', '.join(speed_only)}: not for --ceiling (`leapdecode bench --help`)")
+    return CeilingConfig(model=a.model, workload=a.workload, categories=_csv(a.categories) or None, limit=a.limit,
+                         seed=a.seed, json_object=a.json_object, max_new_tokens=a.max_new_tokens, memory=a.memory,
+                         replay=_csv(a.replay), outputs=a.outputs, save=a.save, load_options=LoadOptions.from_args(a),
+                         command=command_line())
+
+
+def command_line() -> str:
+    """The command that runs this process, as the results page shows it: ``leapdecode bench ...``, or
+    ``python SCRIPT ...`` for a script that calls the command line."""
+    if sys.argv[1:2] == ["bench"]:
+        return "leapdecode " + shlex.join(sys.argv[1:])
+    return "python " + shlex.join(sys.argv)
 
 
 def config_from_args(a: argparse.Namespace):
@@ -214,6 +262,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .report import print_table
     from .suite import run_bench
 
+    if a.ceiling:
+        from .ceiling import run_ceiling
+
+        run_ceiling(ceiling_from_args(a), say=lambda line: print(line, flush=True))
+        return 0
+    given = [flag for flag, key in CEILING_FLAGS if getattr(a, key) not in (None, False)]
+    if given:
+        from ..errors import InvalidParameterError
+
+        raise InvalidParameterError(f"{', '.join(given)}: for --ceiling")
     if a.quality:
         from .quality import main_quality
 

@@ -8,7 +8,7 @@ speedup over leapdecode's vanilla, mean accepted tokens per decoding forward and
 with vanilla; a plot per run.  Hand-written sections of scripts that are not bench runs (the GPU
 check, the draft head's accuracy) are Markdown files beside the summaries, appended in name order.
 Under each machine, a table holds its latest runs against the speedup targets, with the measured
-ceiling of each where ``scripts/draft_ceiling.py --save`` reports are in ``docs/results/ceilings/``.
+ceiling of each where ``leapdecode bench --ceiling --save`` reports are in ``docs/results/ceilings/``.
 
 The summaries are ``summary.json`` files of ``leapdecode bench``, kept in ``docs/results/``
 (``leapdecode results --add bench_out/RUN/summary.json`` copies one in).  The README's headline
@@ -211,7 +211,7 @@ HEADS_DIR = "heads"  # docs/results/heads/: `leapdecode heads accuracy --save` r
 DEV_SET, HUMANEVAL_SET = "spec-bench dev", "humaneval held-apart"  # (training.accuracy's set names)
 
 
-CEILINGS_DIR = "ceilings"  # docs/results/ceilings/: `scripts/draft_ceiling.py --save` reports
+CEILINGS_DIR = "ceilings"  # docs/results/ceilings/: `leapdecode bench --ceiling --save` reports
 
 
 def _read_reports(directory: Path, kind: str, field: str, made_by: str) -> list[dict]:
@@ -330,8 +330,8 @@ def _peak_lines(r: dict, sizes: list[int]) -> list[str]:
 
 
 def read_ceiling_reports(directory: Path) -> list[dict]:
-    """Every ``scripts/draft_ceiling.py --save`` report (``*.json``) in ``directory`` (none: [])."""
-    return _read_reports(directory, "draft-ceiling", "ceilings", "scripts/draft_ceiling.py --save")
+    """Every ``leapdecode bench --ceiling --save`` report (``*.json``) in ``directory`` (none: [])."""
+    return _read_reports(directory, "draft-ceiling", "ceilings", "leapdecode bench --ceiling --save")
 
 
 def latest_ceilings(reports: list[dict]) -> dict[tuple[str, str, str], dict]:
@@ -466,7 +466,7 @@ def targets_section(runs: list[dict], head_report: dict | None, ceilings: dict[s
              "from the runs above" + (" and the head table below" if head_report else "") + "."]
     if ceilings:
         lines += ["", "The ceilings replay vanilla's own outputs against this machine's measured verification costs "
-                  "(`scripts/draft_ceiling.py`; drafting and host time left out, so they are upper bounds): a "
+                  "(`leapdecode bench --ceiling`; drafting and host time left out, so they are upper bounds): a "
                   "drafter that always knew the next tokens (*any drafter*), one that copies the longest earlier "
                   "match of the text with perfect lengths (*copying*), and that copy from earlier requests' outputs "
                   "too (*with memory*):", ""]
