@@ -41,7 +41,7 @@ class BenchRecord:
     method: str  # the row's name (``vanilla``, ``pld:cost_aware=false``, ``llama-server``)
     model: str
     system: str  # leapdecode, hf, llama.cpp
-    question_id: Any
+    question_id: str | int
     category: str
     group: str
     turn: int
