@@ -128,19 +128,9 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
 
     t_start = time.perf_counter()
     loaded = cfg.load_options.load(cfg.model)
-    grammar: dict[str, Any] = {}
-    if structured:  # compile every schema once: what the engine supports, and how fast
-        questions, grammar = compile_structures(loaded, questions, cfg.categories)
-        note(f"structured output: the grammar engine supports {grammar['supported']} of {grammar['schemas']} "
-             f"schemas (compile p50 {grammar['compile_ms_p50']} ms)")
-        if not questions:
-            raise LeapdecodeError("no question's schema is supported by the grammar engine")
-    questions = select(questions, cfg.limit, cfg.categories, cfg.seed)
-    drafts: dict = {}
-    runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget, drafts=drafts)
-                             for m in methods]
-    if peers:
-        runners += make_peers(peers, loaded, cfg.model, cfg.draft, n_ctx=loaded.max_seq_len, say=note)
+    questions, grammar = bench_questions(loaded, questions, cfg, structured, note)
+    drafts: dict = {}  # the draft models the rows loaded, by name (each loads once)
+    runners = make_runners(loaded, methods, peers, cfg, drafts, note)
     started = list(runners)  # (a runner dropped on the way is closed too)
     try:
         warm_up(runners, loaded, questions, cfg, note)
@@ -179,6 +169,30 @@ def run_bench(cfg: BenchConfig, console=None, say: Callable[[str], None] | None 
     })
     write_outputs(summary, records, out, cfg.plots, note)
     return summary
+
+
+def bench_questions(loaded, questions: list[Question], cfg: BenchConfig, structured: bool,
+                    note: Callable[[str], None]) -> tuple[list[Question], dict[str, Any]]:
+    """The questions the bench runs (``--limit``, ``--categories``; under structured output those whose
+    schema the grammar engine supports), and the grammar engine's statistics (structured output)."""
+    grammar: dict[str, Any] = {}
+    if structured:  # compile every schema once: what the engine supports, and how fast
+        questions, grammar = compile_structures(loaded, questions, cfg.categories)
+        note(f"structured output: the grammar engine supports {grammar['supported']} of {grammar['schemas']} "
+             f"schemas (compile p50 {grammar['compile_ms_p50']} ms)")
+        if not questions:
+            raise LeapdecodeError("no question's schema is supported by the grammar engine")
+    return select(questions, cfg.limit, cfg.categories, cfg.seed), grammar
+
+
+def make_runners(loaded, methods: list[str], peers: list[str], cfg: BenchConfig, drafts: dict,
+                 note: Callable[[str], None]) -> list[Runner]:
+    """A runner per bench row: leapdecode's methods (vanilla first), then the peers that can run here."""
+    runners: list[Runner] = [LeapdecodeRunner(loaded, m, draft=cfg.draft, tree_budget=cfg.tree_budget, drafts=drafts)
+                             for m in methods]
+    if peers:
+        runners += make_peers(peers, loaded, cfg.model, cfg.draft, n_ctx=loaded.max_seq_len, say=note)
+    return runners
 
 
 def warm_up(runners: list[Runner], loaded, questions: list[Question], cfg: BenchConfig,
