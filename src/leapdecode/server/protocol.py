@@ -28,12 +28,12 @@ from pydantic_core import PydanticCustomError
 
 from ..core.config import MethodConfig
 from ..core.prompt import CHAT_ROLES
-from ..core.kv_policy import KVPolicy, parse_kv_policy
+from ..core.kv_policy import KVPolicy
 from ..core.sampling import SamplingParams
 from ..errors import InvalidParameterError
-from ..proposers.registry import METHODS, check_request_limits
-from ..request import GenerationRequest, validate_request
-from ..strategies.registry import STRATEGIES, StrategyConfig
+from ..proposers.registry import check_request_limits
+from ..request import GenerationRequest, RequestError, validate_request
+from ..strategies.registry import StrategyConfig
 from .config import ServeConfig
 from .tools import NAME_RE, NO_PARAMETERS, Tool, ToolCalling
 
@@ -87,23 +87,13 @@ Number = Annotated[float, PlainValidator(_num)]
 Bool = Annotated[bool, PlainValidator(_bool)]
 
 
-def _check_sampling(name: str, value: Any) -> Any:
-    """One sampling parameter, checked exactly as ``SamplingParams`` checks it (same message)."""
-    if value is not None:
-        try:
-            SamplingParams(**{name: value})
-        except InvalidParameterError as e:
-            raise verbatim(str(e)) from None
-    return value
-
-
 # ---------------------------------------------------------------------------- the leapdecode extension
 class LeapdecodeExtension(BaseModel):
     """``"leapdecode": {...}`` on a request: the decoding method, its options, extra sampling knobs."""
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str | None = None
+    method: Any = None  # a name (``validate_request`` knows them)
     options: dict[str, Any] | None = None
     draft: str | None = None  # shorthand for options.draft
     tree_budget: Int | None = None  # shorthand for options.tree_budget
@@ -111,34 +101,17 @@ class LeapdecodeExtension(BaseModel):
     min_p: Number | None = None
     typical_p: Number | None = None
     repetition_penalty: Number | None = None
-    kv_policy: Any = None  # lossy KV-cache compression: a spec string (core/kv_policy.py), parsed
+    kv_policy: str | None = None  # lossy KV-cache compression: a spec string (core/kv_policy.py)
     regex: str | None = None  # structured output: the completion matches this regex
     grammar: str | None = None  # structured output: Lark (llguidance) or GBNF grammar
-    strategy: str | None = None  # a decoding strategy (strategies/registry.py): the n choices are its hypotheses
+    strategy: Any = None  # a decoding strategy (strategies/registry.py): the n choices are its hypotheses
     strategy_options: dict[str, Any] | None = None  # the strategy's options (num_beams, length_penalty, ...)
 
-    @field_validator("method", mode="before")
+    @field_validator("method", "strategy", mode="before")
     @classmethod
-    def _method(cls, v: Any) -> Any:
-        if v in (None, ""):
-            return None
-        if not isinstance(v, str) or v not in METHODS:
-            raise verbatim(f"unknown method {_shown(v)}; choose from {', '.join(METHODS)}")
-        return v
-
-    @field_validator("top_k", "min_p", "typical_p", "repetition_penalty")
-    @classmethod
-    def _sampling(cls, v: Any, info: ValidationInfo) -> Any:
-        return _check_sampling(info.field_name, v)
-
-    @field_validator("strategy", mode="before")
-    @classmethod
-    def _strategy(cls, v: Any) -> Any:
-        if v in (None, ""):
-            return None
-        if not isinstance(v, str) or v not in STRATEGIES:
-            raise verbatim(f"unknown strategy {_shown(v)}; choose from {', '.join(STRATEGIES)}")
-        return v
+    def _name(cls, v: Any) -> Any:
+        """"" is none given; the request validator says which names it knows."""
+        return None if v == "" else v
 
     @field_validator("strategy_options", mode="before")
     @classmethod
@@ -154,16 +127,17 @@ class LeapdecodeExtension(BaseModel):
         if v is not None and not isinstance(v, str):
             raise verbatim(f"leapdecode.kv_policy must be a spec string such as 'h2o:budget=256,recent=32', "
                            f"got {_shown(v)}")
-        try:
-            return parse_kv_policy(v)
-        except InvalidParameterError as e:
-            raise verbatim(f"leapdecode.kv_policy: {e}") from None
+        return v
 
 
 # ---------------------------------------------------------------------------- the request validator
 # request fields (``request.py``'s paths) under their names in this protocol; others are ``leapdecode.NAME``
 PROTOCOL_NAMES = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
                   "max_new_tokens": "max_tokens", "json_schema": "response_format"}
+
+
+# where a field's own value is refused (not a rule across fields), the error's param names the value's place
+VALUE_PARAMS = {"json_schema": "response_format.json_schema.schema"}
 
 
 def field_name(path: str, where: dict[str, str]) -> str:
@@ -177,8 +151,10 @@ def validate(where: dict[str, str], d: ServeConfig, **fields: Any) -> Generation
     try:
         return validate_request(defaults=d.request_defaults(), **fields)
     except InvalidParameterError as e:  # every one the validator raises names its field
-        raise verbatim(e.render(lambda path: field_name(path, where)),
-                       param=field_name(e.field or "options", where)) from None
+        path = e.field or "options"
+        param = field_name(path, where) if isinstance(e, RequestError) else \
+            where.get(path) or VALUE_PARAMS.get(path) or field_name(path, where)
+        raise verbatim(e.render(lambda path: field_name(path, where)), param=param) from None
 
 
 def method_options(ext: LeapdecodeExtension, where: dict[str, str]) -> dict[str, Any]:
@@ -339,8 +315,9 @@ class _Request(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v: Any) -> Any:
-        """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``;
-        a schema is checked against its metaschema here (the grammar engine compiles it later)."""
+        """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``
+        (its schema is the request's ``json_schema``: ``validate_request`` checks it against its
+        metaschema, which a server's ``Preparer`` did in a child process first)."""
         if v is None:
             return None
         kind = v.get("type") if isinstance(v, dict) else None
@@ -352,12 +329,6 @@ class _Request(BaseModel):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
                 raise verbatim("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                                param="response_format.json_schema.schema")
-            from ..constraints.grammar import check_json_schema
-
-            try:
-                check_json_schema(spec["schema"])
-            except InvalidParameterError as e:
-                raise verbatim(str(e), param="response_format.json_schema.schema") from None
         return v
 
     @field_validator("stop", mode="before")
@@ -369,21 +340,6 @@ class _Request(BaseModel):
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise verbatim("stop must be a non-empty string or an array of non-empty strings")
         return stops or None
-
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _sampling(cls, v: Any, info: ValidationInfo) -> Any:
-        return _check_sampling(info.field_name, v)
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: Any) -> Any:
-        if v is not None:
-            try:
-                SamplingParams(seed=v)
-            except InvalidParameterError as e:
-                raise verbatim(str(e)) from None
-        return v
 
     @field_validator("n")
     @classmethod
