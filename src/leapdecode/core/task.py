@@ -126,6 +126,15 @@ class Task:
     result: Any = None  # set when it ends (a GenerationResult or SearchResult)
     cache: Any = None  # its target KV cache, when it holds one
 
+    @classmethod
+    def kv_tokens(cls, model: Any, prompt_len: int, max_new_tokens: int, *, strategy: Any = None,
+                  kv_policy: Any = None) -> tuple[int, str]:
+        """The KV-cache tokens a task of this kind holds at most (its slots, rounded as the runner
+        rounds them) for a prompt of ``prompt_len`` tokens and ``max_new_tokens``, and their cache
+        kind (``models.kv_cache.cache_bytes_per_token``): what a server reserves before it builds
+        one.  ``strategy``: a search's config; ``kv_policy``: a generation's KV-cache policy."""
+        raise NotImplementedError(f"{cls.__name__} does not say how much KV cache it holds")
+
     @property
     def done(self) -> bool:
         """It has ended (``result`` is set)."""

@@ -43,12 +43,13 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 from ..api import start_request
 from ..core.batch import BatchTiming, SpeculationScheduler, speculation_caps, step_batch
-from ..core.slot import cache_tokens
-from ..core.runner import ModelRunner, slot_len
+from ..core.runner import ModelRunner
+from ..core.generate import Generation
 from ..core.task import Task
 from ..errors import InvalidParameterError
 from ..request import GenerationRequest
-from ..strategies.search import search_cache_tokens
+from ..strategies.parallel import ParallelSamples
+from ..strategies.search import TreeSearch
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 
 if TYPE_CHECKING:
@@ -196,6 +197,13 @@ class Running:
     choices: int = 1  # a search answers several
 
 
+def task_kind(request: GenerationRequest) -> type[Task]:
+    """The kind of task ``api.start_request`` builds for ``request``."""
+    if request.strategy is None:
+        return Generation
+    return ParallelSamples if request.strategy.parallel else TreeSearch
+
+
 def kv_bytes_per_token(model: "LoadedModel", kind: str = "plain") -> int:
     """Bytes of the target's KV cache per token (all layers, keys and values); ``kind``: the cache
     kind (``"int8"`` for an int8 KV-cache policy)."""
@@ -248,8 +256,8 @@ class Engine:
         # the load-adaptive tree sizes (None: full trees, or the profile policy)
         self.scheduler = SpeculationScheduler(runner) if speculate_under_load and speculation == "measured" else None
         self.metrics = metrics
-        self._per_token = kv_bytes_per_token(runner.model)
-        smallest = self._per_token * slot_len(runner.model, cache_tokens(runner.model, 1, 1))
+        tokens, kind = Generation.kv_tokens(runner.model, 1, 1)
+        smallest = kv_bytes_per_token(runner.model, kind) * tokens
         if self.kv_budget_bytes < smallest:  # probe SV20 (issue 45): every request would be a 400
             raise InvalidParameterError(f"a KV-cache budget of {self.kv_budget_bytes / 2**20:.2f} MiB holds no "
                                         f"request: the smallest needs {smallest / 2**20:.2f} MiB "
@@ -293,19 +301,13 @@ class Engine:
         return int(min(60, max(1, math.ceil(mean * waves))))
 
     def reservation(self, spec: GenSpec) -> int:
-        """KV-cache bytes a generation's slot takes (as ``Generation.start`` sizes it; a KV-cache
-        policy's slot is smaller: ``KVPolicy.cache_tokens``, and int8 takes fewer bytes a token)."""
-        model, request = self.runner.model, spec.request
-        policy, strategy, prompt_len, max_new = request.kv_policy, request.strategy, len(spec.prompt_ids), \
-            request.max_new_tokens
-        if strategy is not None and strategy.parallel:  # N generations' slots (test-time scaling)
-            return strategy.width * self._per_token * slot_len(model, cache_tokens(model, prompt_len, max_new))
-        if strategy is not None:
-            return self._per_token * slot_len(model, search_cache_tokens(model, strategy, prompt_len, max_new))
-        if policy is None:
-            return self._per_token * slot_len(model, cache_tokens(model, prompt_len, max_new))
-        tokens = slot_len(model, cache_tokens(model, prompt_len, max_new, policy))
-        return kv_bytes_per_token(model, policy.cache_kind) * tokens
+        """KV-cache bytes a spec's task holds: its kind says how many tokens of which cache kind
+        (``Task.kv_tokens``: a generation's slot, a KV-cache policy's smaller one, int8 with fewer
+        bytes a token; a search's tree; N parallel samples' slots)."""
+        request = spec.request
+        tokens, kind = task_kind(request).kv_tokens(self.runner.model, len(spec.prompt_ids), request.max_new_tokens,
+                                                    strategy=request.strategy, kv_policy=request.kv_policy)
+        return kv_bytes_per_token(self.runner.model, kind) * tokens
 
     def submit(self, job: Job) -> None:
         need = sum(self.reservation(s) for s in job.specs)

@@ -100,6 +100,14 @@ def sample_seeds(seed: int | None, n: int) -> list[int]:
 class ParallelSamples(TreeSearch):
     """N sampled generations of one prompt, one batched forward per round; see the module docstring."""
 
+    @classmethod
+    def kv_tokens(cls, model: Any, prompt_len: int, max_new_tokens: int, *, strategy: Any = None,
+                  kv_policy: Any = None) -> tuple[int, str]:
+        """Its samples' slots (``Task.kv_tokens``): ``strategy.width`` generations' (the prompt's
+        shared prefix cache is not counted: a sample's slot holds the prompt too)."""
+        tokens, kind = Generation.kv_tokens(model, prompt_len, max_new_tokens)
+        return strategy.width * tokens, kind
+
     def __init__(self, runner: "ModelRunner", prompt_ids: list[int], cfg: StrategyConfig, max_new_tokens: int,
                  params: SamplingParams, method: "MethodConfig", stop: list[str] | None = None) -> None:
         super().__init__(runner, prompt_ids, cfg, max_new_tokens, temperature=params.temperature, seed=params.seed)

@@ -321,6 +321,14 @@ class TreeSearch(Task):
     # token's only; None: not called
     prompt_hidden: ClassVar[str | None] = None
 
+    @classmethod
+    def kv_tokens(cls, model: Any, prompt_len: int, max_new_tokens: int, *, strategy: Any = None,
+                  kv_policy: Any = None) -> tuple[int, str]:
+        """Its one cache (``Task.kv_tokens``): the prompt, the longest hypothesis and the pending tree."""
+        from ..core.runner import slot_len
+
+        return slot_len(model, search_cache_tokens(model, strategy, prompt_len, max_new_tokens)), "plain"
+
     def __init__(self, runner: "ModelRunner", prompt_ids: list[int], cfg: StrategyConfig, max_new_tokens: int,
                  temperature: float = 1.0, seed: int | None = None) -> None:
         model = runner.model
