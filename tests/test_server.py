@@ -1058,10 +1058,10 @@ def test_start_up_refuses_what_every_request_would_then_refuse():
     from leapdecode.errors import LeapdecodeError
     from leapdecode.server.settings import ServeSettings
 
-    settings = ServeSettings(model="tiny-random", load={}, config=ServeConfig(default_method="draft"), warmup=False)
+    settings = ServeSettings(model="tiny-random", config=ServeConfig(default_method="draft"), warmup=False)
     with pytest.raises(LeapdecodeError, match="draft"):
         settings.build_app()
-    small = ServeSettings(model="tiny-random", load={}, config=ServeConfig(default_method="vanilla", kv_budget_bytes=2048),
+    small = ServeSettings(model="tiny-random", config=ServeConfig(default_method="vanilla", kv_budget_bytes=2048),
                           warmup=False)
     with pytest.raises(LeapdecodeError, match="KV-cache budget .* holds no request"):
         small.build_app()

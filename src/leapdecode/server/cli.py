@@ -175,6 +175,7 @@ def named_paths(flag: str, values: list[str] | None) -> dict[str, str]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    from ..cli_args import LoadOptions
     from ..core.config import parse_option_assignments
     from ..proposers import method_config, method_spec
     from ..proposers.registry import parse_request_limits
@@ -233,9 +234,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         prefix_cache_bytes=a.prefix_cache_mib * 2**20, request_timeout=a.request_timeout,
         max_body_bytes=a.max_body_bytes, max_grammar_bytes=a.max_grammar_bytes, grammar_timeout=a.grammar_timeout)
     settings = ServeSettings(
-        model=a.model, load=dict(dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights,
-                                 attention=a.attention, require_exact=a.require_exact),
-        config=config, warmup=not a.no_warmup, threads=a.threads)
+        model=a.model, load=LoadOptions.from_args(a), config=config, warmup=not a.no_warmup, threads=a.threads)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"leapdecode: warning: serving on {a.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)

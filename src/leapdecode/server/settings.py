@@ -5,8 +5,7 @@ Ray Serve replica (``ray_serve.py``) builds the very same app in its own process
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
+from ..cli_args import LoadOptions
 from .config import ServeConfig
 
 
@@ -16,7 +15,7 @@ class ServeSettings:
     Serve replica builds the very same app in its own process (``ray_serve.py``)."""
 
     model: str
-    load: dict[str, Any]  # load()'s keyword arguments: backend, dtype, device, weights, attention
+    load: LoadOptions = field(default_factory=LoadOptions)  # how it loads: the model flags
     config: ServeConfig = field(default_factory=ServeConfig)  # create_app's
     warmup: bool = True
     threads: int | None = None  # torch.set_num_threads before loading (None: leave torch's choice)
@@ -24,7 +23,6 @@ class ServeSettings:
     def build_app(self):
         """Load the model and build the app (and warm it up): what a server or a replica runs."""
         from ..api import generate
-        from ..models.loader import load
         from ..proposers.registry import build_proposer
         from .app import create_app
 
@@ -32,7 +30,7 @@ class ServeSettings:
             import torch
 
             torch.set_num_threads(self.threads)
-        model = load(self.model, **self.load)
+        model = self.load.load(self.model)
         app = create_app(model, self.config)
         if self.warmup:  # allocates the caches and builds the default method; fails here, not on a request
             generate(app.state.runner, "Hello", max_new_tokens=2, temperature=0.0, method=app.state.default_config)
