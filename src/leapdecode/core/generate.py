@@ -106,9 +106,7 @@ class Generation(Task):
             return Status.FINISHED if self.result is not None else Status.WAITING
         return Status.PREFILLING if self.prefilling else Status.DECODING
 
-    @property
-    def decoding(self) -> bool:
-        return self._stage is not Status.WAITING and self.result is None and not self.prefilling
+    decoding = property(lambda self: self.status is Status.DECODING)
 
     @property
     def prefilling(self) -> bool:
@@ -281,12 +279,12 @@ class Generation(Task):
                     self.runner.memory.settle()  # what the proposer fed its memory counts against the bounds
             finally:
                 self._release()
-            stats = self.out.stats(method=self.method, new_tokens=len(self.generated), prompt_tokens=n,
-                                   constrained=self.constraint is not None, **self.slot.timing())
-            stats.update(self.proposer.stats() if self.proposer is not None else {})
-            stats.update(self.slot.kv.stats() if self.slot.kv is not None else {})
-            self.result = GenerationResult(self.out.text if text is None else text, list(self.generated), n, reason,
-                                           stats)
+            stats = {**self.out.stats(method=self.method, new_tokens=len(self.generated), prompt_tokens=n,
+                                      constrained=self.constraint is not None, **self.slot.timing()),
+                     **(self.proposer.stats() if self.proposer is not None else {}),
+                     **(self.slot.kv.stats() if self.slot.kv is not None else {})}
+            self.result = GenerationResult(text if text is not None else self.out.text, list(self.generated), n,
+                                           reason, stats)
         return StepOutput("", [], True, self.result.finish_reason)
 
     def abort(self) -> None:
