@@ -36,7 +36,7 @@ from .prefill import prefill_chunk
 from .prompt import check_max_new_tokens, check_prompt_ids, check_stop
 from .proposer import Proposer
 from .sampling import SamplingParams
-from .slot import Slot, cache_tokens
+from .slot import Slot
 from .step_planner import StepPlanner
 from .task import Forward, Status, StepOutput, Task
 
@@ -69,11 +69,7 @@ class Generation(Task):
     @classmethod
     def kv_tokens(cls, model: Any, prompt_len: int, max_new_tokens: int, *, strategy: Any = None,
                   kv_policy: KVPolicy | None = None) -> tuple[int, str]:
-        """Its slot (``Task.kv_tokens``): ``cache_tokens`` rounded up, of its policy's cache kind."""
-        from .runner import slot_len
-
-        return (slot_len(model, cache_tokens(model, prompt_len, max_new_tokens, kv_policy)),
-                kv_policy.cache_kind if kv_policy is not None else "plain")
+        return Slot.size(model, prompt_len, max_new_tokens, kv_policy)
 
     def __init__(self, runner: "ModelRunner", prompt_ids: list[int], params: SamplingParams,
                  proposer: Proposer | None = None, method: str = "vanilla", max_new_tokens: int = 256,

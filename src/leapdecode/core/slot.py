@@ -17,6 +17,7 @@ import torch
 from .kv_policy import KVPolicy, PolicyState
 from .prefill import PrefillPlanner
 from .proposer import DecodeContext, Proposer
+from .runner import slot_len
 from .sampling import SamplingParams
 from .task import Forward
 
@@ -60,6 +61,13 @@ class Slot:
             self.released = True
             runner.release_cache(self.cache)
             raise
+
+    @staticmethod
+    def size(model, prompt_len: int, max_new_tokens: int, kv_policy: KVPolicy | None = None) -> tuple[int, str]:
+        """The slot a generation takes (``Task.kv_tokens``): ``cache_tokens`` rounded up as the
+        runner rounds it, and the cache's kind (its KV-cache policy's)."""
+        return (slot_len(model, cache_tokens(model, prompt_len, max_new_tokens, kv_policy)),
+                kv_policy.cache_kind if kv_policy is not None else "plain")
 
     # ---------------------------------------------------------------- the prompt's prefill
     def next_chunk(self, proposer: Proposer | None) -> Forward | None:
