@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ import torch
 import leapdecode
 from leapdecode import ModelRunner
 from leapdecode.cli import main as cli_main
+from leapdecode.core.proposer import MemoryKey
 from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.errors import HeadFileError, HeadMismatchError, HeadNotFoundError, InvalidParameterError
 from leapdecode.training.train import CHECKPOINT
@@ -579,7 +581,7 @@ def test_eagle_steps_teach_the_sizer_its_rate(tiny, tmp_path):
     out = leapdecode.generate(runner, prompt_ids=ids, method="eagle", max_new_tokens=40,
                               options={"head": str(head_dir), "tree_budget": 4})
     assert out.tokens == vanilla(model, ids, max_new_tokens=40).tokens
-    sizers = [v for k, v in runner.memory._entries.items() if k[:2] == ("eagle", "tree_sizer")]
+    sizers = [v for k, v in runner.memory._entries.items() if isinstance(k, MemoryKey) and (k.method, k.what) == ("eagle", "tree_sizer")]
     assert len(sizers) == 1 and sizers[0].steps > 0 and sizers[0]._seconds > 0, vars(sizers[0])
 
 
@@ -592,7 +594,8 @@ def test_medusa_calibrates_only_on_its_own_trees():
 
     prop = MedusaProposer.__new__(MedusaProposer)
     prop._steps = prop._accepted = 0
-    prop._verify_cost, prop.sizer, prop._t_step = object(), TreeSizer(), 0.0
+    prop.cost_aware, prop.sizer, prop._t_step = True, TreeSizer(), 0.0
+    prop.ctx = SimpleNamespace(params=SamplingParams(), verify_cost=object())  # greedy, a measured profile
     tree = TokenTree()
     tree.add(7, -1)
     prop._node_p = [(7, 0.9)]
@@ -668,7 +671,8 @@ def test_eagle_calibrates_only_on_its_own_trees():
 
     prop = EagleProposer.__new__(EagleProposer)
     prop._steps = prop._accepted = 0
-    prop._verify_cost, prop.sizer, prop._t_step, prop._catchup = object(), TreeSizer(), 0.0, 0.0
+    prop.cost_aware, prop.sizer, prop._t_step, prop._catchup = True, TreeSizer(), 0.0, 0.0
+    prop.ctx = SimpleNamespace(params=SamplingParams(), verify_cost=object())  # greedy, a measured profile
     tree = TokenTree()
     tree.add(7, -1)
     prop._node_p = [(7, 0.9)]  # what the head drafted for this step

@@ -26,6 +26,7 @@ import json
 import os
 import re
 from collections import Counter
+from types import SimpleNamespace
 from fractions import Fraction
 from pathlib import Path
 
@@ -279,10 +280,14 @@ PROHIBITIVE = VerifyCost([1, 2], [1.0, 100.0])
 def costed(calibration=None, verify: VerifyCost = FREE) -> RestProposer:
     """A RestProposer in cost-aware mode without a generation (begin() needs a live cache)."""
     prop = RestProposer(Datastore.from_documents([[0, 1, 2]]))
-    prop._use_costs = True
+    prop.ctx = sizing_context(verify)
     prop.calibration = calibration if calibration is not None else [AcceptanceCalibration() for _ in MATCH_BUCKETS]
-    prop._verify_cost = verify
     return prop
+
+
+def sizing_context(verify: VerifyCost) -> SimpleNamespace:
+    """What a cost-aware proposer reads its sizing cost from: greedy decoding and a measured profile."""
+    return SimpleNamespace(params=SamplingParams(), verify_cost=verify)
 
 
 def binned_cum(cands) -> dict[tuple[int, ...], float]:
@@ -364,14 +369,13 @@ def test_sized_tree_shrinks_as_verification_gets_dearer(cands, budget):
 def test_propose_with_prohibitive_cost_drafts_nothing_but_counts_the_hit():
     ds = Datastore.from_documents([[1, 2, 3, 4, 1, 2, 3, 5]])
     prop = RestProposer(ds)
-    prop._use_costs, prop.calibration, prop._verify_cost = True, [AcceptanceCalibration() for _ in MATCH_BUCKETS], \
-        PROHIBITIVE
+    prop.ctx, prop.calibration = sizing_context(PROHIBITIVE), [AcceptanceCalibration() for _ in MATCH_BUCKETS]
     assert len(prop.propose([9, 1, 2], 8)) == 0
     assert prop.stats()["rest_hit_rate"] == 1.0 and prop.stats()["draft_nodes"] == 0
-    prop._verify_cost = FREE
+    prop.ctx.verify_cost = FREE
     tree = prop.propose([9, 1, 2], 8)
     assert set(tree_paths(tree)) == set(brute_trie([((3, 4, 1, 2, 3, 5), 1), ((3, 5), 1)]))
-    prop._use_costs = False  # the paper's fixed budget
+    prop.cost_aware = False  # the paper's fixed budget
     assert set(tree_paths(prop.propose([9, 1, 2], 3))) == {(3,), (3, 4), (3, 5)}
     assert set(tree_paths(frequency_tree([((3, 4, 1), 1), ((3, 5), 1)], 3))) == {(3,), (3, 4), (3, 5)}
 

@@ -4,13 +4,16 @@ speculation tree's probabilities, the runner's bounded cross-request memory, and
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import leapdecode
+from leapdecode.core.proposer import MemoryKey
 from leapdecode.core.runner import ModelRunner
+from leapdecode.core.sampling import SamplingParams
 from leapdecode.errors import InvalidParameterError
 from leapdecode.core.cost_model import VerifyCost
 from leapdecode.core.sizing import AcceptanceCalibration
@@ -227,7 +230,7 @@ def test_the_memory_arm_matches_the_memory_once_per_step(tiny, monkeypatch):
     from leapdecode.proposers.registry import SuffixConfig
 
     c = SuffixConfig()  # (auto's memory arm: suffix's defaults)
-    memory = runner.memory.get(("suffix", "memory", c.depth, c.memory_tokens), lambda: pytest.fail("no memory"))
+    memory = runner.memory.get(MemoryKey("suffix", "memory", (c.depth, c.memory_tokens)), lambda: pytest.fail("no memory"))
     calls: list[int] = []
     real = SuffixTrie.match
 
@@ -271,7 +274,7 @@ PROHIBITIVE = VerifyCost([1, 2], [1.0, 100.0])
 def sized(verify: VerifyCost) -> SuffixDecodingProposer:
     """A cost-aware proposer without a generation, its calibrations fresh."""
     p = SuffixDecodingProposer()
-    p._use_costs, p._verify_cost = True, verify
+    p.ctx = SimpleNamespace(params=SamplingParams(), verify_cost=verify)  # greedy, with a measured profile
     p.calibration = {s: [AcceptanceCalibration() for _ in MATCH_BUCKETS] for s in SOURCES}
     return p
 

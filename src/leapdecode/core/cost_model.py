@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..models.store import atomic_write
+from .running_mean import discounted_mean
 
 PROBE_SIZES = (1, 4, 8, 16, 24, 32)
 
@@ -50,6 +51,8 @@ class VerifyCost:
     the size's own steady deviation from the probe (observations of that size, with the level
     taken out), interpolated between observed sizes and held flat beyond them."""
 
+    # not measured; kept as they were set with the online correction (commit 7003fe2, lab notes
+    # benchmarks.md section 28, "Online correction"), the correction's tests use them
     LEVEL_RATE = 0.1  # weight of one forward in the speed level
     DEV_RATE = 0.05  # least weight of one forward in its size's deviation (1/count before that)
     MIN_COUNT = 3  # observations of a size before its deviation is used
@@ -96,13 +99,13 @@ class VerifyCost:
             return
         r = math.log(seconds / self.profile(n))
         d = self._dev.get(n)
-        self._level += self.LEVEL_RATE * (r - self._deviation(n) - self._level)
+        self._level = discounted_mean(self._level, r - self._deviation(n), self.LEVEL_RATE)
         resid = r - self._level
         if d is None:
             self._dev[n] = [resid, 1.0]
         else:
             d[1] += 1.0
-            d[0] += max(1.0 / d[1], self.DEV_RATE) * (resid - d[0])
+            d[0] = discounted_mean(d[0], resid, self.DEV_RATE, d[1])
         self.observations += 1
         self._table = None
 

@@ -16,6 +16,8 @@ methods themselves live in ``leapdecode.proposers``, one file each.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -32,6 +34,43 @@ if TYPE_CHECKING:
     from .verifier import Verdict
 
 T = TypeVar("T")
+
+
+class Identity:
+    """The object a learned entry is about (a model, heads, a datastore), compared and hashed by
+    identity and held weakly: while it lives nothing else is equal to it, and once it is freed an
+    object that takes its address is another key (a bare ``id()`` in a key could name either)."""
+
+    __slots__ = ("_ref", "_id")
+
+    def __init__(self, obj: Any) -> None:
+        self._ref, self._id = weakref.ref(obj), id(obj)
+
+    def __hash__(self) -> int:
+        return self._id
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Identity) or other._id != self._id:
+            return False
+        obj = self._ref()
+        return obj is not None and obj is other._ref()
+
+    def __repr__(self) -> str:
+        return f"Identity({type(self._ref()).__name__} at {self._id:#x})"
+
+
+@dataclass(frozen=True)
+class MemoryKey:
+    """The key of what a method learns across generations in the runner's memory
+    (``DecodeContext.remember``): the ``method``, ``what`` it learns, the ``options`` the entry
+    depends on, the object it was learned about (``of``, by identity) and the memory scope it
+    belongs to (set by ``remember``; None: the process's one part, or a shared entry)."""
+
+    method: str
+    what: str
+    options: tuple = ()
+    of: Identity | None = None
+    scope: str | None = None
 
 
 @dataclass
@@ -67,13 +106,13 @@ class DecodeContext:
         None otherwise."""
         return position_uniform(self.params.seed, position) if self.drafter_invariant else None
 
-    def remember(self, key: tuple, factory: Callable[[], T], shared: bool = False) -> T:
+    def remember(self, key: MemoryKey, factory: Callable[[], T], shared: bool = False) -> T:
         """The runner's memory entry ``key`` (created by ``factory`` on first use): what a method
         learns across generations on this target (bandit statistics, calibration, n-gram pools), in
         this generation's ``memory_scope``.  ``shared``: a copy derived from weights alone (a head's
         quantized copy), the same for every scope and so kept once."""
         if not shared and self.memory_scope is not None:
-            key = (("scope", self.memory_scope), *key)
+            key = dataclasses.replace(key, scope=self.memory_scope)
         return self.runner.memory.get(key, factory)
 
     def acquire_cache(self, model: "LoadedModel", max_len: int) -> "KVCache":
@@ -96,6 +135,9 @@ class Proposer:
     """
 
     name = "base"
+    # sizes its greedy trees by the measured verification cost (a method sets it from its config's
+    # ``cost_aware``, ``draft`` from ``adaptive``)
+    cost_aware = False
 
     def __init__(self, default_budget: int) -> None:
         if not isinstance(default_budget, int) or default_budget < 1:
@@ -104,8 +146,17 @@ class Proposer:
 
     def needs_verify_cost(self, params: SamplingParams) -> bool:
         """Should the runner measure the target's verification cost per tree size before ``begin``
-        (``ctx.verify_cost``)?  Cost-aware tree sizing reads it."""
-        return False
+        (``ctx.verify_cost``)?  The one gate of cost-aware tree sizing: ``cost_aware`` and greedy
+        decoding (any greedy tree gives vanilla's tokens, so timings may steer it; a seeded sampling
+        run's trees must not depend on a clock)."""
+        return self.cost_aware and params.greedy
+
+    def sizing_cost(self) -> "VerifyCost | None":
+        """The verification cost this generation's trees are sized by: the measured profile where
+        ``needs_verify_cost`` holds and it was measured before ``begin``; None (draft without costs)
+        otherwise, and before any ``begin``."""
+        ctx = getattr(self, "ctx", None)
+        return ctx.verify_cost if ctx is not None and self.needs_verify_cost(ctx.params) else None
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         """A generation starts; ``tokens`` is the prompt (its last token is the root)."""

@@ -67,7 +67,7 @@ def entry_bytes(value: Any, _depth: int = 0) -> int:
 
 
 class ProposerMemory:
-    """A bounded mapping from a key (by convention ``(method, what, ...)``) to what a method keeps
+    """A bounded mapping from a key (a proposer's: ``core/proposer.py``'s ``MemoryKey``) to what a method keeps
     across generations, least recently used first out: past ``max_entries`` entries, and past
     ``max_bytes`` bytes (``entry_bytes``; None: no byte bound) once an entry is added or a
     generation that may have grown one ends (``settle``).  An entry that can shed its oldest content

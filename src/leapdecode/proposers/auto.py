@@ -66,15 +66,25 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.tree import TokenTree
-from ..core.proposer import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, MemoryKey, Proposer
 from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
 from .suffix import SuffixDecodingProposer
 from .configs import AutoConfig
 
 MEMORY_MIN_MATCH = 4  # the memory arm is offered where its match is at least this long
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One of ``auto``'s drafting arms: its name in the bandit (``"sam"`` or ``"suffix"`` for the
+    copying arm, ``"hybrid"``, ``"head"``, ``"memory"``) and the proposer that drafts for it."""
+
+    name: str
+    proposer: Proposer
 
 
 def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
@@ -94,9 +104,12 @@ def graft(tree: TokenTree, chain: list[int], budget: int, source: str) -> int:
 
 
 class BanditStats:
-    """Discounted reward means and counts per (context, arm); UCB1 picks the arm."""
+    """Discounted reward means and counts per (context, arm); UCB1 picks the arm.  ``discount`` and
+    ``explore`` come from ``AutoConfig`` (0.99 and 0.15, chosen in docs/lab-notes/benchmarks.md
+    section 3, "`auto`, revised policy"), written there once.  The discount applies to the counts;
+    the mean takes each reward with weight ``1 / count`` of the discounted count."""
 
-    def __init__(self, arms: list[str], discount: float = 0.97, explore: float = 0.5) -> None:
+    def __init__(self, arms: list[str], discount: float, explore: float) -> None:
         self.arms = arms
         self.discount = discount
         self.explore = explore
@@ -152,9 +165,11 @@ class AutoProposer(Proposer):
         self.draft = draft_proposer
         self.head = head_proposer  # over a trained head
         self.memory = memory_proposer  # earlier requests' outputs (``local=False``: the memory alone)
-        self.arms = [self.copy_arm] + (["hybrid"] if draft_proposer is not None else []) \
-            + (["head"] if head_proposer is not None else []) + (["memory"] if memory_proposer is not None else []) \
-            + ["none"]
+        # the drafting arms, in the order they begin, end and are offered to the bandit
+        self.drafting = [Arm(name, p) for name, p in ((self.copy_arm, self.copier), ("hybrid", draft_proposer),
+                                                      ("head", head_proposer), ("memory", memory_proposer))
+                         if p is not None]
+        self.arms = [arm.name for arm in self.drafting] + ["none"]
         self.discount, self.explore = discount, explore
         self.bandit: BanditStats | None = None  # the runner's, shared by this target's generations
         self.default_budget = tree_budget or getattr(draft_proposer, "default_budget", None) \
@@ -166,8 +181,7 @@ class AutoProposer(Proposer):
         self._uses: dict[str, int] = {}
 
     def needs_verify_cost(self, params) -> bool:
-        return self.sam.needs_verify_cost(params) or any(
-            p is not None and p.needs_verify_cost(params) for p in (self.copier, self.draft, self.head, self.memory))
+        return self.sam.needs_verify_cost(params) or any(arm.proposer.needs_verify_cost(params) for arm in self.drafting)
 
     def prompt_features(self) -> int:
         return self.head.prompt_features() if self.head is not None else 0
@@ -183,17 +197,12 @@ class AutoProposer(Proposer):
         super().begin(ctx, tokens)
         # wall-time rewards and statistics learned by earlier runs steer every run, seeded sampling
         # too: its text does not depend on which arm drafted (drafter-invariant sampling)
-        self.bandit = ctx.remember(("auto", "bandit", tuple(self.arms), self.discount, self.explore),
+        self.bandit = ctx.remember(MemoryKey("auto", "bandit", (tuple(self.arms), self.discount, self.explore)),
                                    lambda: BanditStats(self.arms, discount=self.discount, explore=self.explore))
         self.sam.begin(ctx, tokens)
-        if self.copier is not self.sam:
-            self.copier.begin(ctx, tokens)
-        if self.draft is not None:
-            self.draft.begin(ctx, tokens)
-        if self.head is not None:
-            self.head.begin(ctx, tokens)
-        if self.memory is not None:
-            self.memory.begin(ctx, tokens)
+        for arm in self.drafting:
+            if arm.proposer is not self.sam:
+                arm.proposer.begin(ctx, tokens)
         self._pending = None
 
     def _arms_for(self, match_len: int, memory_len: int) -> list[str]:
@@ -272,14 +281,9 @@ class AutoProposer(Proposer):
 
     def end(self) -> None:
         self._close_step()
-        if self.copier is not self.sam:
-            self.copier.end()
-        if self.draft is not None:
-            self.draft.end()
-        if self.head is not None:
-            self.head.end()
-        if self.memory is not None:
-            self.memory.end()  # this generation's output joins the memory
+        for arm in self.drafting:  # (the memory arm's: this generation's output joins the memory)
+            if arm.proposer is not self.sam:
+                arm.proposer.end()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"auto_arms": dict(self._uses), "auto_bandit": self.bandit.snapshot()}

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..core.proposer import DecodeContext
+from ..core.proposer import DecodeContext, Identity, MemoryKey
 from ..core.sampling import SamplingParams, sample_at
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
@@ -166,13 +166,13 @@ def subset_head(ctx: DecodeContext, draft, size: int, extra: list[int], vocab: i
     extra_ids = torch.tensor(sorted({t for t in extra if size <= t < vocab}), dtype=torch.long)
     if quantized:
         # the frequency-ranked base rows, sliced once per draft model and kept in the runner's memory
-        base = ctx.remember(("subset_head", id(model), size), lambda: head.first_rows(size), shared=True)
+        base = ctx.remember(MemoryKey("subset_head", "rows", (size,), Identity(model)), lambda: head.first_rows(size), shared=True)
         if not len(extra_ids):
             return SubsetHead(base, torch.arange(size), extra_ids, None)
         rows, cols = head.gather_rows(extra_ids)
         return SubsetHead(base, torch.arange(size), extra_ids, rows, cols)
     weight = model.head_weight
-    base = ctx.remember(("subset_head", id(model), size), lambda: make_linear(weight[:size]), shared=True)
+    base = ctx.remember(MemoryKey("subset_head", "rows", (size,), Identity(model)), lambda: make_linear(weight[:size]), shared=True)
     extra_ids = extra_ids.to(weight.device)
     rows = make_linear(weight[extra_ids]) if len(extra_ids) else None
     return SubsetHead(base, torch.arange(size, device=weight.device), extra_ids, rows, dtype=weight.dtype)

@@ -73,13 +73,19 @@ from .tree_cost import TreeSizer
 from ..core.sampling import SamplingParams, target_probs
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from ..core.proposer import DecodeContext, Proposer, feed_committed
+from ..core.proposer import DecodeContext, Identity, MemoryKey, Proposer, feed_committed
 from .common import ATTENTION_SINK, coupled_first, draw_children, subset_head
 from .configs import DraftConfig
 
 
 class DraftModelProposer(Proposer):
     name = "draft"
+
+    # Sampling's adaptive threshold ``tau`` (a candidate is expanded while its path probability is at
+    # least it): after a step accepted as deep as its tree went it is lowered, after one that stopped
+    # more than a level short it is raised.  Not measured; kept as they were since the first draft proposer (aa2d333).
+    TAU_SHRINK, TAU_GROW = 0.7, 1.15
+    TAU_MIN, TAU_MAX = 1e-4, 0.5
 
     def __init__(
         self,
@@ -127,8 +133,10 @@ class DraftModelProposer(Proposer):
         self._time = 0.0
         self._draft_forwards = 0
 
-    def needs_verify_cost(self, params: SamplingParams) -> bool:
-        return self.adaptive and params.greedy
+    @property
+    def cost_aware(self) -> bool:
+        """Greedy trees sized by measured cost (``adaptive``; sampling's trees adapt ``tau`` instead)."""
+        return self.adaptive
 
     # ---------------------------------------------------------------- setup
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
@@ -143,11 +151,9 @@ class DraftModelProposer(Proposer):
         self.head = subset_head(ctx, self.draft, self.draft_vocab, tokens, self.vocab) if self.draft_vocab else None
         # how this draft's probabilities translate into this target's acceptances, and what a draft
         # forward costs: learned across generations, kept in the runner's memory (per draft model)
-        self.sizer = ctx.remember(("draft", "tree_sizer", id(self.draft.model)),
+        self.sizer = ctx.remember(MemoryKey("draft", "tree_sizer", of=Identity(self.draft.model)),
                                   lambda: (TreeSizer(), self.draft.model))[0]
         self._pending_of: dict[int, int] = {}
-        self._cost_model = self.adaptive and ctx.params.greedy
-        self._verify_cost = ctx.verify_cost
         # prefill all but the root now (deferred: at the first propose), or the sink and the window of a
         # long prompt, so that propose only feeds the root; n_cached counts tokens seen, skipped or not
         self._prompt = list(tokens)
@@ -227,7 +233,8 @@ class DraftModelProposer(Proposer):
         cand_p: list[float] = []
         cand_depth: list[int] = []  # 0: a child of the root
         qdist: dict[int, torch.Tensor] = {}
-        sizer = self.sizer if self._cost_model else None
+        verify = self.sizing_cost()
+        sizer = self.sizer if verify is not None else None
 
         def add_children(parent: int, lp: torch.Tensor) -> list[int]:
             if not greedy:
@@ -250,7 +257,7 @@ class DraftModelProposer(Proposer):
         # sizer learns at every step, not only when it drafts deeper (it could stop for good)
         self.sizer.note_forward(time.perf_counter() - t_root, [cand_p[c] for c in frontier] if sizer is not None else [])
         self._pending_of = {}
-        log_tau = math.log(self.tau) if self.adaptive and not self._cost_model else -math.inf
+        log_tau = math.log(self.tau) if self.adaptive and verify is None else -math.inf
         depth = 1
         if self.staged is not None and greedy:
             frontier, depth = self._staged_guess(tokens, frontier, cand_tok, add_children)
@@ -264,7 +271,7 @@ class DraftModelProposer(Proposer):
             if not greedy and len(cand_tok) + len(expand) * k > budget:
                 break  # sampled children are never pruned, so stop before exceeding the budget
             if sizer is not None and not sizer.worth_expanding(cand_score, [cand_score[c] for c in expand], budget,
-                                                               time.perf_counter() - t0, self._verify_cost):
+                                                               time.perf_counter() - t0, verify):
                 break
             parents = [self._pending_of[cand_par[c]] if cand_par[c] >= 0 else -1 for c in expand]
             base = self.cache.n_pending
@@ -283,7 +290,7 @@ class DraftModelProposer(Proposer):
         # choose nodes
         n = len(cand_tok)
         if greedy and sizer is not None:
-            keep_n = sizer.keep(cand_score, budget, time.perf_counter() - t0, self._verify_cost)
+            keep_n = sizer.keep(cand_score, budget, time.perf_counter() - t0, verify)
         else:
             keep_n = budget
         if greedy and n > keep_n:
@@ -356,7 +363,7 @@ class DraftModelProposer(Proposer):
             self.n_cached += len(path)
         else:
             self.cache.rollback()
-        if self._cost_model:
+        if self.sizing_cost() is not None:
             # calibrate: every verified draft node whose parent was accepted had its chance
             accepted = set(verdict.accepted)
             for node, cand in self._tree_to_cand.items():
@@ -370,9 +377,9 @@ class DraftModelProposer(Proposer):
         elif self.adaptive and self._last_depth > 0:
             accepted = len(verdict.accepted)
             if accepted >= self._last_depth:
-                self.tau = max(self.tau * 0.7, 1e-4)
+                self.tau = max(self.tau * self.TAU_SHRINK, self.TAU_MIN)
             elif accepted + 1 < self._last_depth:
-                self.tau = min(self.tau * 1.15, 0.5)
+                self.tau = min(self.tau * self.TAU_GROW, self.TAU_MAX)
 
     def end(self) -> None:
         if self.cache is not None:

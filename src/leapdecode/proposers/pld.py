@@ -60,7 +60,7 @@ from typing import Any, Iterable
 from ..core.sizing import ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from ..core.proposer import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, MemoryKey, Proposer
 from .common import check_int, copy_continuation, merge_candidates
 from .configs import PldConfig
 
@@ -128,26 +128,19 @@ class PromptLookupProposer(Proposer):
         self.default_budget = tree_budget or PldConfig.default_tree_budget
         self.cost_aware = cost_aware
         self.acceptance = ChainAcceptance(self.max_ngram + 1, self.draft_len)  # bucket: the matched n
-        self._verify_cost = None
-        self._use_costs = False  # set per generation by begin()
         self._chain: tuple[int, int] | None = None  # (matched n, length) of the last cost-aware chain
         self.index = NGramIndex(self.max_ngram)
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
-
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         self.index = NGramIndex(self.max_ngram)
         self.index.extend(tokens)
         # (sampling: no clock may steer)
-        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
-        self._verify_cost = ctx.verify_cost
         self._chain = None
-        if self._use_costs:  # what this model accepts is learned across its generations
-            self.acceptance = ctx.remember(("pld", "chain_acceptance", self.max_ngram, self.draft_len),
+        if self.sizing_cost() is not None:  # what this model accepts is learned across its generations
+            self.acceptance = ctx.remember(MemoryKey("pld", "chain_acceptance", (self.max_ngram, self.draft_len)),
                                            lambda: self.acceptance)
 
     def sync(self, tokens: list[int]) -> None:
@@ -188,9 +181,10 @@ class PromptLookupProposer(Proposer):
         self._hits += 1
         self._match_total += cands[0][1]
         self._chain = None
-        if self._use_costs:  # the longest match's continuation, cut where it stops paying
+        verify = self.sizing_cost()
+        if verify is not None:  # the longest match's continuation, cut where it stops paying
             toks, n, p = cands[0]
-            keep = self.acceptance.worth(n, min(len(toks), budget), self._verify_cost)
+            keep = self.acceptance.worth(n, min(len(toks), budget), verify)
             if keep < 1:
                 return TokenTree()
             self._chain = (n, keep)

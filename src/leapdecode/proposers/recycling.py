@@ -47,7 +47,7 @@ import torch
 
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from ..core.proposer import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, MemoryKey, Proposer
 from .common import check_int
 from .configs import RecyclingConfig
 
@@ -175,7 +175,7 @@ class TokenRecyclingProposer(Proposer):
         vocab = int(getattr(ctx.target.model, "vocab_size", 0) or 0)
         if self.persist:
             # one matrix per target and k, learned across its generations (the runner's memory)
-            self.matrix = ctx.remember(("recycling", "matrix", self.k), lambda: AdjacencyMatrix(self.k, vocab))
+            self.matrix = ctx.remember(MemoryKey("recycling", "matrix", (self.k,)), lambda: AdjacencyMatrix(self.k, vocab))
         elif self.matrix is None:
             self.matrix = AdjacencyMatrix(self.k, vocab)
 

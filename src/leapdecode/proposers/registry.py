@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.config import MethodConfig
+from ..core.proposer import Identity, MemoryKey
 from ..errors import HeadFileError, HeadMismatchError, HeadNotFoundError, InvalidParameterError
 from .common import AUTO_DRAFT_WINDOW
 from .configs import (AutoConfig, DraftConfig, EagleConfig, HydraConfig, JacobiConfig, LayerSkipConfig,
@@ -37,11 +38,11 @@ def _same_vocab(draft, runner: "ModelRunner") -> bool:
     and runner (``get_vocab`` builds a dict of every token: ~0.2 s for a 152k vocabulary, 18% of a
     server's time when it was asked for every request; docs/lab-notes/benchmarks.md section 24)."""
     target = runner.model
-    pair, same = runner.memory.get(("same_vocab", id(draft), id(target)), lambda: (
+    pair, same = runner.memory.get(MemoryKey("draft", "same_vocab", (Identity(target),), Identity(draft)), lambda: (
         (draft, target), draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()))
     if pair[0] is draft and pair[1] is target:
         return same
-    return draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()  # another object at a reused id
+    return draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()  # (never: the key is by identity)
 
 
 def _build_draft(cfg: DraftConfig, runner: "ModelRunner") -> "Proposer":
@@ -104,7 +105,7 @@ def _auto_head(cfg: AutoConfig, runner: "ModelRunner") -> "Proposer | None":
     model = runner.model
     if not reads_target_head(model):
         return None
-    kind = runner.memory.get(("auto_head_kind",), lambda: stored_kind(AUTO_HEAD_KINDS, model))
+    kind = runner.memory.get(MemoryKey("auto", "head_kind"), lambda: stored_kind(AUTO_HEAD_KINDS, model))
     if kind is None:
         return None
     method = KIND_METHOD[kind]
@@ -185,7 +186,7 @@ def _trained_head(kind: str | tuple[str, ...], path: str | None, runner: "ModelR
     from .heads.store import load_head
 
     require_native(runner.model, kind if isinstance(kind, str) else kind[-1])
-    return runner.memory.get(("trained_head", kind, path), lambda: load_head(kind, runner.model, path))[0]
+    return runner.memory.get(MemoryKey("head", "trained", (kind, path)), lambda: load_head(kind, runner.model, path))[0]
 
 
 def _build_medusa(cfg: MedusaConfig, runner: "ModelRunner") -> "Proposer":

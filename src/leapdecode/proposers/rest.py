@@ -44,7 +44,7 @@ from typing import Any, Sequence
 from ..core.sizing import AcceptanceCalibration, TryAgain
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from ..core.proposer import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, Identity, MemoryKey, Proposer
 from .datastore import Datastore, default_path, vocab_sha256
 from .common import check_int
 from .configs import RestConfig
@@ -132,8 +132,10 @@ def resolve_datastore(runner, datastore: Any = None) -> Datastore:
             key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
         except OSError:
             key = None  # Datastore.load reports it
-        ds = runner.memory.get(("rest", "datastore", key), lambda: Datastore.load(path)) if key else Datastore.load(path)
-    ds.check_tokenizer(target, runner.memory.get(("vocab_sha256",), lambda: vocab_sha256(target.tokenizer)))
+        ds = runner.memory.get(MemoryKey("rest", "datastore", key), lambda: Datastore.load(path)) if key \
+            else Datastore.load(path)
+    ds.check_tokenizer(target, runner.memory.get(MemoryKey("target", "vocab_sha256"),
+                                                 lambda: vocab_sha256(target.tokenizer)))
     return ds
 
 
@@ -163,27 +165,21 @@ class RestProposer(Proposer):
         self.datastore = datastore
         self.default_budget = tree_budget or RestConfig.default_tree_budget
         self.cost_aware = cost_aware
-        self._use_costs = False  # set per generation by begin()
         self.tries = TryAgain()  # the runner's, per datastore and match bucket (begin)
         self._last: CutRecord | None = None
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
-
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         # (sampling: no clock may steer)
-        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
         self._last = None
-        if self._use_costs:
+        if self.sizing_cost() is not None:
             # what this datastore's continuations are worth to this model, learned across generations
-            # (the entry holds the datastore too, so its id is not reused while the entry lives)
+            # (the entry holds the datastore too, as it did when the key was its id())
             self.calibration, self.tries, _ = ctx.remember(
-                ("rest", "calibration", id(self.datastore)),
+                MemoryKey("rest", "calibration", of=Identity(self.datastore)),
                 lambda: ([AcceptanceCalibration() for _ in MATCH_BUCKETS], TryAgain(), self.datastore))
-            self._verify_cost = ctx.verify_cost
 
     def candidates(self, tokens: Sequence[int], budget: int) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
         """``(match length, [(continuation, count), ...])`` for the context ``tokens``."""
@@ -202,7 +198,8 @@ class RestProposer(Proposer):
             return TokenTree()
         self._hits += 1
         self._match_total += length
-        tree = self._sized_tree(cands, budget, length) if self._use_costs else frequency_tree(cands, budget, self.name)
+        tree = self._sized_tree(cands, budget, length) if self.sizing_cost() is not None \
+            else frequency_tree(cands, budget, self.name)
         self._nodes += len(tree)
         return tree
 
@@ -214,7 +211,8 @@ class RestProposer(Proposer):
         total = sum(w for _, w in cands)
         bucket = max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)
         cond = [count[v] / (count[par[v]] if par[v] >= 0 else total) for v in range(len(tok))]
-        cut = calibrated_cut(cond, par, self.calibration[bucket], self.tries, self._verify_cost, bucket, budget)
+        cut = calibrated_cut(cond, par, self.calibration[bucket], self.tries, self.sizing_cost(), bucket,
+                             budget)
         self._last = cut.record
         return _tree_of(cut.nodes, tok, par, self.name)
 

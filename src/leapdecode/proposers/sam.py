@@ -53,7 +53,7 @@ from typing import Any, Sequence
 from ..core.sizing import ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
-from ..core.proposer import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, MemoryKey, Proposer
 from .common import check_int, copy_continuation, merge_candidates
 from .configs import SamConfig
 
@@ -189,8 +189,6 @@ class SuffixAutomatonProposer(Proposer):
         self.default_budget = tree_budget or SamConfig.default_tree_budget
         self.cost_aware = cost_aware
         self.acceptance = ChainAcceptance(len(MATCH_BUCKETS), self.draft_len)
-        self._verify_cost = None
-        self._use_costs = False  # set per generation by begin()
         self._chain: tuple[int, int] | None = None  # (bucket, length) of the last cost-aware chain
         self._reset()
         self._steps = self._hits = self._nodes = 0
@@ -204,18 +202,13 @@ class SuffixAutomatonProposer(Proposer):
         self.st_state = self.st_len = 0
         self.st_pos = -1
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
-
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
         self._reset()
         self._feed(tokens)
         # (sampling: no clock may steer)
-        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
-        self._verify_cost = ctx.verify_cost
-        if self._use_costs:  # what this model accepts is learned across its generations
-            self.acceptance = ctx.remember(("sam", "chain_acceptance", self.draft_len), lambda: self.acceptance)
+        if self.sizing_cost() is not None:  # what this model accepts is learned across its generations
+            self.acceptance = ctx.remember(MemoryKey("sam", "chain_acceptance", (self.draft_len,)), lambda: self.acceptance)
 
     def _feed(self, new: Sequence[int]) -> None:
         dyn, st = self.dyn, self.static
@@ -272,7 +265,7 @@ class SuffixAutomatonProposer(Proposer):
         self._match_total += found[0][0]
         self._static_used += found[0][1] == "static"
         self._chain = None
-        if self._use_costs:
+        if self.sizes_by_cost:
             budget = self.worth_drafting(found[0][0], min(len(found[0][2]), budget))
             if budget < 1:
                 return TokenTree()
@@ -287,15 +280,16 @@ class SuffixAutomatonProposer(Proposer):
     def sizes_by_cost(self) -> bool:
         """This generation's chains are cut by learned acceptance and measured cost (greedy with a
         profile): a chain not worth its rows is not drafted at all."""
-        return self._use_costs
+        return self.sizing_cost() is not None
 
     def worth_drafting(self, match_len: int, length: int, fixed_s: float = 0.0) -> int:
         """Greedy: how many tokens of a ``length``-token continuation of a ``match_len``-token
-        match are worth verifying (expected tokens per second, see ``core/cost_model.py``);
+        match are worth verifying (expected tokens per second, see ``core/sizing.py``);
         ``length`` itself when costs are not used."""
-        if not self._use_costs:
+        verify = self.sizing_cost()
+        if verify is None:
             return length
-        return self.acceptance.worth(match_bucket(match_len), length, self._verify_cost, fixed_s)
+        return self.acceptance.worth(match_bucket(match_len), length, verify, fixed_s)
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._chain is not None:  # learn how deep this match length's chains get accepted

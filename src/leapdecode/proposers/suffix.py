@@ -46,7 +46,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 from ..core.sizing import AcceptanceCalibration, TryAgain
-from ..core.proposer import DecodeContext, Proposer
+from ..core.proposer import DecodeContext, MemoryKey, Proposer
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from .common import check_int
@@ -282,8 +282,6 @@ class SuffixDecodingProposer(Proposer):
         self.cost_aware = cost_aware
         self.use_local = local
         self.use_memory = memory
-        self._use_costs = False  # set per generation by begin()
-        self._verify_cost = None
         self.calibration: dict[str, list[AcceptanceCalibration]] = {}
         self.tries = TryAgain()  # the runner's, per trie and match bucket (begin)
         self._last: CutRecord | None = None  # what the sized tree's verdict teaches
@@ -294,12 +292,9 @@ class SuffixDecodingProposer(Proposer):
         self._memory_hit: tuple | None = None  # (text length, memory version, node, match length)
         self._steps = self._global_drafts = self._local_drafts = self._nodes = 0
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
-
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         super().begin(ctx, tokens)
-        self.memory = ctx.remember(("suffix", "memory", self.depth, self.memory_tokens),
+        self.memory = ctx.remember(MemoryKey("suffix", "memory", (self.depth, self.memory_tokens)),
                                    lambda: SuffixMemory(self.depth, self.memory_tokens)) if self.use_memory else None
         self.local = SuffixTrie(self.depth)
         if self.use_local:
@@ -309,12 +304,10 @@ class SuffixDecodingProposer(Proposer):
         self._memory_hit = None
         self._last = None
         # (sampling: no clock may steer)
-        self._use_costs = self.cost_aware and ctx.params.greedy and ctx.verify_cost is not None
-        if self._use_costs:  # what each trie's frequencies are worth to this model, learned across generations
-            self._verify_cost = ctx.verify_cost
-            self.calibration = ctx.remember(("suffix", "calibration"), lambda: {
+        if self.sizing_cost() is not None:  # what each trie's frequencies are worth to this model, learned across generations
+            self.calibration = ctx.remember(MemoryKey("suffix", "calibration"), lambda: {
                 source: [AcceptanceCalibration() for _ in MATCH_BUCKETS] for source in SOURCES})
-            self.tries = ctx.remember(("suffix", "tries"), TryAgain)
+            self.tries = ctx.remember(MemoryKey("suffix", "tries"), TryAgain)
 
     def memory_match(self, tokens: list[int]) -> int:
         """The length of the longest suffix of ``tokens`` (at most ``max_match``) that occurs in the
@@ -344,13 +337,14 @@ class SuffixDecodingProposer(Proposer):
         node, length = found or trie.match(tokens, self.max_match, exclude)
         if length == 0:
             return [], 0.0, None
-        if not self._use_costs:
+        verify = self.sizing_cost()
+        if verify is None:
             cap = min(budget, max(1, int(self.spec_factor * length)))
             return *trie.speculate(node, cap, self.min_prob, exclude=exclude), None
         nodes, _ = trie.speculate(node, budget, self.min_prob, exclude=exclude)
         cond = [q / (nodes[parent][2] if parent >= 0 else 1.0) for _, parent, q in nodes]
         cut = calibrated_cut(cond, [parent for _, parent, _ in nodes], self.calibration[source][match_bucket(length)],
-                             self.tries, self._verify_cost, (source, match_bucket(length)))
+                             self.tries, verify, (source, match_bucket(length)))
         return [(nodes[i][0], parent, q) for i, parent, q in zip(cut.nodes, cut.parents, cut.probs)], cut.rate, cut.record
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
 from ..core.cost_model import VerifyCost
+from ..core.running_mean import discounted_mean
 from ..core.sizing import AcceptanceCalibration, TryAgain, best_tree_gain, best_tree_size
 
 
@@ -45,8 +46,12 @@ class TreeSizer:
     the calibration, running means of the drafter's forward time and of the best child's
     acceptance probability, and of the tokens and seconds of its sized steps."""
 
+    # The rates below were set when the sizer was written (commits 7968b4b, e91aae8); no measurement
+    # chose them (not measured; kept as they were).
     RATE_STEPS = 4  # sized steps seen before their rate is used (the step ratio until then)
-    RATE_WEIGHT = 0.05  # weight of one step in the running means of its tokens and seconds
+    RATE_WEIGHT = 0.05  # least weight of one step in the running means of its tokens and seconds
+    FORWARD_RATE = 0.2  # weight of one forward in the mean drafter forward time
+    TOP_RATE = 0.1  # weight of one forward in the mean calibrated probability of its best child
 
     def __init__(self) -> None:
         self.calibration = AcceptanceCalibration()
@@ -66,10 +71,9 @@ class TreeSizer:
         its verification; a catch-up on earlier positions left out)."""
         if not (seconds > 0.0 and math.isfinite(seconds)):
             return
-        w = 1.0 / (self.steps + 1) if self.steps < 1.0 / self.RATE_WEIGHT else self.RATE_WEIGHT
-        self._tokens += w * (tokens - self._tokens)
-        self._seconds += w * (seconds - self._seconds)
         self.steps += 1
+        self._tokens = discounted_mean(self._tokens, tokens, self.RATE_WEIGHT, self.steps)
+        self._seconds = discounted_mean(self._seconds, seconds, self.RATE_WEIGHT, self.steps)
 
     @staticmethod
     def _best(probs: list[float], spent: float, verify: VerifyCost, rate: float | None) -> tuple[int, float]:
@@ -87,10 +91,14 @@ class TreeSizer:
         forwards noted, a pessimistic state (a slow first forward, a hard warm-up prompt) would stop
         all deeper drafting and, with it, every chance to learn otherwise (issue 46: one-node trees
         for a whole HumanEval run)."""
-        self.forward_s = seconds if self.forward_s is None else 0.8 * self.forward_s + 0.2 * seconds
+        # (1 - r) * mean + r * x, not the running-mean helper's mean + r * (x - mean): the two differ in
+        # the last bits, and this is the arithmetic these means always had (1 - 0.2 and 1 - 0.1 are
+        # exactly 0.8 and 0.9)
+        r = self.FORWARD_RATE
+        self.forward_s = seconds if self.forward_s is None else (1.0 - r) * self.forward_s + r * seconds
         if child_probs:
-            top = self.calibration(max(child_probs))
-            self.top_accept = top if self.top_accept is None else 0.9 * self.top_accept + 0.1 * top
+            top, r = self.calibration(max(child_probs)), self.TOP_RATE
+            self.top_accept = top if self.top_accept is None else (1.0 - r) * self.top_accept + r * top
 
     def worth_expanding(self, scores: list[float], expand_scores: list[float], budget: int, spent: float,
                         verify: VerifyCost) -> bool:

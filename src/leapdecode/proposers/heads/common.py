@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...core.proposer import DecodeContext
+from ...core.proposer import DecodeContext, Identity, MemoryKey
 from ...core.sampling import SamplingParams, target_probs
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
@@ -270,8 +270,8 @@ def running_head(ctx: DecodeContext, head: nn.Module, setting: str) -> nn.Module
     kind = head_weights_for(setting, ctx.target)
     if kind == "bf16":
         return head
-    # the entry holds the head, so while it lives no other object can take the head's id
-    kept, converted = ctx.remember((f"head_{kind}", id(head)), lambda: (head, quantized_copy(head, kind)),
+    # the entry holds the head (kept as it was when the key was its id())
+    kept, converted = ctx.remember(MemoryKey("head", "quantized_copy", (kind,), Identity(head)), lambda: (head, quantized_copy(head, kind)),
                                    shared=True)
     assert kept is head
     return converted

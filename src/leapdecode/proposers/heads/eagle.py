@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...core.proposer import DecodeContext, Proposer
+from ...core.proposer import DecodeContext, Identity, MemoryKey, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ...models.qkernel import LayerStack, attention_supported
@@ -412,9 +412,6 @@ class EagleProposer(Proposer):
     def prompt_features(self) -> int:
         return self.prompt_window
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
-
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
         # only the last ``prompt_window`` positions seen so far can be in ``begin``'s window
         first = start + hidden[-1].shape[1] - self.prompt_window
@@ -434,8 +431,7 @@ class EagleProposer(Proposer):
         self.net = running_head(ctx, self.head, self.head_weights)
         # greedy trees sized by expected tokens per second (proposers/tree_cost.py): the calibration
         # and the head's forward time are learned across generations, per head and target
-        self._verify_cost = ctx.verify_cost if self.cost_aware and ctx.params.greedy else None
-        self.sizer = ctx.remember(("eagle", "tree_sizer", id(self.head)), TreeSizer)
+        self.sizer = ctx.remember(MemoryKey("eagle", "tree_sizer", of=Identity(self.head)), TreeSizer)
         self._node_p: list[tuple[int, float]] = []  # the greedy tree's nodes: (token, head probability)
         # position -> the target's feature there: the prompt's last ``prompt_window`` from the prefill
         # (those the prefix cache restored are missing: the draft then starts later)
@@ -504,7 +500,8 @@ class EagleProposer(Proposer):
     def _grow(self, tokens: list[int], root_feat: torch.Tensor, budget: int, t0: float, t_root: float) -> TokenTree:
         params, gen = self.ctx.params, self.ctx.generator
         greedy = params.greedy
-        sizer = self.sizer if self._verify_cost is not None else None
+        verify = self.sizing_cost()
+        sizer = self.sizer if verify is not None else None
         root_pos = len(tokens) - 1
         k = min(self.top_k, budget)
         cand_tok: list[int] = []
@@ -550,7 +547,7 @@ class EagleProposer(Proposer):
             if greedy and len(cand_tok) >= budget and cand_score[expand[0]] <= sorted(cand_score)[-budget]:
                 break  # nothing deeper can enter the best ``budget``
             if sizer is not None and not sizer.worth_expanding(cand_score, [cand_score[c] for c in expand], budget,
-                                                               time.perf_counter() - t0, self._verify_cost):
+                                                               time.perf_counter() - t0, verify):
                 break
             t1 = time.perf_counter()
             base = len(anc)
@@ -575,7 +572,7 @@ class EagleProposer(Proposer):
                 sizer.note_forward(time.perf_counter() - t1, [cand_p[c] for c in added])
             depth += 1
         if sizer is not None:
-            budget = sizer.keep(cand_score, budget, time.perf_counter() - t0, self._verify_cost)
+            budget = sizer.keep(cand_score, budget, time.perf_counter() - t0, verify)
         self.kv.drop_pending()
         kept = best_first(cand_score, cand_par, budget) if greedy else None
         self._node_p = [(cand_tok[c], cand_p[c]) for c in kept or []]
@@ -586,7 +583,7 @@ class EagleProposer(Proposer):
         self._steps += 1
         self._accepted += len(verdict.accepted)
         self._fresh_from = len(tokens) - len(verdict.tokens)  # the first position this step decided
-        if self._verify_cost is not None and self._node_p:
+        if self.sizing_cost() is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
             self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step - self._catchup)
         # this step's nodes, used once: on a step another of auto's arms drafted, the head observes

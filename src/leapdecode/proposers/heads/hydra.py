@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.proposer import DecodeContext, Proposer
+from ...core.proposer import DecodeContext, Identity, MemoryKey, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import check_int, draw_children
@@ -130,9 +130,6 @@ class HydraProposer(Proposer):
     def prompt_features(self) -> int:
         return 1  # the last prompt token before the root: the first step drafts from it
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
-
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
         with torch.inference_mode():
             self._prompt_feature = (start + hidden[-1].shape[1] - 1,
@@ -146,8 +143,7 @@ class HydraProposer(Proposer):
         self.net = running_head(ctx, self.heads, self.head_weights)
         # greedy trees sized by expected tokens per second: calibration and the heads' call time are
         # learned across generations, per head and target (proposers/tree_cost.py)
-        self._verify_cost = ctx.verify_cost if self.cost_aware and ctx.params.greedy else None
-        self.sizer = ctx.remember(("hydra", "tree_sizer", id(self.heads)), TreeSizer)
+        self.sizer = ctx.remember(MemoryKey("hydra", "tree_sizer", of=Identity(self.heads)), TreeSizer)
         self._node_p: list[tuple[int, float]] = []  # the greedy tree's nodes: (token, head probability)
         self.feature: torch.Tensor | None = None  # of the last decided token before the root
         self.feature_pos = -1
@@ -175,7 +171,8 @@ class HydraProposer(Proposer):
     def _grow(self, root: int, feature: torch.Tensor, budget: int, t0: float) -> TokenTree:
         params, gen = self.ctx.params, self.ctx.generator
         greedy = params.greedy
-        sizer = self.sizer if greedy and self._verify_cost is not None else None
+        verify = self.sizing_cost()
+        sizer = self.sizer if greedy and verify is not None else None
         prob: list[float] = []  # each candidate's head probability given its parent
         k = min(self.top_k, budget)
         n_heads = self.heads.n_heads
@@ -223,7 +220,7 @@ class HydraProposer(Proposer):
             if greedy and len(tok) >= budget and score[chosen[0]] <= sorted(score)[-budget]:
                 break  # nothing deeper can enter the best ``budget``
             if sizer is not None and not sizer.worth_expanding(score, [score[c] for c in chosen], budget,
-                                                               time.perf_counter() - t0, self._verify_cost):
+                                                               time.perf_counter() - t0, verify):
                 break  # another round costs more than it is expected to bring
             before = len(tok)
             by_depth: dict[int, list[int]] = {}
@@ -235,7 +232,7 @@ class HydraProposer(Proposer):
         if not greedy:
             return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra")
         if sizer is not None and tok:
-            budget = sizer.keep(score, budget, time.perf_counter() - t0, self._verify_cost)
+            budget = sizer.keep(score, budget, time.perf_counter() - t0, verify)
         order = best_first(score, par, budget)
         self._node_p = [(tok[c], prob[c]) for c in order]
         return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra", order=order)
@@ -243,7 +240,7 @@ class HydraProposer(Proposer):
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._steps += 1
         self._accepted += len(verdict.accepted)
-        if self._verify_cost is not None and self._node_p:
+        if self.sizing_cost() is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
             self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         self._node_p = []

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.proposer import DecodeContext, Proposer
+from ...core.proposer import DecodeContext, Identity, MemoryKey, Proposer
 from ...core.tree import TokenTree
 from ...errors import InvalidParameterError
 from ..common import check_int, draw_children
@@ -114,9 +114,6 @@ class MedusaProposer(Proposer):
     def prompt_features(self) -> int:
         return 1  # the last prompt token before the root: the first step drafts from it
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.cost_aware and params.greedy
-
     def observe_prompt(self, start: int, hidden: list[torch.Tensor]) -> None:
         with torch.inference_mode():
             self._prompt_feature = (start + hidden[-1].shape[1] - 1,
@@ -129,8 +126,7 @@ class MedusaProposer(Proposer):
         self.net = running_head(ctx, self.heads, self.head_weights)
         # greedy trees sized by expected tokens per second: the calibration is learned across
         # generations, per head and target (proposers/tree_cost.py)
-        self._verify_cost = ctx.verify_cost if self.cost_aware and ctx.params.greedy else None
-        self.sizer = ctx.remember(("medusa", "tree_sizer", id(self.heads)), TreeSizer)
+        self.sizer = ctx.remember(MemoryKey("medusa", "tree_sizer", of=Identity(self.heads)), TreeSizer)
         self._node_p: list[tuple[int, float]] = []  # the greedy tree's nodes: (token, head probability)
         self.feature: torch.Tensor | None = None  # of the last decided token before the root
         self.feature_pos = -1
@@ -159,7 +155,8 @@ class MedusaProposer(Proposer):
         if greedy:
             # candidates: every depth's top-k under every kept node, best-first by path log-probability
             # (cost-aware: by the path's calibrated log acceptance)
-            sizer = self.sizer if self._verify_cost is not None else None
+            verify = self.sizing_cost()
+            sizer = self.sizer if verify is not None else None
             per_depth = [draw_children(logp[d], k, params, gen) for d in range(n_heads)]
             per_depth = [(self.out.ids(idx), vals, [sizer.log_accept(math.exp(v)) for v in vals] if sizer else vals)
                          for idx, vals in per_depth]
@@ -180,7 +177,7 @@ class MedusaProposer(Proposer):
                     for ct, cv, cs in zip(*per_depth[depth + 1]):
                         heapq.heappush(heap, (neg - cs, depth + 1, node, ct, cv))
             if sizer is not None and toks:
-                budget = sizer.keep(scores, budget, time.perf_counter() - t0, self._verify_cost)
+                budget = sizer.keep(scores, budget, time.perf_counter() - t0, verify)
             order = best_first(scores, pars, budget)
             tree = candidate_tree(toks, pars, scores, {}, budget, True, "medusa", order=order)
             self._node_p = [(toks[c], probs[c]) for c in order]
@@ -210,7 +207,7 @@ class MedusaProposer(Proposer):
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         self._steps += 1
         self._accepted += len(verdict.accepted)
-        if self._verify_cost is not None and self._node_p:
+        if self.sizing_cost() is not None and self._node_p:
             self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
             self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         self._node_p = []  # used once: in ``auto`` another arm may draft the next step
