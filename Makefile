@@ -44,8 +44,14 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install-dev
 	$(BIN)/python -m pytest tests $(XDIST)
 
-test-fast: install-dev
-	$(BIN)/python -m pytest tests -m "not integration" $(XDIST)
+# One tier of the suite (tests/conftest.py gives every test one; the README says which to run when):
+# `make test-unit` and so on; `make test-fast` is the unit tier (about a minute on 2 cores, README).
+TIERS := unit exactness kernels server integration
+.PHONY: $(addprefix test-,$(TIERS))
+$(addprefix test-,$(TIERS)): test-%: install-dev
+	$(BIN)/python -m pytest tests -m $* $(XDIST)
+
+test-fast: test-unit
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

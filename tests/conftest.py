@@ -465,3 +465,87 @@ def run_dllm(m, prompt, method, gen_len, block, **options):
     from leapdecode.diffusion import generate
 
     return generate(m, prompt, method=method, options=options, max_new_tokens=gen_len, block_size=block)
+
+
+# ------------------------------------------------------------------ tiers
+# Every test is in exactly one tier (a marker, registered in pyproject.toml; `make test-TIER` runs one,
+# `make test-fast` the unit tier, `make test` all).  A file's tests are in its tier below; a test listed
+# in TEST_TIERS, or marked with a tier itself (``@pytest.mark.integration``), is in that tier instead.
+# tests/test_tiers.py fails on a test file in no tier or in two.
+TIERS = ("unit", "exactness", "kernels", "server", "integration")  # what each holds: pyproject.toml's markers
+FILE_TIERS: dict[str, tuple[str, ...]] = {
+    "unit": (
+        "test_asap.py", "test_cli_options.py", "test_config.py", "test_cost_model.py", "test_decoder_protocol.py",
+        "test_detokenizer.py", "test_diffusion_apd.py", "test_diffusion_cli.py", "test_diffusion_elastic_cache.py",
+        "test_diffusion_models.py", "test_diffusion_policies_c.py", "test_diffusion_train.py", "test_docs.py",
+        "test_draft_ceiling.py", "test_generate.py", "test_hf_backend.py", "test_hostile_inputs.py",
+        "test_kv_blocks.py", "test_kv_cache.py", "test_layering.py", "test_lookahead.py", "test_method_defaults.py",
+        "test_models_list.py", "test_models_store.py", "test_output.py", "test_prefill.py", "test_reference.py",
+        "test_registry.py", "test_request.py", "test_results_page.py", "test_runner.py", "test_scale_report.py",
+        "test_static_step.py", "test_steps.py", "test_suffix.py", "test_tiers.py",
+    ),
+    "exactness": (
+        "test_a_star.py", "test_auto_head.py", "test_contrastive.py", "test_diffusion_constrained.py",
+        "test_diffusion_decoders.py", "test_diffusion_formats.py", "test_diffusion_s2d2.py", "test_eagle3.py",
+        "test_head_storage.py", "test_heads.py", "test_hydra.py", "test_invariant_attention.py", "test_kv_policy.py",
+        "test_layerskip.py", "test_look_back.py", "test_lossless.py", "test_model_free.py", "test_phi_decoding.py",
+        "test_quant.py", "test_rest.py", "test_scaling.py", "test_strategies.py", "test_structured.py",
+        "test_superposed.py", "test_universal_draft.py", "test_verifier.py",
+    ),
+    "kernels": (
+        "test_architectures.py", "test_attention_kernel.py", "test_gguf_blocks.py", "test_gguf_model.py",
+        "test_kernel_abi.py", "test_kernel_cache.py", "test_layer_stack.py", "test_moe.py", "test_qkernel.py",
+    ),
+    "server": (
+        "test_batch.py", "test_batch_gate.py", "test_ray_serve.py", "test_server.py", "test_task.py",
+        "test_tenants.py", "test_tools.py",
+    ),
+    "integration": (
+        "test_bench.py", "test_bench_quality.py", "test_cache_faults.py", "test_default_exact.py",
+        "test_diffusion_bench.py", "test_doctor.py", "test_gpu_check.py", "test_head_prompt_mix.py",
+        "test_head_training.py", "test_kernel_build.py", "test_llama_server.py",
+    ),
+}
+# slow tests of a faster tier's file, by "file::function" (every parametrization; measured 2026-12-06
+# with --durations on 2 loaded cores: each took 3-20 s there)
+TEST_TIERS: dict[str, str] = {
+    "test_cli_options.py::test_cli_bogus_option_in_a_fresh_process": "integration",
+    "test_generate.py::test_console_script_bad_input": "integration",
+    "test_generate.py::test_seed_reproducibility": "exactness",
+    "test_hostile_inputs.py::test_an_engine_panic_is_one_line_without_its_backtrace": "server",
+    "test_hostile_inputs.py::test_a_grammar_the_engine_cannot_follow_is_a_grammar_error": "server",
+    "test_runner.py::test_two_interleaved_streams_on_one_model_give_their_solo_outputs": "exactness",
+    "test_static_step.py::test_every_method_gives_vanillas_tokens_through_the_static_step": "exactness",
+}
+
+def tier_of(file: str, function: str, marked: set[str]) -> str | None:
+    """The tier of test ``function`` of ``file`` that carries the tier markers ``marked``: its own marker,
+    else its entry in TEST_TIERS, else its file's tier (None: the file is in no tier)."""
+    if len(marked) > 1:
+        raise pytest.UsageError(f"{file}::{function} is marked with two tiers: {sorted(marked)}")
+    if marked:
+        return next(iter(marked))
+    if f"{file}::{function}" in TEST_TIERS:
+        return TEST_TIERS[f"{file}::{function}"]
+    return next((tier for tier, files in FILE_TIERS.items() if file in files), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects on the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marked = {m.name for m in item.iter_markers() if m.name in TIERS}
+        tier = tier_of(item.path.name, item.originalname, marked)
+        if tier is not None and not marked:
+            item.add_marker(tier)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With ``-m TIER`` (one tier, alone), a test file with no test in that tier is not even imported:
+    the unit tier's files import in seconds, the whole suite's in ~15 s of CPU."""
+    tier = config.getoption("markexpr", "")
+    if tier not in TIERS or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    name = collection_path.name
+    if name in FILE_TIERS[tier] or any(k.split("::")[0] == name and v == tier for k, v in TEST_TIERS.items()):
+        return None
+    return f"mark.{tier}" not in collection_path.read_text(encoding="utf-8") or None
