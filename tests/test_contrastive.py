@@ -290,30 +290,9 @@ def test_contrastive_decoding_refuses_what_it_cannot_do(tiny):
 
 
 # ---------------------------------------------------------------------------- DoLa
-@functools.lru_cache(maxsize=None)
 def hf_deep(layers: int = 6, seed: int = 2, std: float = 0.1):
     """A tiny transformers Llama with ``layers`` layers (tied embeddings) and the native model with its weights."""
-    import transformers
-
-    from leapdecode.models.decoder import LoadedModel
-    from leapdecode.models.native import NativeCausalLM
-    from leapdecode.models.tiny import byte_tokenizer, tiny_config
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    hf.eval()
-    native = NativeCausalLM.from_state_dict(tiny_config(layers=layers), hf.state_dict())
-    return hf, LoadedModel(name=f"hf-llama-{layers}:{seed}", model=native, tokenizer=byte_tokenizer(),
-                           eos_token_ids=set(EOS))
+    return hf_pair(seed, std, layers)
 
 
 def reference_dola(hf, ids: list[int], layers: list[int], max_new: int, relative_top: float = 0.1,

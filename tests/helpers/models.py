@@ -18,13 +18,13 @@ EOS = (257, 258)  # hf_pair's end-of-sequence tokens
 
 
 @functools.lru_cache(maxsize=None)
-def hf_pair(seed: int = 1, std: float = 0.08):
-    """A tiny transformers ``LlamaForCausalLM`` (fp32, the tiny-random shape) and a native
-    ``LoadedModel`` with the same weights (``NativeCausalLM.from_state_dict``)."""
+def hf_pair(seed: int = 1, std: float = 0.08, layers: int = 2):
+    """A tiny transformers ``LlamaForCausalLM`` (fp32, the tiny-random shape; ``layers`` layers, tied
+    embeddings) and a native ``LoadedModel`` with the same weights (``NativeCausalLM.from_state_dict``)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(seed)
@@ -35,8 +35,9 @@ def hf_pair(seed: int = 1, std: float = 0.08):
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
     hf.eval()
-    native = NativeCausalLM.from_state_dict(tiny_config(), hf.state_dict())
-    return hf, LoadedModel(name=f"hf-llama:{seed}", model=native, tokenizer=byte_tokenizer(), eos_token_ids=set(EOS))
+    native = NativeCausalLM.from_state_dict(tiny_config(layers=layers), hf.state_dict())
+    name = f"hf-llama:{seed}" if layers == 2 else f"hf-llama-{layers}:{seed}"
+    return hf, LoadedModel(name=name, model=native, tokenizer=byte_tokenizer(), eos_token_ids=set(EOS))
 
 
 @functools.lru_cache(maxsize=None)
