@@ -494,7 +494,7 @@ FILE_TIERS: dict[str, tuple[str, ...]] = {
     ),
     "kernels": (
         "test_architectures.py", "test_attention_kernel.py", "test_gguf_blocks.py", "test_gguf_model.py",
-        "test_kernel_abi.py", "test_kernel_cache.py", "test_layer_stack.py", "test_moe.py", "test_qkernel.py",
+        "test_kernel_abi.py", "test_kernel_build.py", "test_kernel_cache.py", "test_layer_stack.py", "test_moe.py", "test_qkernel.py",
     ),
     "server": (
         "test_batch.py", "test_batch_gate.py", "test_ray_serve.py", "test_server.py", "test_task.py",
@@ -503,7 +503,7 @@ FILE_TIERS: dict[str, tuple[str, ...]] = {
     "integration": (
         "test_bench.py", "test_bench_quality.py", "test_cache_faults.py", "test_default_exact.py",
         "test_diffusion_bench.py", "test_doctor.py", "test_gpu_check.py", "test_head_prompt_mix.py",
-        "test_head_training.py", "test_kernel_build.py", "test_llama_server.py",
+        "test_head_training.py", "test_llama_server.py",
     ),
 }
 # slow tests of a faster tier's file, by "file::function" (every parametrization; measured 2026-12-06
