@@ -494,7 +494,8 @@ FILE_TIERS: dict[str, tuple[str, ...]] = {
     ),
     "kernels": (
         "test_architectures.py", "test_attention_kernel.py", "test_gguf_blocks.py", "test_gguf_model.py",
-        "test_kernel_abi.py", "test_kernel_build.py", "test_kernel_cache.py", "test_layer_stack.py", "test_moe.py", "test_qkernel.py",
+        "test_kernel_abi.py", "test_kernel_build.py", "test_kernel_cache.py", "test_layer_stack.py", "test_moe.py",
+        "test_qkernel.py",
     ),
     "server": (
         "test_batch.py", "test_batch_gate.py", "test_ray_serve.py", "test_server.py", "test_task.py",

@@ -20,8 +20,8 @@ import transformers
 from leapdecode.models import kernel_library
 from leapdecode.models.architecture import ModelConfig
 from leapdecode.models.native import NativeCausalLM
-from helpers.architectures import (VOCAB, assert_speculation_gives_vanillas_tokens, assert_transformers_logits_and_tokens,
-                                  native_of, token_seq)
+from helpers.architectures import (VOCAB, assert_speculation_gives_vanillas_tokens,
+                                  assert_transformers_logits_and_tokens, native_of, token_seq)
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=128, num_hidden_layers=2)

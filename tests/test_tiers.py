@@ -87,6 +87,7 @@ def test_one_tier_alone_skips_importing_the_files_without_its_tests(monkeypatch,
     def ignored(name, markexpr):
         return pytest_ignore_collect(tmp_path / name, SimpleNamespace(getoption=lambda opt, default: markexpr))
 
-    assert [ignored(n, "unit") for n in ("test_a.py", "test_b.py", "test_c.py", "test_d.py")] == [None, True, None, None]
+    files = ("test_a.py", "test_b.py", "test_c.py", "test_d.py")
+    assert [ignored(n, "unit") for n in files] == [None, True, None, None]
     assert ignored("test_a.py", "kernels") is True and ignored("test_b.py", "kernels") is None
     assert ignored("test_b.py", "not integration") is None and ignored("test_b.py", "") is None
