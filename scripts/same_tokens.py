@@ -10,7 +10,10 @@ order, so cross-request memory sees the same history) and writes each generation
 
 Sampled generations use a seed each, so the same code gives the same tokens; a change that keeps
 the distribution but draws differently would show here as a difference (this checks more than
-exactness needs, which is what a refactor promises).
+exactness needs, which is what a refactor promises).  Each generation's target forwards are
+recorded too: since every method emits vanilla's tokens whatever it drafts, the forwards are what
+shows that the same trees were drafted (greedy cost-aware sizing follows the measured clock, so
+those may differ between two runs of the same code; a seeded sampling run's trees may not).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ RUNS = [
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8, "top_p": 0.95}}
 
 
-def run(prompts: int, max_new_tokens: int, only: set[str] | None) -> dict[str, list[int]]:
+def run(prompts: int, max_new_tokens: int, only: set[str] | None) -> dict[str, dict]:
     questions = select(load_workload(None)[0], limit=prompts)
     out: dict[str, list[int]] = {}
     runners: dict[str, object] = {}
@@ -59,8 +62,9 @@ def run(prompts: int, max_new_tokens: int, only: set[str] | None) -> dict[str, l
                 t0 = time.perf_counter()
                 res = leapdecode.generate(runners[model], q.turns[0], method=method, options=options or None,
                                           max_new_tokens=max_new_tokens, chat=q.chat, seed=1000 + i, **sampling)
-                out[key] = list(res.tokens)
-                print(f"{key}: {len(res.tokens)} tokens, {time.perf_counter() - t0:.1f} s", flush=True)
+                out[key] = {"tokens": list(res.tokens), "forwards": res.stats.get("target_forwards")}
+                print(f"{key}: {len(res.tokens)} tokens, {out[key]['forwards']} forwards, "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
     return out
 
 
@@ -82,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         before = json.loads(args.compare.read_text())
         missing = [k for k in tokens if k not in before]
-        differ = [k for k in tokens if k in before and before[k] != tokens[k]]
+        differ = [k for k in tokens if k in before and before[k]["tokens"] != tokens[k]["tokens"]]
+        trees = [k for k in tokens if k in before and before[k]["forwards"] != tokens[k]["forwards"]]
         for k in missing:
             print(f"not in the recording: {k}")
         for k in differ:
             print(f"DIFFERENT: {k}")
-        print(f"{len(tokens) - len(differ) - len(missing)} of {len(tokens)} generations the same tokens")
+        for k in trees:  # the same tokens in another number of forwards: other trees were drafted
+            print(f"other forwards: {k}: {before[k]['forwards']} -> {tokens[k]['forwards']}")
+        print(f"{len(tokens) - len(differ) - len(missing)} of {len(tokens)} generations the same tokens; "
+              f"{len(tokens) - len(trees) - len(missing)} in the same number of target forwards")
         return 1 if differ or missing else 0
     print(f"{len(tokens)} generations recorded")
     return 0

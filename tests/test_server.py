@@ -369,6 +369,18 @@ def test_bad_extension_fields(client):
     assert e.value.code == "unsupported_parameter" and e.value.param == "logprobs"
 
 
+def test_an_error_quoting_a_huge_value_is_bounded(client):
+    """A message that quotes the client's value (an unknown method's name) echoes at most
+    MAX_ERROR_MESSAGE characters of it, whatever the request's size."""
+    from leapdecode.server.protocol import MAX_ERROR_MESSAGE
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-random", prompt="Hi", max_tokens=4,
+                                  extra_body={"leapdecode": {"method": "x" * 200_000}})
+    assert e.value.param == "leapdecode.method" and "unknown method" in e.value.message
+    assert len(e.value.body["message"]) == MAX_ERROR_MESSAGE
+
+
 def test_unknown_option_names_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-random", prompt="Hi", max_tokens=4,

@@ -820,11 +820,19 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+MAX_ERROR_MESSAGE = 1000  # characters: a message quoting a client's value (an unknown name) echoes no more
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str
     param: str | None = None
     code: str | None = None
+
+    @field_validator("message")
+    @classmethod
+    def _bounded(cls, message: str) -> str:
+        return message if len(message) <= MAX_ERROR_MESSAGE else message[: MAX_ERROR_MESSAGE - 1] + "…"
 
 
 class ErrorResponse(BaseModel):
