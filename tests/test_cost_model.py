@@ -13,13 +13,16 @@ from hypothesis import strategies as st
 import leapdecode
 from leapdecode import ModelRunner
 from leapdecode.core.cost_model import VerifyCost, measure_verify_cost
-from leapdecode.core.sizing import AcceptanceCalibration, ChainAcceptance, best_tree_gain, best_tree_size
+from leapdecode.core.sizing import (AcceptanceCalibration, Chain, ChainAcceptance, Sizer, TryAgain, best_tree_gain,
+                                    best_tree_size)
 from leapdecode.core.proposer import DecodeContext
 from leapdecode.core.sampling import SamplingParams
+from leapdecode.core.tree import TokenTree
 from leapdecode.errors import InvalidParameterError
 from leapdecode.proposers import method_config
 from leapdecode.proposers.common import subset_head
 from leapdecode.proposers.draft_model import DraftModelProposer
+from leapdecode.proposers.tree_cost import TreeSizer, TrieSizer
 
 
 # ------------------------------------------------------------------ verify cost
@@ -263,7 +266,7 @@ def _tries(acc: ChainAcceptance, verify: VerifyCost, judgements: int, accept_fir
     rejected as ``accept_first`` says.  Returns the judgements at which a token was drafted."""
     drafted = []
     for j in range(judgements):
-        n = acc.worth(0, 1, verify)
+        n = acc.size(Chain(0, 1), None, verify).length
         if n:
             drafted.append(j)
             acc.update(0, verified=1, accepted=int(accept_first))
@@ -312,8 +315,31 @@ def test_a_deeper_depth_is_tried_beyond_a_chain_that_stops():
     acc = ChainAcceptance(n_buckets=1, max_depth=4)
     for _ in range(30):
         acc.update(0, verified=1, accepted=1)  # depth 0: always accepted; depth 1: the prior (0.5)
-    lengths = [acc.worth(0, 4, verify) for _ in range(8)]
+    lengths = [acc.size(Chain(0, 4), None, verify).length for _ in range(8)]
     assert min(lengths) >= 1 and max(lengths) >= lengths[0] + 1
+
+
+def test_a_chain_is_sized_to_its_budget_and_learns_from_the_leading_run_of_its_nodes():
+    """``size`` cuts at the budget before it sizes; ``learn`` counts the chain nodes (0, 1, ...) the verdict
+    accepted in a row, over the nodes the verified tree still held."""
+    free = VerifyCost([1, 64], [1.0, 1.0])
+    acc = ChainAcceptance(n_buckets=2, max_depth=6)
+    assert acc.size(Chain(1, 5), None, free) == Chain(1, 5) and acc.size(Chain(1, 5), 3, free) == Chain(1, 3)
+    tree = TokenTree()
+    for t in range(3):  # the chain's first three tokens survived (a fourth, a branch)
+        tree.add(10 + t, t - 1)
+    tree.add(20, -1)
+    acc.learn(Chain(1, 5), tree, [0, 1, 3])  # nodes 0 and 1 on the chain, then a branch
+    want = ChainAcceptance(n_buckets=2, max_depth=6)
+    want.update(1, verified=4, accepted=2)
+    assert acc.seen == want.seen and acc.hits == want.hits
+
+
+def test_the_three_ways_of_sizing_are_sizers():
+    """Chains, tries and level-by-level trees are sized through the same two calls."""
+    for sizer in (ChainAcceptance(n_buckets=1, max_depth=2), TrieSizer(TryAgain()), TreeSizer()):
+        assert isinstance(sizer, Sizer)
+    assert not isinstance(AcceptanceCalibration(), Sizer)
 
 
 def test_acceptance_calibration_learns_an_overconfident_draft():

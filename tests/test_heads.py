@@ -524,8 +524,8 @@ def test_tree_sizer_follows_costs_and_calibration():
     steep = VerifyCost([1, 2, 32], [1.0, 2.0, 32.0])  # every verified token costs a whole forward
     sizer = TreeSizer()
     scores = [-0.1, -0.2, -0.3]  # confident candidates (log acceptance)
-    assert sizer.keep(scores, 8, 0.0, flat) == 3 and sizer.keep(scores, 2, 0.0, flat) == 2
-    assert sizer.keep(scores, 8, 0.0, steep) == 0  # (1 + p) / 2 < 1 for every p < 1
+    assert sizer.size(scores, 8, flat, 0.0) == 3 and sizer.size(scores, 2, flat, 0.0) == 2
+    assert sizer.size(scores, 8, steep, 0.0) == 0  # (1 + p) / 2 < 1 for every p < 1
     assert sizer.worth_expanding(scores, [-0.1], 8, 0.0, flat)  # not measured yet: expands and learns
     sizer.note_forward(0.01, [0.9])
     assert sizer.worth_expanding(scores, [-0.1], 8, 0.0, flat)
@@ -550,12 +550,12 @@ def test_tree_sizer_judges_by_the_long_run_rate_once_known():
     scores = [math.log(0.15)]  # one candidate, accepted 15% of the time: not worth its row
     sizer = TreeSizer()
     assert sizer.rate is None
-    assert sizer.keep(scores, 8, 0.0, verify) == 0
-    assert sizer.keep(scores, 8, 5.0, verify) == 1  # the step ratio: 5 s spent drafting make it look worth it
+    assert sizer.size(scores, 8, verify, 0.0) == 0
+    assert sizer.size(scores, 8, verify, 5.0) == 1  # the step ratio: 5 s spent drafting make it look worth it
     for _ in range(TreeSizer.RATE_STEPS):
         sizer.note_step(1, 1.0)  # one token a second
     assert sizer.rate == pytest.approx(1.0)
-    assert sizer.keep(scores, 8, 0.0, verify) == 0 and sizer.keep(scores, 8, 5.0, verify) == 0
+    assert sizer.size(scores, 8, verify, 0.0) == 0 and sizer.size(scores, 8, verify, 5.0) == 0
     # a level: its candidate (0.9 x the best child's 0.5) earns 0.45 tokens for 0.2 s of rows and the
     # level's forward; worth it for a quick forward, not for a slow one, whatever was spent before
     sizer.note_forward(0.1, [])

@@ -288,8 +288,8 @@ def test_cost_aware_trees_are_sized_by_calibrated_probability_and_cost():
     assert len(paper._candidate(trie, [7, 1, 2], budget, "suffix-global")[0]) == 2
     # free rows: every node above min_prob, parents first, ranked by calibrated path probability
     free = sized(FREE)
-    nodes, value, record = free._candidate(trie, [7, 1, 2], budget, "suffix-global")
-    calib, cond, attempt = record.calibration, record.cond, record.attempt
+    nodes, value, cut = free._candidate(trie, [7, 1, 2], budget, "suffix-global")
+    calib, cond, attempt = cut.record.calibration, cut.record.cond, cut.record.attempt
     assert attempt is None  # free rows: every candidate is in the cut, none is tried beyond it
     assert calib is free.calibration["suffix-global"][match_bucket(2)]
     want, _ = trie.speculate(trie.match([7, 1, 2], 16)[0], budget, 0.1)

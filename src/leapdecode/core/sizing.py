@@ -9,16 +9,50 @@ never revise (``TryAgain``), and the acceptance estimates learned from verdicts:
 model-free chain (``ChainAcceptance``) and as a calibration of a drafter's probabilities
 (``AcceptanceCalibration``).
 
+Every way of sizing is a ``Sizer``: ``size`` a scored candidate chain or tree under a budget and the
+measured verification cost, ``learn`` from the verifier's verdict on what was drafted.  Three
+implement it: model-free chains (``ChainAcceptance``, here), model-free tries cut in one pass and
+trees drafted level by level (``TrieSizer`` and ``TreeSizer`` in ``proposers/tree_cost.py``).
+
 Only decisions that cannot change the output may use these: greedy tree sizes (any tree gives
 vanilla's tokens).  Seeded sampling must be reproducible, so its tree shapes never depend on a clock.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from .cost_model import VerifyCost
+    from .tree import TokenTree
+
+C = TypeVar("C", contravariant=True)  # what a sizer sizes: a chain, a trie's scored nodes, a tree's scores
+S = TypeVar("S", covariant=True)  # what sizing it gives
+D = TypeVar("D", contravariant=True)  # what the proposer drafted from it, which the verdict is on
+
+
+@runtime_checkable
+class Sizer(Protocol[C, S, D]):
+    """The one interface of cost-aware sizing (greedy only: see above).  A proposer drafts its
+    candidates, ``size``s them and drafts what the sizing keeps; after the verification it hands what it
+    drafted back to ``learn``, with the verified tree and the verdict's accepted nodes.  What is
+    learned is the sizer's own state, kept in the runner's memory across generations."""
+
+    def size(self, candidates: C, budget: int | None, verify: VerifyCost, spent: float = 0.0) -> S:
+        """Size ``candidates`` to at most ``budget`` nodes (``None``: no bound) by expected tokens per
+        second under the verification cost ``verify``; ``spent``: seconds this step already drafted."""
+        ...
+
+    def learn(self, drafted: D, tree: TokenTree, accepted: list[int]) -> None:
+        """The verdict on ``tree`` (drafted as ``drafted`` says) accepted the nodes ``accepted``."""
+        ...
+
+
+class Chain(NamedTuple):
+    """A model-free chain: its context bucket (e.g. how long the match was) and its length in tokens."""
+
+    bucket: int
+    length: int
 
 
 def best_tree_size(probs: list[float], fixed_s: float, verify: VerifyCost) -> tuple[int, float]:
@@ -111,7 +145,7 @@ class TryAgain:
 
 
 class ChainAcceptance:
-    """For a model-free drafter's chain: P(the token at depth ``d`` is accepted | the tokens
+    """The ``Sizer`` of a model-free drafter's chain (a ``Chain`` sized to the ``Chain`` worth drafting): P(the token at depth ``d`` is accepted | the tokens
     before it were), per context bucket (e.g. how long the suffix match was), learned from the
     verdicts.  Starts from ``prior`` with the weight of ``strength`` observations.  A depth the
     estimates cut off is tried again now and then (``TryAgain``: without it one rejected first
@@ -141,21 +175,24 @@ class ChainAcceptance:
         if 0 <= last < self.max_depth and accepted >= last:
             self.tries.verdict((bucket, last), accepted > last)
 
-    def worth(self, bucket: int, length: int, verify: "VerifyCost", fixed_s: float = 0.0) -> int:
-        """How many of a ``length``-token chain's tokens are worth verifying (greedy): the prefix
-        that maximises expected tokens per second (``best_tree_size``), or one more when the depth
-        it stops at is due to be tried again."""
-        return self.tries.sized(self.cumulative(bucket, length), fixed_s, verify, bucket)[0]
+    def size(self, chain: Chain, budget: int | None, verify: VerifyCost, spent: float = 0.0) -> Chain:
+        """The prefix of ``chain`` (at most ``budget`` tokens) worth verifying (greedy): the one that
+        maximises expected tokens per second (``best_tree_size``), or one token more when the depth it
+        stops at is due to be tried again."""
+        length = chain.length if budget is None else min(chain.length, budget)
+        return Chain(chain.bucket, self.tries.sized(self.cumulative(chain.bucket, length), spent, verify,
+                                                    chain.bucket)[0])
 
-    def observe_chain(self, bucket: int, verified: int, accepted_nodes: list[int]) -> None:
-        """A chain drafted as tree nodes 0, 1, 2, ... had ``verified`` of them checked; the verdict
-        accepted ``accepted_nodes`` (its path): learn from the leading run of chain nodes on it."""
+    def learn(self, drafted: Chain, tree: TokenTree, accepted: list[int]) -> None:
+        """``drafted`` was drafted as tree nodes 0, 1, 2, ... (perhaps cut to the step's budget in
+        ``tree``); the verdict accepted ``accepted`` (its path): learn from the leading run of chain
+        nodes on it."""
         on_chain = 0
-        for d, node in enumerate(accepted_nodes):
+        for d, node in enumerate(accepted):
             if node != d:
                 break
             on_chain += 1
-        self.update(bucket, verified, on_chain)
+        self.update(drafted.bucket, min(drafted.length, len(tree)), on_chain)
 
 
 class AcceptanceCalibration:

@@ -290,7 +290,7 @@ class DraftModelProposer(Proposer):
         # choose nodes
         n = len(cand_tok)
         if greedy and sizer is not None:
-            keep_n = sizer.keep(cand_score, budget, time.perf_counter() - t0, verify)
+            keep_n = sizer.size(cand_score, budget, verify, time.perf_counter() - t0)
         else:
             keep_n = budget
         if greedy and n > keep_n:
@@ -364,14 +364,11 @@ class DraftModelProposer(Proposer):
         else:
             self.cache.rollback()
         if self.sizing_cost() is not None:
-            # calibrate: every verified draft node whose parent was accepted had its chance
-            accepted = set(verdict.accepted)
-            for node, cand in self._tree_to_cand.items():
-                if node >= len(tree):  # cut by the loop's budget: never verified
-                    continue
-                parent = tree.parents[node]
-                if parent < 0 or parent in accepted:
-                    self.sizer.update([(self._cand_p[cand], node in accepted)])
+            # calibrate: every verified draft node whose parent was accepted had its chance (tree node i
+            # is the i-th kept candidate, matched by position as it always was: its token is the tree's)
+            n = min(len(tree), len(self._tree_to_cand))  # beyond: cut by the loop's budget, never verified
+            self.sizer.learn([(tree.tokens[node], self._cand_p[self._tree_to_cand[node]]) for node in range(n)],
+                             tree, verdict.accepted)
             if self._tree_to_cand:
                 self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         elif self.adaptive and self._last_depth > 0:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..core.sizing import ChainAcceptance
+from ..core.sizing import Chain, ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, MemoryKey, Proposer
@@ -128,7 +128,7 @@ class PromptLookupProposer(Proposer):
         self.default_budget = tree_budget or PldConfig.default_tree_budget
         self.cost_aware = cost_aware
         self.acceptance = ChainAcceptance(self.max_ngram + 1, self.draft_len)  # bucket: the matched n
-        self._chain: tuple[int, int] | None = None  # (matched n, length) of the last cost-aware chain
+        self._chain: Chain | None = None  # the last cost-aware chain (its bucket: the matched n)
         self.index = NGramIndex(self.max_ngram)
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
@@ -184,10 +184,11 @@ class PromptLookupProposer(Proposer):
         verify = self.sizing_cost()
         if verify is not None:  # the longest match's continuation, cut where it stops paying
             toks, n, p = cands[0]
-            keep = self.acceptance.worth(n, min(len(toks), budget), verify)
+            chain = self.acceptance.size(Chain(n, len(toks)), budget, verify)
+            keep = chain.length
             if keep < 1:
                 return TokenTree()
-            self._chain = (n, keep)
+            self._chain = chain
             cands = [(toks[:keep], n, p)]
             budget = keep
         tree = merge_candidates(cands, budget, self.name)
@@ -196,8 +197,7 @@ class PromptLookupProposer(Proposer):
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._chain is not None:  # learn how deep chains of this match length get accepted
-            n, length = self._chain
-            self.acceptance.observe_chain(n, min(length, len(tree)), verdict.accepted)
+            self.acceptance.learn(self._chain, tree, verdict.accepted)
             self._chain = None
 
     def stats(self) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from ..core.proposer import DecodeContext, Identity, MemoryKey, Proposer
 from .datastore import Datastore, default_path, vocab_sha256
 from .common import check_int
 from .configs import RestConfig
-from .tree_cost import CutRecord, calibrated_cut
+from .tree_cost import Cut, Trie, TrieSizer
 
 # suffix-match lengths whose continuations are calibrated apart (how far they can be trusted)
 MATCH_BUCKETS = (0, 4, 8)
@@ -165,8 +165,8 @@ class RestProposer(Proposer):
         self.datastore = datastore
         self.default_budget = tree_budget or RestConfig.default_tree_budget
         self.cost_aware = cost_aware
-        self.tries = TryAgain()  # the runner's, per datastore and match bucket (begin)
-        self._last: CutRecord | None = None
+        self.sizer = TrieSizer(TryAgain())  # its tries: the runner's, per datastore and match bucket (begin)
+        self._last: Cut | None = None  # the sized tree, whose verdict teaches
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
 
@@ -177,9 +177,10 @@ class RestProposer(Proposer):
         if self.sizing_cost() is not None:
             # what this datastore's continuations are worth to this model, learned across generations
             # (the entry holds the datastore too, as it did when the key was its id())
-            self.calibration, self.tries, _ = ctx.remember(
+            self.calibration, tries, _ = ctx.remember(
                 MemoryKey("rest", "calibration", of=Identity(self.datastore)),
                 lambda: ([AcceptanceCalibration() for _ in MATCH_BUCKETS], TryAgain(), self.datastore))
+            self.sizer = TrieSizer(tries)
 
     def candidates(self, tokens: Sequence[int], budget: int) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
         """``(match length, [(continuation, count), ...])`` for the context ``tokens``."""
@@ -206,21 +207,21 @@ class RestProposer(Proposer):
     def _sized_tree(self, cands, budget: int, match_len: int) -> TokenTree:
         """The trie's nodes ranked by calibrated acceptance probability, cut to the number that
         maximises expected tokens per second of the verification forward, now and then one beyond
-        the cut (``calibrated_cut``: without the tries a few early misses shut a match bucket out)."""
+        the cut (``TrieSizer``: without the tries a few early misses shut a match bucket out)."""
         tok, par, _, count = _trie(cands)
         total = sum(w for _, w in cands)
         bucket = max(i for i, lo in enumerate(MATCH_BUCKETS) if match_len >= lo)
         cond = [count[v] / (count[par[v]] if par[v] >= 0 else total) for v in range(len(tok))]
-        cut = calibrated_cut(cond, par, self.calibration[bucket], self.tries, self.sizing_cost(), bucket,
-                             budget)
-        self._last = cut.record
+        cut = self.sizer.size(Trie(cond, par, self.calibration[bucket], bucket), budget,
+                                         self.sizing_cost())
+        self._last = cut
         return _tree_of(cut.nodes, tok, par, self.name)
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._last is None:
             return
-        record, self._last = self._last, None  # tree node i is the i-th ranked trie node
-        record.learn(tree.parents, verdict.accepted, self.tries)
+        cut, self._last = self._last, None  # tree node i is the i-th ranked trie node
+        self.sizer.learn(cut, tree, verdict.accepted)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..core.sizing import ChainAcceptance
+from ..core.sizing import Chain, ChainAcceptance
 from ..core.tree import TokenTree
 from ..errors import InvalidParameterError
 from ..core.proposer import DecodeContext, MemoryKey, Proposer
@@ -189,7 +189,7 @@ class SuffixAutomatonProposer(Proposer):
         self.default_budget = tree_budget or SamConfig.default_tree_budget
         self.cost_aware = cost_aware
         self.acceptance = ChainAcceptance(len(MATCH_BUCKETS), self.draft_len)
-        self._chain: tuple[int, int] | None = None  # (bucket, length) of the last cost-aware chain
+        self._chain: Chain | None = None  # the last cost-aware chain
         self._reset()
         self._steps = self._hits = self._nodes = 0
         self._match_total = 0
@@ -269,7 +269,7 @@ class SuffixAutomatonProposer(Proposer):
             budget = self.worth_drafting(found[0][0], min(len(found[0][2]), budget))
             if budget < 1:
                 return TokenTree()
-            self._chain = (match_bucket(found[0][0]), budget)
+            self._chain = Chain(match_bucket(found[0][0]), budget)
         # the longer match's chain first, the other as a branch with what budget is left
         cands = [(cont[:budget], len(found) - r, 0) for r, (_, _, cont) in enumerate(found)]
         tree = merge_candidates(cands, budget, self.name)
@@ -289,12 +289,12 @@ class SuffixAutomatonProposer(Proposer):
         verify = self.sizing_cost()
         if verify is None:
             return length
-        return self.acceptance.worth(match_bucket(match_len), length, verify, fixed_s)
+        return self.acceptance.size(Chain(match_bucket(match_len), length), None, verify, fixed_s).length
 
     def observe(self, tokens, tree, verdict, logits, hidden=None) -> None:
         if self._chain is not None:  # learn how deep this match length's chains get accepted
-            bucket, length = self._chain  # (merge_candidates puts the main chain first: nodes 0, 1, ...)
-            self.acceptance.observe_chain(bucket, min(length, len(tree)), verdict.accepted)
+            # (merge_candidates puts the main chain first: nodes 0, 1, ...)
+            self.acceptance.learn(self._chain, tree, verdict.accepted)
             self._chain = None
 
     def stats(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from ..errors import InvalidParameterError
 from .common import check_int
 from .configs import SuffixConfig
 from .sam import MATCH_BUCKETS, match_bucket
-from .tree_cost import CutRecord, calibrated_cut
+from .tree_cost import Cut, Trie, TrieSizer
 
 SOURCES = ("suffix-local", "suffix-global")  # the request's own trie, the runner's memory
 # bytes a trie holds per live node (its children dict and list slots), per freed node kept for reuse,
@@ -283,8 +283,8 @@ class SuffixDecodingProposer(Proposer):
         self.use_local = local
         self.use_memory = memory
         self.calibration: dict[str, list[AcceptanceCalibration]] = {}
-        self.tries = TryAgain()  # the runner's, per trie and match bucket (begin)
-        self._last: CutRecord | None = None  # what the sized tree's verdict teaches
+        self.sizer = TrieSizer(TryAgain())  # its tries: the runner's, per trie and match bucket (begin)
+        self._last: Cut | None = None  # the sized tree, whose verdict teaches
         self.memory: SuffixMemory | None = None
         self.local: SuffixTrie | None = None
         self._fed = self._prompt_len = 0
@@ -307,7 +307,7 @@ class SuffixDecodingProposer(Proposer):
         if self.sizing_cost() is not None:  # what each trie's frequencies are worth to this model, learned across generations
             self.calibration = ctx.remember(MemoryKey("suffix", "calibration"), lambda: {
                 source: [AcceptanceCalibration() for _ in MATCH_BUCKETS] for source in SOURCES})
-            self.tries = ctx.remember(MemoryKey("suffix", "tries"), TryAgain)
+            self.sizer = TrieSizer(ctx.remember(MemoryKey("suffix", "tries"), TryAgain))
 
     def memory_match(self, tokens: list[int]) -> int:
         """The length of the longest suffix of ``tokens`` (at most ``max_match``) that occurs in the
@@ -330,7 +330,7 @@ class SuffixDecodingProposer(Proposer):
         """The speculation tree of ``trie`` at the text's longest matched suffix: its nodes
         ``(token, parent index, calibrated path probability)``, its score (expected tokens per second
         of the step when sized by cost, else the paper's expected accepted tokens) and, when sized by
-        cost, what the verdict teaches (``CutRecord``)."""
+        cost, the sized tree, whose verdict teaches (``Cut``)."""
         # the request's own trie holds the text up to the root, the matched suffix's own occurrence
         # included: it has no continuation yet, so it is left out of the match and of its count
         exclude = 1 if source == "suffix-local" else 0
@@ -343,9 +343,10 @@ class SuffixDecodingProposer(Proposer):
             return *trie.speculate(node, cap, self.min_prob, exclude=exclude), None
         nodes, _ = trie.speculate(node, budget, self.min_prob, exclude=exclude)
         cond = [q / (nodes[parent][2] if parent >= 0 else 1.0) for _, parent, q in nodes]
-        cut = calibrated_cut(cond, [parent for _, parent, _ in nodes], self.calibration[source][match_bucket(length)],
-                             self.tries, verify, (source, match_bucket(length)))
-        return [(nodes[i][0], parent, q) for i, parent, q in zip(cut.nodes, cut.parents, cut.probs)], cut.rate, cut.record
+        trie_nodes = Trie(cond, [parent for _, parent, _ in nodes], self.calibration[source][match_bucket(length)],
+                          (source, match_bucket(length)))
+        cut = self.sizer.size(trie_nodes, None, verify)
+        return [(nodes[i][0], parent, q) for i, parent, q in zip(cut.nodes, cut.parents, cut.probs)], cut.rate, cut
 
     def propose(self, tokens: list[int], budget: int) -> TokenTree:
         self._sync(tokens)
@@ -380,8 +381,8 @@ class SuffixDecodingProposer(Proposer):
         self._tokens = tokens
         if self._last is None:
             return
-        record, self._last = self._last, None  # tree node i is the sized tree's node i
-        record.learn(tree.parents, verdict.accepted, self.tries)
+        cut, self._last = self._last, None  # tree node i is the sized tree's node i
+        self.sizer.learn(cut, tree, verdict.accepted)
 
     def end(self) -> None:
         if self.memory is None:

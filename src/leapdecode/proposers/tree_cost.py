@@ -21,10 +21,13 @@ levels and rows it found worth their time (measured on qwen2.5-coder-1.5b: 22-42
 rows per forward with the rate, at the same tokens per second; docs/lab-notes/benchmarks.md 47).
 
 Model-free tries (``rest``'s retrieved continuations, ``suffix``'s suffix tries) are sized the same
-way in one pass (``calibrated_cut``): each node's chance is its continuation frequency given its
-parent through a calibration learned from the verdicts, the nodes are ranked by their paths'
+way in one pass (``TrieSizer``, ``calibrated_cut``): each node's chance is its continuation frequency
+given its parent through a calibration learned from the verdicts, the nodes are ranked by their paths'
 chances and cut where the tokens per second of the verification peak, and every few cuts one node
 beyond the cut is verified too (``TryAgain``: a calibration learns only from what is verified).
+
+Both are ``core.sizing.Sizer``s: a proposer ``size``s its candidates and hands what it drafted back
+to ``learn`` with the verdict.
 
 Only greedy trees are sized this way: any greedy tree gives vanilla's tokens, so timings may steer
 it; a seeded sampling run's trees must not depend on a clock.
@@ -34,16 +37,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple
+from typing import TYPE_CHECKING, Hashable, NamedTuple
 
 from ..core.cost_model import VerifyCost
 from ..core.running_mean import discounted_mean
 from ..core.sizing import AcceptanceCalibration, TryAgain, best_tree_gain, best_tree_size
 
+if TYPE_CHECKING:
+    from ..core.tree import TokenTree
+
 
 class TreeSizer:
-    """Per drafter and target, kept in the runner's memory (``ctx.remember``) across generations:
-    the calibration, running means of the drafter's forward time and of the best child's
+    """The ``Sizer`` of a tree drafted level by level: it sizes the candidates' path scores (log
+    calibrated acceptance, ``log_accept``) to how many of the best to verify, and learns from the
+    drafted nodes' (token, drafter probability given the parent), in tree order.  Per drafter and
+    target, kept in the runner's memory (``ctx.remember``) across generations: the calibration, running means of the drafter's forward time and of the best child's
     acceptance probability, and of the tokens and seconds of its sized steps."""
 
     # The rates below were set when the sizer was written (commits 7968b4b, e91aae8); no measurement
@@ -114,18 +122,18 @@ class TreeSizer:
         _, then = self._best(more, spent + self.forward_s, verify, rate)
         return then > now if rate is None else then - rate * self.forward_s > now
 
-    def keep(self, scores: list[float], budget: int, spent: float, verify: VerifyCost) -> int:
-        """How many of the best candidates to verify."""
+    def size(self, scores: list[float], budget: int | None, verify: VerifyCost, spent: float = 0.0) -> int:
+        """How many of the best candidates (their path ``scores``) to verify."""
         probs = sorted((math.exp(v) for v in scores), reverse=True)[:budget]
         return self._best(probs, spent, verify, self.rate)[0]
 
-    def observe_tree(self, nodes: list[tuple[int, float]], tree, accepted: list[int]) -> None:
-        """Calibrate from a verified greedy tree: ``nodes`` are its drafted (token, drafter
+    def learn(self, drafted: list[tuple[int, float]], tree: TokenTree, accepted: list[int]) -> None:
+        """Calibrate from a verified greedy tree: ``drafted`` are its drafted (token, drafter
         probability given the parent) in tree order; every node whose parent was accepted (or is
         the root) had its chance.  Nodes a grammar pruned (another token there now) are skipped."""
         ok = set(accepted)
-        self.update([(nodes[i][1], i in ok) for i in range(min(len(tree), len(nodes)))
-                     if nodes[i][0] == tree.tokens[i] and (tree.parents[i] < 0 or tree.parents[i] in ok)])
+        self.update([(drafted[i][1], i in ok) for i in range(min(len(tree), len(drafted)))
+                     if drafted[i][0] == tree.tokens[i] and (tree.parents[i] < 0 or tree.parents[i] in ok)])
 
     def update(self, verified: list[tuple[float, bool]]) -> None:
         """(drafter probability given the parent, accepted) of every verified node whose parent was
@@ -168,21 +176,49 @@ class Cut(NamedTuple):
 
 
 def calibrated_cut(cond: list[float], parents: list[int], calib: AcceptanceCalibration, tries: TryAgain,
-                   verify: VerifyCost, context: Hashable, budget: int | None = None) -> Cut:
+                   verify: VerifyCost, context: Hashable, budget: int | None = None, spent: float = 0.0) -> Cut:
     """Size a trie whose node ``i`` has parent ``parents[i]`` (parents first, -1 the root) and
     empirical probability ``cond[i]`` given its parent: the nodes ranked by calibrated path
     probability (a child is never worth more than its parent; on a tie the parent, added first,
     leads), at most ``budget`` of them, cut to the prefix that maximises expected tokens per second
-    of the verification, with a node beyond the cut now and then (``tries``, per ``context`` and cut
-    size)."""
+    of the verification (``spent``: seconds already drafting the step), with a node beyond the cut now and
+    then (``tries``, per ``context`` and cut size)."""
     path: list[float] = []
     for c, parent in zip(cond, parents):
         path.append(calib(c) * (path[parent] if parent >= 0 else 1.0))
     order = sorted(range(len(cond)), key=lambda i: (-path[i], i))[:budget]
-    keep, rate, tried = tries.sized([path[i] for i in order], 0.0, verify, context)
+    keep, rate, tried = tries.sized([path[i] for i in order], spent, verify, context)
     order = order[:keep]
     position = {node: i for i, node in enumerate(order)}
     kept_parents = [position[parents[i]] if parents[i] >= 0 else -1 for i in order]
     attempt = ((context, keep - 1), keep - 1) if tried else None
     return Cut(order, kept_parents, [path[i] for i in order], rate,
                CutRecord(calib, [cond[i] for i in order], attempt))
+
+
+class Trie(NamedTuple):
+    """A model-free trie to size: node ``i``'s parent ``parents[i]`` (parents first, -1 the root) and
+    empirical probability ``cond[i]`` given its parent, the calibration of its source and context, and
+    that context (``TryAgain``'s, with the cut's size)."""
+
+    cond: list[float]
+    parents: list[int]
+    calibration: AcceptanceCalibration
+    context: Hashable
+
+
+class TrieSizer:
+    """The ``Sizer`` of model-free tries (``rest``, ``suffix``): ``calibrated_cut`` with the tries beyond
+    the cut that ``tries`` keeps (the calibrations travel with each ``Trie``); the verdict is learned
+    from the ``Cut`` that was drafted."""
+
+    def __init__(self, tries: TryAgain) -> None:
+        self.tries = tries
+
+    def size(self, trie: Trie, budget: int | None, verify: VerifyCost, spent: float = 0.0) -> Cut:
+        return calibrated_cut(trie.cond, trie.parents, trie.calibration, self.tries, verify, trie.context, budget,
+                              spent)
+
+    def learn(self, drafted: Cut, tree: TokenTree, accepted: list[int]) -> None:
+        """``tree`` node ``i`` is the cut's ``i``-th node (perhaps truncated to the step's budget)."""
+        drafted.record.learn(tree.parents, accepted, self.tries)

@@ -572,7 +572,7 @@ class EagleProposer(Proposer):
                 sizer.note_forward(time.perf_counter() - t1, [cand_p[c] for c in added])
             depth += 1
         if sizer is not None:
-            budget = sizer.keep(cand_score, budget, time.perf_counter() - t0, verify)
+            budget = sizer.size(cand_score, budget, verify, time.perf_counter() - t0)
         self.kv.drop_pending()
         kept = best_first(cand_score, cand_par, budget) if greedy else None
         self._node_p = [(cand_tok[c], cand_p[c]) for c in kept or []]
@@ -584,7 +584,7 @@ class EagleProposer(Proposer):
         self._accepted += len(verdict.accepted)
         self._fresh_from = len(tokens) - len(verdict.tokens)  # the first position this step decided
         if self.sizing_cost() is not None and self._node_p:
-            self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+            self.sizer.learn(self._node_p, tree, verdict.accepted)  # calibrate
             self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step - self._catchup)
         # this step's nodes, used once: on a step another of auto's arms drafted, the head observes
         # the verdict of a tree that is not its own (stale nodes calibrated against it were wrong)

@@ -232,7 +232,7 @@ class HydraProposer(Proposer):
         if not greedy:
             return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra")
         if sizer is not None and tok:
-            budget = sizer.keep(score, budget, time.perf_counter() - t0, verify)
+            budget = sizer.size(score, budget, verify, time.perf_counter() - t0)
         order = best_first(score, par, budget)
         self._node_p = [(tok[c], prob[c]) for c in order]
         return candidate_tree(tok, par, score, qdist, budget, greedy, "hydra", order=order)
@@ -241,7 +241,7 @@ class HydraProposer(Proposer):
         self._steps += 1
         self._accepted += len(verdict.accepted)
         if self.sizing_cost() is not None and self._node_p:
-            self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+            self.sizer.learn(self._node_p, tree, verdict.accepted)  # calibrate
             self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         self._node_p = []
         self.feature = None

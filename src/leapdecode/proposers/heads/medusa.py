@@ -177,7 +177,7 @@ class MedusaProposer(Proposer):
                     for ct, cv, cs in zip(*per_depth[depth + 1]):
                         heapq.heappush(heap, (neg - cs, depth + 1, node, ct, cv))
             if sizer is not None and toks:
-                budget = sizer.keep(scores, budget, time.perf_counter() - t0, verify)
+                budget = sizer.size(scores, budget, verify, time.perf_counter() - t0)
             order = best_first(scores, pars, budget)
             tree = candidate_tree(toks, pars, scores, {}, budget, True, "medusa", order=order)
             self._node_p = [(toks[c], probs[c]) for c in order]
@@ -208,7 +208,7 @@ class MedusaProposer(Proposer):
         self._steps += 1
         self._accepted += len(verdict.accepted)
         if self.sizing_cost() is not None and self._node_p:
-            self.sizer.observe_tree(self._node_p, tree, verdict.accepted)  # calibrate
+            self.sizer.learn(self._node_p, tree, verdict.accepted)  # calibrate
             self.sizer.note_step(len(verdict.tokens), time.perf_counter() - self._t_step)
         self._node_p = []  # used once: in ``auto`` another arm may draft the next step
         self.feature = None
