@@ -37,6 +37,7 @@ from ..core.batch import run_forwards
 from ..core.config import OptionsConfig
 from ..core.generate import GenerationResult
 from ..core.prefill import PrefillPlanner
+from ..core.runner import slot_len
 from ..core.task import Forward, Status, StepOutput, Task, drive
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..models.native import rms_norm
@@ -325,8 +326,6 @@ class TreeSearch(Task):
     def kv_tokens(cls, model: Any, prompt_len: int, max_new_tokens: int, *, strategy: Any = None,
                   kv_policy: Any = None) -> tuple[int, str]:
         """Its one cache (``Task.kv_tokens``): the prompt, the longest hypothesis and the pending tree."""
-        from ..core.runner import slot_len
-
         return slot_len(model, search_cache_tokens(model, strategy, prompt_len, max_new_tokens)), "plain"
 
     def __init__(self, runner: "ModelRunner", prompt_ids: list[int], cfg: StrategyConfig, max_new_tokens: int,
