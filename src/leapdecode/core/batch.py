@@ -4,7 +4,7 @@ Iteration-level scheduling ("Orca: A Distributed Serving System for Transformer-
 Models", Yu et al., 2022; vLLM): a scheduler (``server/engine.py``) keeps a set of running
 ``Generation`` objects, lets requests join and leave between iterations, and calls
 ``step_batch`` once per iteration.  Each generation hands over the forward it needs next
-(``Generation.next_forward``): a prompt chunk, or its root with its proposer's token tree.
+(``Generation.next_forwards``, the task protocol of ``core/task.py``): a prompt chunk, or its root with its proposer's token tree.
 Prompt chunks are at most ``PREFILL_CHUNK`` tokens and only ``max_prefill_chunks`` of them run
 per iteration, so a long prompt never stalls the running decodes for long (chunked prefill:
 "SARATHI: Efficient LLM Inference by Piggybacking Decodes with Chunked Prefills", Agrawal et
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .generate import Generation
+from .running_mean import DiscountedMean, discounted_mean
 from .task import Forward, StepOutput, Task
 
 if TYPE_CHECKING:
@@ -194,20 +195,29 @@ class SequenceStats:
     """What the scheduler knows of one generation: its recent acceptance (discounted hits and
     trials of a chain model: a step that verified k nodes and accepted a adds a hits and a + 1
     trials, or a trials when all k were accepted), its own decoding steps, and how long its
-    proposer takes."""
+    proposer takes (``extra``, a running mean the scheduler keeps: ``SpeculationScheduler._host``).
+
+    The acceptance is not a ``running_mean`` mean: a step adds a variable number of trials (its
+    weight in the ratio is its trials, not one), and ``accept_rate`` pulls the ratio towards a
+    prior that changes between reads (the scheduler's pooled rate) with a fixed weight that is not
+    discounted, so hits and trials are kept as the posterior's sums."""
 
     __slots__ = ("hits", "trials", "plain_run", "gap", "extra", "planned")
 
-    DISCOUNT = 0.85  # per speculative step: the last few steps dominate
+    # not measured; kept as they were (set with the scheduler's step-weighted prior, commit
+    # 6d8704e: DISCOUNT 0.8 -> 0.85, PRIOR_WEIGHT 1.5 -> 0.5; the scheduler was measured only as a
+    # whole, lab notes benchmarks.md section 14b, "Per-step tree sizes from measured costs")
+    DISCOUNT = 0.85  # per speculative step, of hits and trials: the last few steps dominate
+    PRIOR_WEIGHT = 0.5  # trials the prior is worth in ``accept_rate``
 
     def __init__(self) -> None:
         self.hits = self.trials = 0.0
         self.plain_run = 0  # decoding steps since it last verified a tree
         self.gap = PROBE_FIRST  # plain steps before its next re-probe
-        self.extra: float | None = None  # discounted mean extra host seconds of its speculative steps
+        self.extra: float | None = None  # running mean extra host seconds of its speculative steps
         self.planned = ""  # "probe", "spec" or "" (plain): what the last plan gave it
 
-    def accept_rate(self, prior: float, weight: float = 0.5) -> float:
+    def accept_rate(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         """Per-token acceptance ``p`` (of the chain model), pulled towards ``prior``."""
         return min(max((self.hits + weight * prior) / (self.trials + weight), 0.01), 0.97)
 
@@ -243,9 +253,11 @@ class LoadGuard:
     (up to ``EXPLORE_MAX``), and a change of leader brings the interval back to ``EXPLORE``: the
     arm behind gets about a tenth of the iterations at first, about 2% once the order is settled.
     The better arm is the one with more committed tokens per wall second (sums over its windows,
-    discounted by ``DISCOUNT`` a window).  Iterations that carry a prompt chunk are not counted
-    (their time is prefill's), but they follow the leader (``leader``): where plain decoding
-    measures faster, the decoding sequences of a prefill iteration do not draft either.
+    discounted by ``DISCOUNT`` a window: a ratio of two discounted sums, tokens over seconds, in
+    which an iteration weighs by its seconds, so not a ``running_mean`` mean of iterations).
+    Iterations that carry a prompt chunk are not counted (their time is prefill's), but they
+    follow the leader (``leader``): where plain decoding measures faster, the decoding sequences
+    of a prefill iteration do not draft either.
     Which arm runs changes no text: greedy output is the same with any tree or none, and seeded
     sampling draws by position (drafter-invariant)."""
 
@@ -253,6 +265,9 @@ class LoadGuard:
     PROBE_WINDOW = 4
     EXPLORE = 6
     EXPLORE_MAX = 24
+    # per window, of both arms' tokens and seconds at a level; not measured; kept as it was (set
+    # with the guard, commit c51ae88; the guard was measured as a whole, lab notes benchmarks.md
+    # section 26)
     DISCOUNT = 0.85
 
     def __init__(self) -> None:
@@ -354,8 +369,15 @@ class SpeculationScheduler:
     under load as alone whatever trees the load gives them; greedy output does not depend on the
     trees at all, and every tree keeps an unseeded sample exact."""
 
-    POOL_DISCOUNT = 0.97
-    HOST_DISCOUNT = 0.9
+    # The running means below follow ``running_mean``'s rule.  Their rates were set with the
+    # scheduler (commits 5398170, 6d8704e) and the scheduler was measured only as a whole (lab notes
+    # benchmarks.md section 14b); no measurement chose them (not measured; kept as they were).
+    POOL_DISCOUNT = 0.97  # per speculative step, of the pooled acceptance's count (a DiscountedMean)
+    POOL_PRIOR = 0.5  # the pooled acceptance before any step ...
+    POOL_PRIOR_STEPS = 2.0  # ... worth this many steps (discounted like them)
+    HOST_RATE = 0.1  # weight of one step in the mean plain-step and pooled extra host seconds
+    # (HOST_RATE was HOST_DISCOUNT = 0.9, the old mean's share: 0.9 * mean + 0.1 * x)
+    EXTRA_RATE = 0.5  # weight of one speculative step in a sequence's own mean extra host seconds
 
     def __init__(self, runner, guard: bool = True) -> None:
         self.runner = runner
@@ -369,7 +391,7 @@ class SpeculationScheduler:
         # pooled per-step acceptance a / (a + a miss) of the recent speculative steps (a step-weighted
         # mean, so a few long accepted chains do not make every sequence look good): the prior of a
         # sequence that has not drafted yet
-        self._pool_sum, self._pool_n = 1.0, 2.0
+        self._pool = DiscountedMean(self.POOL_PRIOR, self.POOL_PRIOR_STEPS, self.POOL_DISCOUNT)
         self._plain_host: float | None = None  # per sequence, a plain decoding step's host seconds
         self._spec_extra: float | None = None  # pooled: a speculative step's extra host seconds
         self.counters = {"iterations": 0, "decode_steps": 0, "speculative_steps": 0, "draft_rows": 0,
@@ -389,7 +411,7 @@ class SpeculationScheduler:
             del self._seqs[id(gen)]
 
     def pooled_rate(self) -> float:
-        return min(max(self._pool_sum / self._pool_n, 0.01), 0.97)
+        return min(max(self._pool.mean, 0.01), 0.97)
 
     def _extra(self, st: SequenceStats) -> float:
         """Measured host seconds a speculative step of this sequence costs beyond a plain step per
@@ -494,9 +516,7 @@ class SpeculationScheduler:
                 if not o.output.finished:  # a finished step's tokens may be cut short (EOS, length)
                     accepted = min(max(len(o.output.tokens) - 1, 0), o.drafted)
                     st.update(o.drafted, accepted)
-                    d = self.POOL_DISCOUNT
-                    self._pool_sum = d * self._pool_sum + accepted / (accepted + (accepted < o.drafted))
-                    self._pool_n = d * self._pool_n + 1.0
+                    self._pool.add(accepted / (accepted + (accepted < o.drafted)))
                 # each emitted token is credited a plain step's host work (detokenizing, stop strings)
                 self._host(st, o.host_s - (self._plain_host or 0.0) * max(len(o.output.tokens), 1))
                 st.plain_run = 0
@@ -519,10 +539,13 @@ class SpeculationScheduler:
             self._arm = None
 
     def _host(self, st: SequenceStats | None, seconds: float) -> None:
-        """A plain step's host seconds (``st`` None), or the extra seconds of ``st``'s speculative step."""
-        d = self.HOST_DISCOUNT
+        """A plain step's host seconds (``st`` None), or the extra seconds of ``st``'s speculative step:
+        running means (``discounted_mean`` at ``HOST_RATE``, a sequence's own at ``EXTRA_RATE``),
+        each starting at its first observation."""
         if st is None:
-            self._plain_host = seconds if self._plain_host is None else d * self._plain_host + (1 - d) * seconds
+            self._plain_host = seconds if self._plain_host is None else discounted_mean(
+                self._plain_host, seconds, self.HOST_RATE)
             return
-        st.extra = seconds if st.extra is None else 0.5 * st.extra + 0.5 * seconds
-        self._spec_extra = seconds if self._spec_extra is None else d * self._spec_extra + (1 - d) * seconds
+        st.extra = seconds if st.extra is None else discounted_mean(st.extra, seconds, self.EXTRA_RATE)
+        self._spec_extra = seconds if self._spec_extra is None else discounted_mean(
+            self._spec_extra, seconds, self.HOST_RATE)

@@ -22,16 +22,25 @@ class BatchCost:
 
     fitted by exponentially discounted least squares (``discount`` per observation, so it follows
     the machine's load) with a ridge pull towards a prior read off the single-sequence verification
-    profile (``VerifyCost``), worth ``prior_weight`` observations per coefficient.  The pull keeps
-    the coefficients defined while nothing varies: a scheduler that stops speculating stops seeing
-    tree rows, and their cost then stays where it was last measured (or at the prior).
+    profile (``VerifyCost``), worth ``prior_weight`` observations per coefficient.  The discounted
+    sums (``x x^T`` and ``x * seconds``) are the fit's normal equations, not a running mean of
+    anything observed, and the ridge is added to them undiscounted at each solve, so they stay sums
+    rather than ``running_mean.discounted_mean`` means.  The pull keeps the coefficients defined
+    while nothing varies: a scheduler that stops speculating stops seeing tree rows, and their cost
+    then stays where it was last measured (or at the prior).
 
     Only load-dependent scheduling reads it (greedy and unseeded sampled tree sizes: any tree
     gives the same greedy tokens and an exact sample), never a seeded sequence's tree."""
 
     FEATURES = 4  # 1, items, tree_rows, prefill_rows
+    # not measured; kept as they were: DISCOUNT set with the batched scheduler (commit 5398170),
+    # PRIOR_WEIGHT lowered from 4.0 in the scheduler's revision (commit 6d8704e); the scheduler was
+    # measured only as a whole (lab notes benchmarks.md section 14b)
+    DISCOUNT = 0.97  # per observed forward, of the least-squares sums
+    PRIOR_WEIGHT = 0.25  # observations (at typical feature sizes) the prior is worth per coefficient
 
-    def __init__(self, profile: "VerifyCost", discount: float = 0.97, prior_weight: float = 0.25) -> None:
+    def __init__(self, profile: "VerifyCost", discount: float = DISCOUNT,
+                 prior_weight: float = PRIOR_WEIGHT) -> None:
         if not 0.0 < discount <= 1.0:
             raise ValueError(f"discount must be in (0, 1], got {discount}")
         one = profile(1)
