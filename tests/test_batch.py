@@ -9,7 +9,7 @@ engine's scheduler (``server/engine.py``), on tiny models.
 2. ``NativeCausalLM.forward_batch``: each item's logits (and hidden states, and cache slots) are
    the bits of its own ``forward`` on the int4 model; on the fp32 tiny model (oneDNN linears) they
    are only close, so nothing bitwise (nor greedy equality) is asserted for fp32.
-3. Failures: a generation whose ``next_forward`` / ``finish_forward`` raises is reported alone and
+3. Failures: a generation whose ``next_forwards`` / ``finish_forwards`` raises is reported alone and
    gives its cache back; a failing batched forward falls back to one forward per generation.
 4. The prefix cache: reuse of whole 256-token chunks, bitwise the slots a request computes itself,
    the same tokens as a runner without it; LRU bound; disabled at 0 bytes; bad sizes refused.
@@ -372,7 +372,7 @@ def _finish_all(gens):
     raise AssertionError("did not finish")
 
 
-@pytest.mark.parametrize("where", ["next_forward", "finish_forward"])
+@pytest.mark.parametrize("where", ["next_forwards", "finish_forwards"])
 def test_a_failing_generation_fails_alone_and_gives_its_cache_back(q4, where):
     model, draft = q4
     runner = new_runner(model, draft)
@@ -452,9 +452,9 @@ def test_a_failed_generation_is_left_finished(q4):
     def boom(cap=None):
         raise RuntimeError("boom")
 
-    a.next_forward = boom
+    a.next_forwards = boom
     assert isinstance(step_batch([a, b])[0].error, RuntimeError)
-    del a.next_forward
+    del a.next_forwards
     c_ids = prompt_ids(model.tokenizer, 16, seed=22)
     c = start_generation(runner, prompt_ids=c_ids, method="vanilla", max_new_tokens=20)
     try:

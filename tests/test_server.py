@@ -472,15 +472,15 @@ def test_fault_mid_stream_is_an_error_event_with_a_logged_id(server, monkeypatch
 
     def start(self, runner):
         gen = real_start(self, runner)
-        real_next, steps = gen.next_forward, []
+        real_next, steps = gen.next_forwards, []
 
-        def next_forward(cap=None):  # what the engine calls once per iteration
+        def next_forwards(cap=None):  # what the engine calls once per iteration
             steps.append(1)
             if len(steps) == 4:
                 raise RuntimeError("kaput")
             return real_next(cap)
 
-        gen.next_forward = next_forward
+        gen.next_forwards = next_forwards
         return gen
 
     monkeypatch.setattr(GenSpec, "start", start)

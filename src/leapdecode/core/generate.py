@@ -20,19 +20,15 @@ builds which proposer is decided a layer up (``leapdecode.api``, ``leapdecode.pr
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InvalidParameterError
 from .committer import Committer
 from .constraint import Constraint
-from .cost_model import synchronize
 from .kv_policy import KVPolicy, check_policy
 from .output import OutputProcessor
-from .prefill import prefill_chunk
 from .prompt import check_max_new_tokens, check_prompt_ids, check_stop
 from .proposer import Proposer
 from .sampling import SamplingParams
@@ -86,215 +82,123 @@ class Generation(Task):
         budget = (tree_budget or proposer.default_budget) if proposer is not None else 0
         self.out = OutputProcessor(model.tokenizer, self.stop)  # text pieces, stop strings, statistics
         self.planner = StepPlanner(proposer, constraint, budget, model.device, self.out)
+        self.tokens, self.generated = list(self.prompt_ids), []  # decided (tokens: prompt first; its last: the root)
+        # its claim on the runner (KV-cache slot, generator, prompt prefill), taken at the first step
+        self.slot = Slot(runner, self.prompt_ids, params, self.max_new_tokens, self.kv_policy, memory_scope)
+        self.committer: Committer | None = None  # from the prefill's end (the proposer began): DECODING
         self.result: GenerationResult | None = None
-        self.slot: Slot | None = None  # taken at the first step, given back at the end
-        self._stage = Status.WAITING  # PREFILLING (a slot taken), DECODING (the proposer began), FINISHED
-        self._cancelled = False
 
-    cache = property(lambda self: self.slot.cache if self.slot is not None else None)
+    cache = property(lambda self: self.slot.cache)
     finished = property(lambda self: self.result is not None)
     tree_budget = property(lambda self: self.planner.tree_budget, doc="most drafted nodes a step verifies")
     draft_acceptance = property(lambda self: self.out.draft_acceptance(), doc="draft tokens accepted per tree step")
-
-    @property
-    def status(self) -> Status:
-        if self.result is not None or self._stage is Status.WAITING:
-            return Status.FINISHED if self.result is not None else Status.WAITING
-        return Status.PREFILLING if self.prefilling else Status.DECODING
-
     decoding = property(lambda self: self.status is Status.DECODING)
-
-    @property
-    def prefilling(self) -> bool:
-        """Not finished, with prompt chunks still to run (before it started too, unless the prompt is one token)."""
-        return self.result is None and (not self.slot.prefill.done if self.slot else len(self.prompt_ids) > 1)
+    prefilling = property(lambda self: self.result is None and self.slot.prefilling, doc="prompt chunks still to run")
 
     def next_chunk_tokens(self) -> int:
         """About how many prompt tokens the next prefill forward computes (a scheduler's guess)."""
-        if self.slot is not None:
-            return self.slot.prefill.next_tokens()
-        return max(min(len(self.prompt_ids) - 1, prefill_chunk(self.model.model, self.kv_policy)), 0)
+        return self.slot.next_chunk_tokens()
+
+    @property
+    def status(self) -> Status:
+        return Status.WAITING if not self.slot.taken and self.result is None else super().status
 
     # ---------------------------------------------------------------- start
-    def _begin(self) -> None:
-        if self.slot is None:
-            self.slot = Slot(self.runner, self.prompt_ids, self.params, self.max_new_tokens, self.kv_policy,
-                             self.memory_scope)
-            self._stage = Status.PREFILLING
-
     def adopt_prompt(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Start from the keys and values of this prompt but its last token that another generation
         prefilled (``KVCache.committed_slice``): exact, a prefill being the same position-0-aligned
         chunks wherever it runs.  Before the first step, without a KV policy."""
-        if self._stage is not Status.WAITING:
-            raise RuntimeError("adopt_prompt must come before the generation starts")
-        if self.kv_policy is not None:
-            raise InvalidParameterError("a generation with a kv_policy prefills its own prompt")
-        if k.shape[3] != len(self.prompt_ids) - 1:
-            raise ValueError(f"{k.shape[3]} prompt slots given for a prompt of {len(self.prompt_ids)} tokens "
-                             "(all but the last)")
-        self._begin()
         self.slot.adopt(k, v)
 
     def start(self) -> None:
         """Take the slot, prefill the prompt (all but its last token, the first step's root), start
         the proposer.  ``step()`` calls it when needed."""
-        self._begin()
-        while self.prefilling:
-            work = self.slot.next_chunk(self.proposer)
-            if work is not None:
-                self.finish_forward(work, work.run(self.model.model, self.cache))
-        self._ready()
+        with self.slot.take().releasing():
+            self.slot.prefill_alone(self.proposer, self.model.model)
+            self._decode()
 
-    def _ready(self) -> None:
-        """After the prefill: the decoding state and the proposer (which may prefill its own)."""
-        if self._stage is not Status.PREFILLING:
-            return
-        self._stage, slot = Status.DECODING, self.slot
-        try:
-            slot.prefill_s = time.perf_counter() - slot.t_start
-            self.tokens = list(self.prompt_ids)  # decided so far; the last one is the root (not yet in the cache)
-            self.generated: list[int] = []
-            self.committer = Committer(slot.ctx, self.proposer, self.constraint, slot.kv, self.out, self.tokens)
-            if self.proposer is not None:
-                if self.proposer.needs_verify_cost(self.params):
-                    slot.ctx.verify_cost = self.runner.verify_cost(self.cache)
-                self.proposer.begin(slot.ctx, self.tokens)
-        except BaseException:
-            slot.release()
-            raise
+    def _decode(self) -> None:
+        """After the prefill: the committer, and the proposer begins (it may prefill its own)."""
+        if self.committer is None:
+            self.slot.prefill_ended()
+            self.committer = Committer(self.slot.ctx, self.proposer, self.constraint, self.slot.kv, self.out,
+                                       self.tokens)
+            self.planner.begin(self.slot.ctx, self.tokens)
 
     # ----------------------------------------------------------------- step
     def step(self) -> StepOutput:
-        """One propose -> verify -> commit iteration (the first call also prefills the prompt)."""
-        if self.result is not None:
-            return StepOutput("", [], True, self.result.finish_reason)
-        try:
+        """One propose -> verify -> commit iteration, its forward alone (the first also prefills)."""
+        if self.result is None:
             self.start()
-            work = self.next_forward()
-            if isinstance(work, StepOutput):
-                return work
-            cost = self.slot.ctx.verify_cost if work.tree is not None else None
-            if cost is None or not cost.learn:
-                return self.finish_forward(work, work.run(self.model.model, self.cache))
-            # the measured profile learns from every step's forward (greedy tree sizes follow it)
-            t0 = time.perf_counter()
-            logits = work.run(self.model.model, self.cache)
-            synchronize(logits.device)
-            cost.observe(work.tokens.numel(), time.perf_counter() - t0)
-            return self.finish_forward(work, logits)
-        except BaseException:
-            self._release()
-            raise
+        work = self.next_forwards()
+        if isinstance(work, StepOutput):
+            return work
+        with self.slot.releasing():
+            logits = self.planner.run(work[0])  # (it times a step's forward where the cost profile learns)
+        return self.finish_forwards(work, [logits])
 
-    def __next__(self) -> str:
-        """The next text piece: steps until one decides text (``StopIteration`` once finished)."""
-        try:
-            while self.result is None:
-                out = self.step()
-                if out.text:
-                    return out.text
-        except BaseException:
-            if self.result is None:  # a step failed: the generation ends where it stood
-                self._finish("cancelled")
-            raise
-        raise StopIteration
-
-    def run(self) -> GenerationResult:
-        for _ in self:
-            pass
-        return self.result
-
-    def next_forward(self, cap: int | None = None) -> "Forward | StepOutput":
-        """A step's first half, for a scheduler that batches forwards: the next forward (a prompt
-        chunk, or the root and the proposer's tree, ``cap`` bounding its size), or a ``StepOutput``
-        when it ended without one.  Nothing may touch the cache before ``finish_forward``."""
+    # the task protocol (core/task.py): a step is one forward on its own cache, a prompt chunk or a tree
+    def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
+        """A step's first half: the next forward (a prompt chunk, or the root and the proposer's tree,
+        ``cap`` bounding its size), or a ``StepOutput`` when it ended without one."""
         if self.result is not None:
-            return StepOutput("", [], True, self.result.finish_reason)
-        try:
-            self._begin()
+            return self._ended()
+        with self.slot.take().releasing():
             if self._cancelled:
                 return self._finish("cancelled")
-            work = self.slot.next_chunk(self.proposer) if self.prefilling else None
-            if work is not None:
-                return work
-            self._ready()
-            if self.cache.room() < 1:
-                return self._finish("length")
-            budget = self.planner.budget(self.cache.room(), self.max_new_tokens - len(self.generated), cap)
-            return self.planner.plan(self.tokens, self.cache, budget)
-        except BaseException:
-            self._release()
-            raise
+            if not self.prefilling or (work := self.slot.next_chunk(self.proposer)) is None:
+                self._decode()
+                if self.cache.room() < 1:
+                    return self._finish("length")
+                budget = self.planner.budget(self.cache.room(), self.max_new_tokens - len(self.generated), cap)
+                work = self.planner.plan(self.tokens, self.cache, budget)
+            work.cache, work.decoder = self.cache, self.model.model
+            return [work]
 
-    def finish_forward(self, work: "Forward", logits: torch.Tensor) -> StepOutput:
-        """A step's second half: ``logits`` (``[1, T, vocab]``) of ``work``'s forward."""
-        try:
+    def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
+        """A step's second half: the logits (``[1, T, vocab]``) of its forward."""
+        work = forwards[0]
+        with self.slot.releasing():
             if work.tree is None:  # a prompt chunk
                 self.slot.chunk_computed(work, self.proposer)
                 return StepOutput("", [], False)
-            kept, finish = self.committer.commit(work, logits[0], self.tokens, self.generated)
+            kept, finish = self.committer.commit(work, logits[0][0], self.tokens, self.generated)
             shown = self.out.emit(kept, finish)
             if shown.covering is not None:  # a stop string: the output ends where its text does
                 self.generated = shown.covering
             if shown.finish is not None:
                 self._finish(shown.finish, shown.text)
             return StepOutput(shown.piece, kept, shown.finish is not None, shown.finish)
-        except BaseException:
-            self._release()
-            raise
-
-    # the task protocol (core/task.py): a generation's step is one forward on its own cache
-    def next_forwards(self, cap: int | None = None) -> "list[Forward] | StepOutput":
-        nxt = self.next_forward(cap)
-        if isinstance(nxt, StepOutput):
-            return nxt
-        nxt.cache, nxt.decoder = self.cache, self.model.model
-        return [nxt]
-
-    def finish_forwards(self, forwards: "list[Forward]", logits: "list[torch.Tensor]") -> StepOutput:
-        return self.finish_forward(forwards[0], logits[0])
 
     # --------------------------------------------------------------- finish
-    def cancel(self) -> None:
-        """Stop at the next step (e.g. the client went away)."""
-        self._cancelled = True
-
     def _finish(self, reason: str, text: str | None = None) -> StepOutput:
         if self.result is None:
-            stage, self._stage, n = self._stage, Status.FINISHED, len(self.prompt_ids)
-            if stage is not Status.DECODING:  # ended before or during the prefill: the proposer never began
-                self._release()
-                reused = {"prefix_reused": self.slot.prefill.reused} if stage is Status.PREFILLING else {}
-                self.result = GenerationResult("", [], n, reason, {"method": self.method, **reused})
-                return StepOutput("", [], True, reason)
-            try:
-                self.slot.keep_output(self.tokens)
-                if self.proposer is not None:
-                    self.proposer.end()
-                    self.runner.memory.settle()  # what the proposer fed its memory counts against the bounds
-            finally:
-                self._release()
+            slot, n, stats = self.slot, len(self.prompt_ids), {"method": self.method}
+            if self.committer is None:  # ended before or during the prefill: the proposer never began
+                slot.release()
+                reused = {"prefix_reused": slot.prefill.reused} if slot.taken else {}
+                self.result = GenerationResult("", [], n, reason, {**stats, **reused})
+                return self._ended()
+            slot.end(self.tokens, self.proposer)
             stats = {**self.out.stats(method=self.method, new_tokens=len(self.generated), prompt_tokens=n,
-                                      constrained=self.constraint is not None, **self.slot.timing()),
+                                      constrained=self.constraint is not None, **slot.timing()),
                      **(self.proposer.stats() if self.proposer is not None else {}),
-                     **(self.slot.kv.stats() if self.slot.kv is not None else {})}
-            self.result = GenerationResult(text if text is not None else self.out.text, list(self.generated), n,
+                     **(slot.kv.stats() if slot.kv is not None else {})}
+            self.result = GenerationResult(self.out.text if text is None else text, list(self.generated), n,
                                            reason, stats)
+        return self._ended()
+
+    def _ended(self) -> StepOutput:
         return StepOutput("", [], True, self.result.finish_reason)
 
     def abort(self) -> None:
         """Give the cache back after a failure that ends this generation (finish reason "error")."""
-        self._release()  # the runner resets the cache it takes back
-        if self.result is None:  # finished: a later step() or next_forward() does nothing
-            self.result = GenerationResult("", list(getattr(self, "generated", [])), len(self.prompt_ids), "error",
+        self.slot.release()  # the runner resets the cache it takes back
+        if self.result is None:  # finished: a later step() or next_forwards() does nothing
+            self.result = GenerationResult("", list(self.generated), len(self.prompt_ids), "error",
                                            {"method": self.method})
 
     def close(self) -> None:
         """Give the cache back now (a generation abandoned before its end)."""
         if self.result is None:
             self._finish("cancelled")
-
-    def _release(self) -> None:
-        if self.slot is not None:
-            self.slot.release()

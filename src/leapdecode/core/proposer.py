@@ -83,7 +83,7 @@ class DecodeContext:
     generator: torch.Generator
     prompt_len: int
     max_new_tokens: int
-    verify_cost: "VerifyCost | None" = None  # measured before ``begin`` when the proposer asks for it
+    verify_cost: "VerifyCost | None" = None  # set before ``begin`` by the step planner's gate (cost-aware, greedy)
     # whose part of the runner's memory this generation reads and feeds (a server's tenant; None:
     # the process's one part): what one scope learns never steers another's drafts
     memory_scope: str | None = None
@@ -135,8 +135,8 @@ class Proposer:
     """
 
     name = "base"
-    # sizes its greedy trees by the measured verification cost (a method sets it from its config's
-    # ``cost_aware``, ``draft`` from ``adaptive``)
+    # may size its greedy trees by the measured verification cost (a method sets it from its config's
+    # ``cost_aware``, ``draft`` from ``adaptive``); the step planner decides whether it does
     cost_aware = False
 
     def __init__(self, default_budget: int) -> None:
@@ -144,19 +144,13 @@ class Proposer:
             raise ValueError(f"{type(self).__name__}: default_budget must be an integer >= 1")
         self.default_budget = default_budget
 
-    def needs_verify_cost(self, params: SamplingParams) -> bool:
-        """Should the runner measure the target's verification cost per tree size before ``begin``
-        (``ctx.verify_cost``)?  The one gate of cost-aware tree sizing: ``cost_aware`` and greedy
-        decoding (any greedy tree gives vanilla's tokens, so timings may steer it; a seeded sampling
-        run's trees must not depend on a clock)."""
-        return self.cost_aware and params.greedy
-
     def sizing_cost(self) -> "VerifyCost | None":
-        """The verification cost this generation's trees are sized by: the measured profile where
-        ``needs_verify_cost`` holds and it was measured before ``begin``; None (draft without costs)
-        otherwise, and before any ``begin``."""
+        """The verification cost this generation's trees are sized by: the one the step planner
+        measured for this generation (``StepPlanner.begin``: the gate, cost-aware sizing under greedy
+        decoding) where this proposer is ``cost_aware``; None (draft without costs) otherwise, and
+        before any ``begin``."""
         ctx = getattr(self, "ctx", None)
-        return ctx.verify_cost if ctx is not None and self.needs_verify_cost(ctx.params) else None
+        return ctx.verify_cost if ctx is not None and self.cost_aware else None
 
     def begin(self, ctx: DecodeContext, tokens: list[int]) -> None:
         """A generation starts; ``tokens`` is the prompt (its last token is the root)."""

@@ -7,6 +7,12 @@ the grammar forbids (``prune_tree``) and extends the surviving path with what it
 (``extend_forced``); and hands back the ``Forward`` of the root and the tree.  The proposer only
 proposes: verifying, committing and letting the proposer observe is the committer's part
 (``core/committer.py``).  Time spent here is counted on the generation's ``OutputProcessor``.
+
+The planner owns the one gate of cost-aware tree sizing (``begin``): under greedy decoding, where
+any tree gives vanilla's tokens and a clock may steer it, a proposer that sizes its trees by cost
+(``Proposer.cost_aware``) gets the target's measured verification cost (``ctx.verify_cost``, the
+only place it is set in a generation); under sampling it never does, so a seeded run's trees never
+depend on a clock.  A step's forward run alone (``run``) teaches that profile its time.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .constraint import Constraint, extend_forced, prune_tree
+from .cost_model import synchronize
 from .task import Forward
 from .tree import TokenTree
 
 if TYPE_CHECKING:
+    from .cost_model import VerifyCost
     from .output import OutputProcessor
-    from .proposer import Proposer
+    from .proposer import DecodeContext, Proposer
 
 
 class StepPlanner:
@@ -33,6 +41,29 @@ class StepPlanner:
                  device: Any, out: "OutputProcessor") -> None:
         self.proposer, self.constraint, self.tree_budget = proposer, constraint, tree_budget
         self.device, self.out = device, out
+        self.verify_cost: "VerifyCost | None" = None  # what the trees are sized by (``begin``'s gate)
+
+    def begin(self, ctx: "DecodeContext", tokens: list[int]) -> None:
+        """The generation decodes from here (``tokens``: the prompt, its last token the root): the
+        proposer begins, given the measured verification cost where the gate holds (see the module
+        docstring)."""
+        if self.proposer is None:
+            return
+        if self.proposer.cost_aware and ctx.params.greedy:
+            self.verify_cost = ctx.verify_cost = ctx.runner.verify_cost(ctx.cache)
+        self.proposer.begin(ctx, tokens)
+
+    def run(self, work: Forward) -> torch.Tensor:
+        """``work``'s forward alone, on its own decoder and cache; a decoding step's teaches the
+        measured profile its time where the profile learns (greedy tree sizes follow it)."""
+        cost = self.verify_cost if work.tree is not None else None
+        if cost is None or not cost.learn:
+            return work.run()
+        t0 = time.perf_counter()
+        logits = work.run()
+        synchronize(logits.device)
+        cost.observe(work.tokens.numel(), time.perf_counter() - t0)
+        return logits
 
     def budget(self, room: int, remaining: int, cap: int | None) -> int:
         """Nodes this step may draft: the method's budget, within the cache's ``room`` beyond the

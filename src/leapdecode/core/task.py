@@ -169,9 +169,11 @@ class Task:
         """Its result as ``n`` choices (a search's n best hypotheses; a generation is one)."""
         return [self.result]
 
+    _cancelled: bool = False  # cancel() was called: it ends at its next step
+
     def cancel(self) -> None:
-        """End at its next step (finish reason "cancelled")."""
-        raise NotImplementedError
+        """End at its next step (finish reason "cancelled"; e.g. the client went away)."""
+        self._cancelled = True
 
     # a task is an iterator of its text pieces (``leapdecode.stream``), as a file is of its lines: ``next()``
     # runs steps until one decides text; ``close()``, or leaving a ``with`` block, gives the caches back
@@ -179,8 +181,28 @@ class Task:
     def __iter__(self) -> "Task":
         return self
 
-    def __next__(self) -> str:
+    def step(self) -> StepOutput:
+        """One step alone (a streaming task's: its text is final as it is decided)."""
         raise NotImplementedError
+
+    def __next__(self) -> str:
+        """The next text piece: steps until one decides text (``StopIteration`` once the task is over);
+        a step that fails ends the task where it stood (``close``).  A task that decides its text at
+        its end (``streams`` False: a search) gives it otherwise."""
+        try:
+            while not self.done:
+                if text := self.step().text:
+                    return text
+        except BaseException:
+            self.close()
+            raise
+        raise StopIteration
+
+    def run(self) -> Any:
+        """Steps to the end: the result."""
+        for _ in self:
+            pass
+        return self.result
 
     def __enter__(self) -> "Task":
         return self

@@ -180,8 +180,10 @@ class AutoProposer(Proposer):
         self._draft_live = False
         self._uses: dict[str, int] = {}
 
-    def needs_verify_cost(self, params) -> bool:
-        return self.sam.needs_verify_cost(params) or any(arm.proposer.needs_verify_cost(params) for arm in self.drafting)
+    @property
+    def cost_aware(self) -> bool:
+        """Any of its drafters sizes by cost (each arm decides its own use: ``sizing_cost``)."""
+        return self.sam.cost_aware or any(arm.proposer.cost_aware for arm in self.drafting)
 
     def prompt_features(self) -> int:
         return self.head.prompt_features() if self.head is not None else 0

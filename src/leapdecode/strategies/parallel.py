@@ -191,7 +191,7 @@ class ParallelSamples(TreeSearch):
             self.forwards += 1
             for (m, f), lg in zip(work, logits):
                 before = len(m.gen.tokens)
-                m.gen.finish_forward(f, lg)
+                m.gen.finish_forwards([f], [lg])
                 new = m.gen.tokens[before:]
                 if new:
                     rows = _path_rows(f.tree, new)

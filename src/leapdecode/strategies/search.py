@@ -345,7 +345,6 @@ class TreeSearch(Task):
         self.tree: TreeKV | None = None
         self.result: SearchResult | None = None
         self.rounds = 0
-        self._cancelled = False
         self._t0 = 0.0
         self._text_given = False  # its text handed to an iterating consumer (__next__)
         self._suspended: Generator | None = None  # a round waiting for its forward's logits
@@ -381,9 +380,6 @@ class TreeSearch(Task):
     @property
     def done(self) -> bool:
         return self.result is not None
-
-    def cancel(self) -> None:
-        self._cancelled = True
 
     def step(self) -> bool:
         """One round alone (the first one prefills the prompt); True once the search is over."""
