@@ -48,7 +48,7 @@ from .models.loader import load as load_causal
 from .proposers.registry import build_proposer
 from .request import (DIFFUSION_FIELDS, DIFFUSION_UNSUPPORTED, GenerationRequest, check_diffusion_fields,
                       check_method_name, validate_request)
-from .strategies.registry import SHORTHANDS, StrategyConfig, build_search
+from .strategies.registry import SHORTHANDS, StrategyConfig, build_search, task_kind
 from .strategies.search import SearchResult, TreeSearch
 
 
@@ -141,7 +141,7 @@ def start_request(model: LoadedModel | ModelRunner, request: GenerationRequest, 
     # never more than the context can hold (the cache is sized from this)
     max_new_tokens = min(request.max_new_tokens, max(runner.model.max_seq_len - len(ids), 1))
     params, stops = request.sampling, list(request.stop)
-    if request.strategy is not None:
+    if task_kind(request.strategy) is not Generation:  # a search or N parallel samples
         search = build_search(request.strategy, runner, ids, max_new_tokens, temperature=params.temperature,
                               seed=params.seed, sampling=params, method=request.method, stop=stops)
         search.memory_scope = request.memory_scope

@@ -48,8 +48,7 @@ from ..core.generate import Generation
 from ..core.task import Task
 from ..errors import InvalidParameterError
 from ..request import GenerationRequest
-from ..strategies.parallel import ParallelSamples
-from ..strategies.search import TreeSearch
+from ..strategies.registry import task_kind
 from .exceptions import EngineStopped, QueueFullError, RequestTooLargeError
 
 if TYPE_CHECKING:
@@ -197,13 +196,6 @@ class Running:
     choices: int = 1  # a search answers several
 
 
-def task_kind(request: GenerationRequest) -> type[Task]:
-    """The kind of task ``api.start_request`` builds for ``request``."""
-    if request.strategy is None:
-        return Generation
-    return ParallelSamples if request.strategy.parallel else TreeSearch
-
-
 def kv_bytes_per_token(model: "LoadedModel", kind: str = "plain") -> int:
     """Bytes of the target's KV cache per token (all layers, keys and values); ``kind``: the cache
     kind (``"int8"`` for an int8 KV-cache policy)."""
@@ -305,8 +297,9 @@ class Engine:
         (``Task.kv_tokens``: a generation's slot, a KV-cache policy's smaller one, int8 with fewer
         bytes a token; a search's tree; N parallel samples' slots)."""
         request = spec.request
-        tokens, kind = task_kind(request).kv_tokens(self.runner.model, len(spec.prompt_ids), request.max_new_tokens,
-                                                    strategy=request.strategy, kv_policy=request.kv_policy)
+        tokens, kind = task_kind(request.strategy).kv_tokens(self.runner.model, len(spec.prompt_ids),
+                                                             request.max_new_tokens, strategy=request.strategy,
+                                                             kv_policy=request.kv_policy)
         return kv_bytes_per_token(self.runner.model, kind) * tokens
 
     def submit(self, job: Job) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.config import option
+from ..core.generate import Generation
 from ..errors import InvalidParameterError, ScorerError
 from .adadec import AdaDec
 from .beam import BeamSearch
@@ -35,12 +36,14 @@ from collections.abc import Callable  # noqa: E402
 
 from .best_of_n import BestOfN  # noqa: E402
 from .first_finish import FirstFinish  # noqa: E402
+from .parallel import ParallelSamples  # noqa: E402
 from .scorers import Extractor, check_scorer_spec, make_scorer  # noqa: E402
 from .self_consistency import SelfConsistency  # noqa: E402
 from .speculative_rejection import SpeculativeRejection  # noqa: E402
 
 if TYPE_CHECKING:
     from ..core.runner import ModelRunner
+    from ..core.task import Task
 
 MAX_BEAMS = 256  # most hypotheses alive at once (each is a row of every forward)
 
@@ -689,6 +692,17 @@ def strategy_config(strategy: "str | StrategyConfig", options: dict[str, Any] | 
     return strategy_spec(strategy).config.from_options(options)
 
 
+def task_kind(strategy: StrategyConfig | None) -> "type[Task]":
+    """The kind of task a request with this strategy runs (``core/task.py``), written here once:
+    no strategy (None) is a plain ``Generation`` (``api.start_request`` builds it); a ``parallel``
+    strategy (test-time scaling) is N ``ParallelSamples`` and any other a ``TreeSearch``
+    (``build_search`` builds both).  The server asks the kind's ``kv_tokens`` for the KV cache to
+    reserve before anything is built."""
+    if strategy is None:
+        return Generation
+    return ParallelSamples if strategy.parallel else TreeSearch
+
+
 def build_search(cfg: StrategyConfig, runner: "ModelRunner", prompt_ids: list[int], max_new_tokens: int,
                  temperature: float = 0.0, seed: int | None = None, *, sampling: Any = None, method: Any = None,
                  stop: list[str] | None = None) -> TreeSearch:
@@ -696,7 +710,7 @@ def build_search(cfg: StrategyConfig, runner: "ModelRunner", prompt_ids: list[in
     ``parallel`` strategy (test-time scaling) takes the ``SamplingParams`` (``sampling``), the method's
     config (``method``) and the stop strings of its samples."""
     spec = strategy_spec(cfg.strategy)
-    if cfg.parallel:
+    if task_kind(cfg) is ParallelSamples:
         return spec.build(cfg, runner, prompt_ids, max_new_tokens, sampling=sampling, method=method, stop=stop)
     return spec.build(cfg, runner, prompt_ids, max_new_tokens, temperature, seed)
 
@@ -705,4 +719,4 @@ __all__ = ["STRATEGIES", "StrategySpec", "StrategyConfig", "BeamConfig", "Divers
            "BestFirstBeamConfig", "StochasticBeamConfig", "CPSBeamConfig", "ContrastiveSearchConfig",
            "ContrastiveConfig", "DoLaConfig", "AdaDecConfig", "LookBackConfig", "SuperposedConfig",
            "strategy_spec", "strategy_config",
-           "build_search", "SHORTHANDS"]
+           "task_kind", "build_search", "SHORTHANDS"]
