@@ -262,6 +262,37 @@ def test_a_suffix_memory_sheds_its_oldest_documents_before_it_is_dropped():
     assert memory.trie.match([300, 301], 2)[1] == 2  # the newest is still drafted from
 
 
+def test_the_grammar_tokenizer_and_a_corpus_are_kept_under_memory_keys(model, tmp_path):
+    """The two entries that once built their own keys (a tuple with a bare ``id()`` of the tokenizer,
+    one with the model's name) are ``MemoryKey``s: their object by ``Identity`` (held weakly), no
+    scope (derived from the tokenizer, or the file, alone: the same for every memory scope)."""
+    import dataclasses
+
+    from leapdecode.core.proposer import Identity, MemoryKey
+    from leapdecode.strategies.superposed import corpus_counts
+
+    runner = ModelRunner(model)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. " * 3)
+    counts = corpus_counts(runner, str(corpus), (1, 2))
+    assert corpus_counts(runner, str(corpus), (1, 2)) is counts and len(runner.memory) == 1
+    [key] = list(runner.memory._entries)
+    assert isinstance(key, MemoryKey) and key.of == Identity(model) and key.scope is None
+    assert key.options == (str(corpus), corpus.stat().st_size, corpus.stat().st_mtime_ns, (1, 2))
+    assert corpus_counts(runner, str(corpus), (1, 2, 3)) is not counts  # other orders: another entry
+
+    pytest.importorskip("llguidance")
+    from leapdecode.constraints.grammar import grammar_tokenizer, tokenizer_key
+
+    tok = grammar_tokenizer(runner)
+    assert grammar_tokenizer(runner) is tok and len(runner.memory) == 3
+    key = tokenizer_key(model)
+    assert key in runner.memory and key.of == Identity(model.tokenizer) and key.scope is None
+    # a tokenizer that cannot be weakly referenced: keyed by the model that owns it
+    odd = dataclasses.replace(model, tokenizer=None)
+    assert tokenizer_key(odd).of == Identity(odd) and tokenizer_key(odd) != tokenizer_key(model)
+
+
 def test_state_is_kept_per_runner_not_on_the_model(model):
     before = set(vars(model)), set(vars(model.model))
     a, b = ModelRunner(model), ModelRunner(model)

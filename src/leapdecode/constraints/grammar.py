@@ -33,6 +33,7 @@ import torch
 
 from ..core.constraint import Constraint
 from ..core.prompt import check_text
+from ..core.proposer import Identity, MemoryKey
 from ..errors import GrammarError, InvalidParameterError, MissingExtraError
 
 COMPILE_TIMEOUT_S = 10.0  # wall-clock bound on compiling one grammar
@@ -225,6 +226,21 @@ def grammar_text(*, json_schema: Any = None, regex: str | None = None, grammar: 
     return ll.LLMatcher.grammar_from_lark(grammar)
 
 
+def tokenizer_key(model) -> MemoryKey:
+    """The runner-memory key of llguidance's view of ``model``'s tokenizer: the tokenizer by
+    identity (``Identity``, held weakly: a freed tokenizer's successor at its address is another
+    key; a bare ``id()`` could name either).  transformers' tokenizers (and ``tokenizers``' own
+    ``Tokenizer``) can be weakly referenced; one that cannot is keyed by the ``LoadedModel`` that
+    owns it instead (a plain class, always weakly referenceable).  No scope: the view is derived
+    from the tokenizer (and the vocabulary size of the runner's one model) alone, the same for
+    every memory scope, so it is kept once."""
+    try:
+        of = Identity(model.tokenizer)
+    except TypeError:  # not weakly referenceable
+        of = Identity(model)
+    return MemoryKey("grammar", "tokenizer", of=of)
+
+
 def grammar_tokenizer(runner):
     """llguidance's view of the target's tokenizer (built once per runner: ~0.4 s)."""
     model = runner.model
@@ -237,7 +253,7 @@ def grammar_tokenizer(runner):
         except ValueError as e:
             raise GrammarError(f"structured output needs a fast (Rust) tokenizer; {model.name}: {e}") from None
 
-    return runner.memory.get(("grammar", "tokenizer", id(model.tokenizer)), build)
+    return runner.memory.get(tokenizer_key(model), build)
 
 
 def compile_constraint(runner, *, json_schema: Any = None, regex: str | None = None, grammar: str | None = None,

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ..core.proposer import Identity, MemoryKey
 from .search import Hypothesis, TreeSearch, log_probs
 
 
@@ -91,9 +92,12 @@ def ngram_probability(models: list[NGramCounts], seq: list[int], tokens: list[in
 
 def corpus_counts(runner: Any, path: str, orders: tuple[int, ...]) -> NGramCounts:
     """The n-gram counts of the text file ``path`` in the model's tokens, kept in the runner's
-    memory (keyed by the file's path, size and modification time)."""
+    memory (keyed by the file's path, size and modification time, the orders counted, and the
+    model whose tokenizer counted them, by identity).  No scope: the counts are derived from the
+    file alone, the same for every memory scope, so they are kept once."""
     st = os.stat(path)
-    key = ("superposed", "ngram", runner.model.name, os.path.abspath(path), st.st_size, st.st_mtime_ns, orders)
+    key = MemoryKey("superposed", "ngram", (os.path.abspath(path), st.st_size, st.st_mtime_ns, orders),
+                    Identity(runner.model))
 
     def build() -> NGramCounts:
         with open(path, encoding="utf-8", errors="replace") as f:
