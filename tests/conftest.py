@@ -10,6 +10,9 @@ Models hold weights only; what decoding learns lives in a ``ModelRunner``.  The 
 models' runners forget it before every test (the suite runs in random order:
 pytest-randomly), and a test whose thresholds depend on learned state or on measured
 costs builds its own runner (``fresh_runner``, with ``verify_cost="flat"``).
+
+The plain helpers that test files import (servers on loopback, tiny dLLMs, kernel variants, a
+script loaded as a module, batch-invariant layers) live in tests/helpers/, not here.
 """
 
 from __future__ import annotations
@@ -30,35 +33,6 @@ torch.set_num_threads(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")))
 _SHARED_MODELS: list = []  # every model ``_tiny`` built: their runners' memory is cleared before each test
 
 
-class RowInvariantLinear(torch.nn.Module):
-    """``x @ weight.T`` as an elementwise product summed over the input dimension: every output
-    element is reduced on its own, in the same order, whatever other rows share the call (one
-    intra-op thread, as the suite runs), so a token's result does not depend on how many tokens
-    share its forward.  fp32 ``F.linear`` (MKL) changes its blocking with the row count and is
-    not batch invariant: it moves logits by ~1e-7, enough to flip a seeded draw that falls that
-    close to a boundary of the sampling distribution's CDF (it happened: new token 9 of one
-    test_sampling_same_seed case, uniform 0.8229840 against a CDF step at 0.8229835)."""
-
-    def __init__(self, weight: torch.nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight  # shared with the layer it replaces (a tied head stays tied)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.unsqueeze(-2) * self.weight).sum(-1)
-
-
-def make_batch_invariant(model) -> None:
-    """Turn a float native decoder into a batch-invariant one, like the default int4 path: the
-    invariant attention and ``RowInvariantLinear`` layers (weights shared, not copied)."""
-    from leapdecode.models.quant import BLOCK_LINEARS
-
-    model.attention = "invariant"
-    for block in model.layers:
-        for name in BLOCK_LINEARS:
-            setattr(block, name, RowInvariantLinear(getattr(block, name).weight))
-    model.lm_head = RowInvariantLinear(model.lm_head.weight)
-
-
 @functools.lru_cache(maxsize=None)
 def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0, layers: int = 2,
           hidden: int = 64, invariant: bool = False):
@@ -69,6 +43,7 @@ def _tiny(seed: int = 0, copy: int = 0, noise: float = 0.0, noise_seed: int = 0,
     ``invariant``: batch-invariant (``make_batch_invariant``; the same weights, another object),
     for tests that compare speculative methods with vanilla bit for bit on many random cases.
     """
+    from helpers.models import make_batch_invariant
     from leapdecode.models.tiny import tiny_loaded
 
     lm = tiny_loaded(name=f"tiny-random:{seed}", seed=seed, layers=layers, hidden=hidden,
@@ -177,37 +152,6 @@ def _no_bundled_heads(tmp_path_factory, monkeypatch):
     empty = tmp_path_factory.getbasetemp() / "no-bundled-heads"
     empty.mkdir(exist_ok=True)
     monkeypatch.setattr(store, "bundled_root", lambda: empty)
-
-
-def load_script(name: str):
-    """``scripts/NAME.py`` as a module (the scripts are not a package); its own folder on the path,
-    for scripts that import a sibling."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[1] / "scripts"
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-async def collect_job_events(engine, specs) -> list:
-    """Submit one ``Job`` of ``specs`` to a server ``Engine`` and gather its typed events up to
-    ``Ended`` (60 s per event at most)."""
-    import asyncio
-
-    from leapdecode.server.engine import Ended, Job
-
-    job = Job(specs)
-    engine.submit(job)
-    events = []
-    while not events or not isinstance(events[-1], Ended):
-        events.append(await asyncio.wait_for(job.events.get(), 60))
-    return events
 
 
 def flat_verify_cost():
@@ -323,148 +267,12 @@ def chi2():
     return chi2_gof
 
 
-# The other builds of a kernel source that tests compare with the library, by name: the
-# portable C++ path, the AVX2 path (AVX-512 and AVX-VNNI switched off, so an AVX-512 machine checks it too),
-# on a CPU with AVX-VNNI the AVX2 path with it (qgemm.cpp only), and on a CPU where the library runs AMX
-# tiles, its AVX-512 path without them (qgemm.cpp only).
-KERNEL_VARIANTS = {"portable": ("-DLD_PORTABLE",), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
-                   "avx2-vnni": ("-mno-avx512f", "-mavxvnni"), "no-amx": ("-DLD_NO_AMX",)}
-
-
-def build_kernel_variant(tmp_path_factory, source, functions: tuple[str, ...], variant: str = "portable"):
-    """``source`` (one of ``kernel_library.SOURCES``) built with kernel_library's compiler and flags plus those
-    of ``KERNEL_VARIANTS[variant]``, loaded, with ``functions`` typed as in the real library;
-    skips where no compiler or kernel is available, or (``"avx2"``) the CPU has no AVX2, FMA and
-    F16C to run that path.  On a CPU with AVX2 and no AVX-512 the library itself is the AVX2
-    build (``-march=native`` there implies ``-mno-avx512f``): it is returned instead of compiling
-    the same code again (about a minute for qgemm.cpp on 2 cores)."""
-    import ctypes
-    import subprocess
-
-    from leapdecode.models import kernel_library
-
-    problem = kernel_library.kernel_problem()
-    if problem is not None:
-        pytest.skip(f"the kernels are not available here: {problem}")
-    cxx = kernel_library.compiler()
-    if cxx is None:
-        pytest.skip(f"no C++ compiler to build the {variant} kernel")
-    flags = set(kernel_library.cpu_flags().split())
-    if variant == "avx2" and not {"avx2", "fma", "f16c"} <= flags:
-        pytest.skip("this CPU has no AVX2 (with FMA and F16C): the AVX2 path cannot run here")
-    if variant == "avx2" and not {"avx512f", "avx_vnni"} & flags:
-        return kernel_library.library()
-    assert variant not in ("avx2-vnni", "no-amx") or source == kernel_library.SOURCE, "only qgemm.cpp has that path"
-    if variant == "avx2-vnni" and "avx_vnni" not in flags:
-        pytest.skip("this CPU has no AVX-VNNI: the avx2-vnni path cannot run here")
-    if variant == "avx2-vnni" and "avx512f" not in flags:
-        return kernel_library.library()
-    if variant == "no-amx" and not kernel_library.library().ld_amx():
-        pytest.skip("the library runs no AMX tiles here: its AVX-512 path is the library's own")
-    target = tmp_path_factory.mktemp(variant) / f"{source.stem}-{variant}.so"
-    proc = subprocess.run([cxx, *kernel_library.CXXFLAGS, *KERNEL_VARIANTS[variant], str(source), "-o", str(target)],
-                          capture_output=True, text=True, timeout=kernel_library.BUILD_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr
-    lib = ctypes.CDLL(str(target))
-    ref = kernel_library.library()
-    for name in functions:
-        getattr(lib, name).argtypes = getattr(ref, name).argtypes
-        getattr(lib, name).restype = getattr(ref, name).restype
-    return lib
-
-
 @pytest.fixture
 def no_loading(monkeypatch):
     """Any model load fails the test: bad flags must be refused before a model is loaded."""
     from leapdecode.models import loader
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("a model was loaded before the flags were checked"))
-
-
-# ------------------------------------------------------------------ servers on loopback
-def eventually(cond, what: str, timeout: float = 60.0) -> None:
-    """Wait until ``cond()`` holds (the bound only keeps a broken server from hanging the test)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
-def start_server(app):
-    """``app`` on uvicorn in a daemon thread on a free loopback port: (server, thread, base URL);
-    stop it with ``server.should_exit = True`` and ``thread.join``."""
-    import threading
-
-    import uvicorn
-
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    eventually(lambda: srv.started or not thread.is_alive(), "the server did not start")
-    assert thread.is_alive(), "the server did not start"
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    return srv, thread, f"http://127.0.0.1:{port}"
-
-
-def tiny_server(default_method: str = "vanilla", **app_options):
-    """A generator for module fixtures: leapdecode's server on ``tiny-random`` (fp32) on loopback,
-    yielding ``url`` (ending in ``/v1``), ``model``, ``app``, ``runner`` and ``engine``; stopped
-    after the module."""
-    from types import SimpleNamespace
-
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    import leapdecode
-    from leapdecode.server.app import create_app
-    from leapdecode.server.config import ServeConfig
-
-    model = leapdecode.load("tiny-random", dtype="fp32")
-    app = create_app(model, ServeConfig(default_method=default_method, max_queue=4, request_timeout=60), **app_options)
-    srv, thread, url = start_server(app)
-    yield SimpleNamespace(url=url + "/v1", model=model, app=app, runner=app.state.runner, engine=app.state.engine)
-    srv.should_exit = True
-    thread.join(10)
-
-
-# ------------------------------------------------------------------ tiny diffusion LMs
-_TINY_DLLMS: dict = {}
-CONFIDENT_TOKEN = 65  # what confident_dllm() predicts everywhere
-
-
-def tiny_dllm(family: str, seed: int):
-    """``tiny-llada:SEED`` / ``tiny-dream:SEED``, loaded once per session (decoders never modify it)."""
-    from leapdecode.diffusion import load
-
-    if (family, seed) not in _TINY_DLLMS:
-        _TINY_DLLMS[(family, seed)] = load(f"tiny-{family}:{seed}")
-    return _TINY_DLLMS[(family, seed)]
-
-
-def confident_dllm(family: str):
-    """A fresh tiny dLLM that predicts CONFIDENT_TOKEN everywhere with confidence ~0.999 (< 1): the
-    attention and MLP outputs are zeroed, every embedding shares a large first coordinate, and
-    only the head row of CONFIDENT_TOKEN reads it."""
-    from leapdecode.diffusion.tiny import tiny_model
-
-    m = tiny_model(family, seed=5)
-    net = m.network
-    with torch.no_grad():
-        for b in net.blocks:
-            b.o.weight.zero_()
-            b.down.weight.zero_()
-        net.embed.weight[:, 0] = 10.0
-        net.head.weight.zero_()
-        net.head.weight[CONFIDENT_TOKEN, 0] = 2.0
-    return m
-
-
-def run_dllm(m, prompt, method, gen_len, block, **options):
-    """``diffusion.generate`` of ``gen_len`` tokens in blocks of ``block`` with the method's options."""
-    from leapdecode.diffusion import generate
-
-    return generate(m, prompt, method=method, options=options, max_new_tokens=gen_len, block_size=block)
 
 
 # ------------------------------------------------------------------ tiers

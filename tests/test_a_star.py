@@ -26,7 +26,7 @@ from leapdecode.core.sampling import SamplingParams, target_probs
 from leapdecode.errors import InvalidParameterError, ScorerError
 from leapdecode.strategies.a_star import AStarConfig
 from leapdecode.strategies.scorers import Sample
-from conftest import tiny_server
+from helpers.server import tiny_server
 
 ALPHA = 0.01
 PROMPT = " return xabzz"

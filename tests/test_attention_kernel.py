@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import build_kernel_variant
+from helpers.kernel_variants import build_kernel_variant
 from leapdecode.models import kernel_library
 from leapdecode.models.loader import load
 from leapdecode.models.kernel_library import kernel_problem

@@ -47,7 +47,7 @@ from leapdecode.request import GenerationRequest
 from leapdecode.server.engine import Delta, Ended, Engine, Failed, Finished, GenSpec, Job, build_runner
 from leapdecode.server.exceptions import RequestTooLargeError
 
-from conftest import collect_job_events
+from helpers.server import collect_job_events
 
 # a verification cost that grows with the tree: fixed (no timing probe), so trees do not depend on
 # this machine, and steep enough that the engine's speculation caps bind as the batch fills

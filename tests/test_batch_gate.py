@@ -38,7 +38,7 @@ from leapdecode.proposers import method_config
 from leapdecode.request import GenerationRequest
 from leapdecode.server.engine import Engine, Finished, GenSpec
 
-from conftest import collect_job_events
+from helpers.server import collect_job_events
 
 # a plausible single-sequence profile in seconds (no timing probe): rows cost a little each
 PROFILE = VerifyCost([1, 16, 32], [1e-3, 1.6e-3, 2.4e-3])

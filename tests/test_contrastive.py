@@ -22,7 +22,7 @@ import leapdecode
 from leapdecode.core.runner import ModelRunner
 from leapdecode.errors import InvalidParameterError
 from leapdecode.strategies.registry import STRATEGIES, ContrastiveSearchConfig, strategy_config
-from conftest import tiny_server
+from helpers.server import tiny_server
 
 PROMPTS = ["Hello there", "The cat", "a", "def f(x):"]
 

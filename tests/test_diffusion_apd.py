@@ -22,7 +22,7 @@ from leapdecode.diffusion.tiny import TINY_MASK
 from leapdecode.errors import InvalidParameterError, UnknownModelError
 from leapdecode.models.tiny import tiny_loaded
 
-from conftest import CONFIDENT_TOKEN, confident_dllm as confident, tiny_dllm as model
+from helpers.diffusion import CONFIDENT_TOKEN, confident_dllm as confident, tiny_dllm as model
 
 
 def run(m, prompt, gen_len, block, method="apd", **options):

@@ -19,7 +19,7 @@ from leapdecode.diffusion.configs import FreeDaveConfig, SsdConfig, StepwiseConf
 from leapdecode.diffusion.tiny import TINY_MASK
 from leapdecode.errors import InvalidParameterError
 
-from conftest import tiny_dllm as model
+from helpers.diffusion import tiny_dllm as model
 
 
 def run(family, seed, prompt, method, gen_len, block, **options):

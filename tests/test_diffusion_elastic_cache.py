@@ -21,7 +21,7 @@ from leapdecode.diffusion import DIFFUSION_METHODS, generate, load
 from leapdecode.diffusion.tiny import TINY_MASK, tiny_model
 from leapdecode.errors import InvalidParameterError
 
-from conftest import CONFIDENT_TOKEN, confident_dllm as confident, run_dllm as run, tiny_dllm as model
+from helpers.diffusion import CONFIDENT_TOKEN, confident_dllm as confident, run_dllm as run, tiny_dllm as model
 
 
 def test_registered_as_not_exact():

@@ -31,7 +31,7 @@ METHODS = ["credit", "localleap", "adablock"]
 DEGENERATE = {"credit": {"threshold": 1.0, "fusion": 0.0},
               "localleap": {"threshold": 1.0},
               "adablock": {"threshold": 1.0, "delimiter_threshold": 2.0}}
-from conftest import tiny_dllm as model
+from helpers.diffusion import tiny_dllm as model
 
 MODELS = {}  # confident() models, by (family, seed, scale)
 

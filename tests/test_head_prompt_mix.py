@@ -15,7 +15,7 @@ import pytest
 from leapdecode.bench.workloads import held_apart
 from leapdecode.training.data import humaneval_prompts
 
-from conftest import load_script
+from helpers.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "head_prompt_mix.py"
 

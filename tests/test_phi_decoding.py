@@ -28,7 +28,7 @@ from leapdecode.errors import InvalidParameterError, ScorerError
 from leapdecode.strategies.phi_decoding import (PhiDecodingConfig, draw_without_replacement, kmeans,
                                                 selection_weights, softmax, tfidf, width_keep)
 from leapdecode.strategies.scorers import Sample
-from conftest import tiny_server
+from helpers.server import tiny_server
 
 ALPHA = 0.01
 PROMPT = " return xabzz"

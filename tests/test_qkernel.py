@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from leapdecode.errors import ModelFileError
 from leapdecode.models import kernel_library, kernel_pack, kernel_prefill, qkernel
 from leapdecode.models.store import digest_path
-from conftest import KERNEL_VARIANTS, build_kernel_variant
+from helpers.kernel_variants import KERNEL_VARIANTS, build_kernel_variant
 from leapdecode.models.kernel_library import kernel_problem
 from leapdecode.models.kernel_pack import CODES_IQ4, IQ4_VALUES, UNIT_BYTES, BlockWeight, pack, padded
 from leapdecode.models.qkernel import MAX_ROWS, QLinear, QPart
@@ -435,7 +435,7 @@ def test_random_shapes_are_exact_and_batch_invariant(force_kernel, fmt, units, n
 
 
 # ------------------------------------------------------------------ 3. the other code paths
-# ld_simd() of each other build of kernels/qgemm.cpp (conftest.KERNEL_VARIANTS)
+# ld_simd() of each other build of kernels/qgemm.cpp (helpers/kernel_variants.py: KERNEL_VARIANTS)
 VARIANT_SIMD = {"portable": 0, "avx2": 2, "avx2-vnni": 3, "no-amx": 1}
 
 

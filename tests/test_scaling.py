@@ -29,7 +29,7 @@ from leapdecode.strategies.parallel import sample_seeds
 from leapdecode.strategies.registry import BestOfNConfig, SpeculativeRejectionConfig
 from leapdecode.strategies.scorers import (Sample, UnitTests, auto_answer, last_line, last_number,
                                            program_with_tests, run_sandboxed)
-from conftest import tiny_server
+from helpers.server import tiny_server
 
 ALPHA = 0.01
 PROMPT = "the cat the cat the ca"  # repetitive: prompt lookup drafts

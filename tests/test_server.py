@@ -37,8 +37,8 @@ from leapdecode.server.config import ServeConfig  # noqa: E402
 from leapdecode.server.engine import (Delta, Ended, Engine, Failed, Finished, GenSpec, Started,  # noqa: E402
                                       build_runner)
 
-from conftest import collect_job_events  # noqa: E402
-from conftest import eventually, load_script, start_server
+from helpers.scripts import load_script  # noqa: E402
+from helpers.server import collect_job_events, eventually, start_server  # noqa: E402
 
 LONG = 1500  # max_tokens of a greedy generation (no EOS: 'Hello'/'Hi' run to the limit) far longer than any wait
 DRAFT = "tiny-random:1"

@@ -15,7 +15,7 @@ from leapdecode.models.static_step import (EXACT_ROWS, pad_inputs, padded_forwar
                                            row_bucket, span_bucket, span_of)
 from leapdecode.models.tiny import tiny_loaded
 
-from conftest import make_batch_invariant
+from helpers.models import make_batch_invariant
 
 TREE = [-1, 0, 0, 1, 3, 2, -1]  # two roots, branches, a chain under node 1
 

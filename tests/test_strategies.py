@@ -33,7 +33,7 @@ from leapdecode.models.kv_cache import KVCache
 from leapdecode.strategies import search as search_mod
 from leapdecode.strategies.registry import STRATEGIES, BeamConfig, strategy_config
 from leapdecode.strategies.stochastic_beam import conditional_poisson_sample, odds_weights
-from conftest import tiny_server
+from helpers.server import tiny_server
 from helpers.models import EOS, hf_pair, prompt_ids, small_vocab
 
 PROMPTS = ["Hello there", "The cat", "a"]

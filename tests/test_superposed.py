@@ -26,7 +26,7 @@ import leapdecode
 from leapdecode.core.runner import ModelRunner
 from leapdecode.errors import InvalidParameterError
 from leapdecode.strategies.registry import STRATEGIES, SuperposedConfig, strategy_config
-from conftest import tiny_server
+from helpers.server import tiny_server
 
 CORPUS = "the cat sat on the mat and the dog sat on the log. the cat ate the rat. " * 4
 PROMPTS = [(0, "the cat sat on the mat. the cat"), (3, "the dog"), (5, "Hello there")]

@@ -24,7 +24,7 @@ from leapdecode.strategies.parallel import ParallelSamples
 from leapdecode.strategies.registry import strategy_config
 from leapdecode.strategies.search import TreeSearch
 
-from conftest import collect_job_events
+from helpers.server import collect_job_events
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "leapdecode"
 

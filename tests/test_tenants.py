@@ -22,7 +22,7 @@ from leapdecode.proposers.registry import parse_request_limits, request_limits  
 from leapdecode.server.app import create_app  # noqa: E402
 from leapdecode.server.config import ServeConfig  # noqa: E402
 
-from conftest import start_server  # noqa: E402
+from helpers.server import start_server  # noqa: E402
 
 KEYS = ("key-of-alice", "key-of-bob")
 # suffix with the paper's rule (no measured costs: it drafts whatever its tries match), greedy

@@ -28,7 +28,7 @@ from leapdecode.server.config import ServeConfig  # noqa: E402
 from leapdecode.server.errors import ApiError  # noqa: E402
 from leapdecode.server.tools import (Tool, ToolCalling, ToolTextFilter, call_schema, parse_tool_calls,  # noqa: E402
                                      special_tags, tool_call_grammar)
-from conftest import start_server  # noqa: E402
+from helpers.server import start_server  # noqa: E402
 
 MODEL = "tiny-random"
 TOOLS_TEMPLATE = """\

@@ -1,7 +1,7 @@
 """Small models the tests build beside leapdecode's own ``tiny-random``: a tiny transformers Llama with
 its native twin, a native model over a small vocabulary, a tiny Llama saved in Hugging Face format
 (tests/test_strategies.py, test_contrastive.py, test_look_back.py, test_superposed.py, test_bench.py,
-test_cache_faults.py)."""
+test_cache_faults.py), and a native decoder made batch-invariant (conftest's ``tiny``, test_static_step.py)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,32 @@ def tiny_hf_dir(path: Path) -> Path:
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+class RowInvariantLinear(torch.nn.Module):
+    """``x @ weight.T`` as an elementwise product summed over the input dimension: every output
+    element is reduced on its own, in the same order, whatever other rows share the call (one
+    intra-op thread, as the suite runs), so a token's result does not depend on how many tokens
+    share its forward.  fp32 ``F.linear`` (MKL) changes its blocking with the row count and is
+    not batch invariant: it moves logits by ~1e-7, enough to flip a seeded draw that falls that
+    close to a boundary of the sampling distribution's CDF (it happened: new token 9 of one
+    test_sampling_same_seed case, uniform 0.8229840 against a CDF step at 0.8229835)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight  # shared with the layer it replaces (a tied head stays tied)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(-2) * self.weight).sum(-1)
+
+
+def make_batch_invariant(model) -> None:
+    """Turn a float native decoder into a batch-invariant one, like the default int4 path: the
+    invariant attention and ``RowInvariantLinear`` layers (weights shared, not copied)."""
+    from leapdecode.models.quant import BLOCK_LINEARS
+
+    model.attention = "invariant"
+    for block in model.layers:
+        for name in BLOCK_LINEARS:
+            setattr(block, name, RowInvariantLinear(getattr(block, name).weight))
+    model.lm_head = RowInvariantLinear(model.lm_head.weight)
