@@ -283,14 +283,15 @@ def no_loading(monkeypatch):
 TIERS = ("unit", "exactness", "kernels", "server", "integration")  # what each holds: pyproject.toml's markers
 FILE_TIERS: dict[str, tuple[str, ...]] = {
     "unit": (
-        "test_asap.py", "test_cli_options.py", "test_config.py", "test_cost_model.py", "test_decoder_protocol.py",
-        "test_detokenizer.py", "test_diffusion_apd.py", "test_diffusion_cli.py", "test_diffusion_elastic_cache.py",
-        "test_diffusion_models.py", "test_diffusion_policies_c.py", "test_diffusion_train.py", "test_docs.py",
-        "test_draft_ceiling.py", "test_generate.py", "test_hf_backend.py", "test_hostile_inputs.py",
-        "test_kv_blocks.py", "test_kv_cache.py", "test_layering.py", "test_lookahead.py", "test_method_defaults.py",
-        "test_models_list.py", "test_models_store.py", "test_output.py", "test_prefill.py", "test_reference.py",
-        "test_registry.py", "test_request.py", "test_results_page.py", "test_runner.py", "test_scale_report.py",
-        "test_static_step.py", "test_steps.py", "test_suffix.py", "test_tiers.py",
+        "test_asap.py", "test_batch_stats.py", "test_cli_options.py", "test_config.py", "test_cost_model.py",
+        "test_decoder_protocol.py", "test_detokenizer.py", "test_diffusion_apd.py", "test_diffusion_cli.py",
+        "test_diffusion_elastic_cache.py", "test_diffusion_models.py", "test_diffusion_policies_c.py",
+        "test_diffusion_train.py", "test_docs.py", "test_draft_ceiling.py", "test_generate.py", "test_hf_backend.py",
+        "test_hostile_inputs.py", "test_kv_blocks.py", "test_kv_cache.py", "test_layering.py", "test_lookahead.py",
+        "test_method_defaults.py", "test_models_list.py", "test_models_store.py", "test_output.py",
+        "test_prefill.py", "test_reference.py", "test_registry.py", "test_request.py", "test_results_page.py",
+        "test_runner.py", "test_running_mean.py", "test_scale_report.py", "test_static_step.py", "test_steps.py",
+        "test_suffix.py", "test_tiers.py",
     ),
     "exactness": (
         "test_a_star.py", "test_auto_head.py", "test_contrastive.py", "test_diffusion_constrained.py",
