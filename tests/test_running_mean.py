@@ -50,3 +50,26 @@ def test_discounted_mean_class_rejects_a_discount_outside_0_1_and_a_negative_cou
             DiscountedMean(0.0, 1.0, bad)
     with pytest.raises(ValueError):
         DiscountedMean(0.0, -1.0, 0.9)
+
+
+def test_autos_bandit_keeps_each_arms_reward_as_a_discounted_mean():
+    """``auto``'s bandit: every update discounts the context's counts, and the arm's mean takes the
+    reward with weight 1 / its discounted count: the ratio of discounted sums per (context, arm),
+    whose sums are discounted at every update of the context (any arm's)."""
+    from leapdecode.proposers.auto import BanditStats
+
+    rng, g = random.Random(3), 0.9
+    bandit = BanditStats(["a", "b"], discount=g, explore=0.15)
+    sums = {(c, a): [0.0, 0.0] for c in (0, 1) for a in ("a", "b")}
+    for _ in range(300):
+        ctx, arm, reward = rng.randrange(2), rng.choice("ab"), rng.random() * 20
+        for a in "ab":
+            if (ctx, a) in bandit.n:
+                sums[(ctx, a)][0] *= g
+                sums[(ctx, a)][1] *= g
+        sums[(ctx, arm)][0] += reward
+        sums[(ctx, arm)][1] += 1.0
+        bandit.update(ctx, arm, reward)
+        s, n = sums[(ctx, arm)]
+        assert bandit.n[(ctx, arm)] == pytest.approx(n, rel=1e-12)
+        assert bandit.mean[(ctx, arm)] == pytest.approx(s / n, rel=1e-9)

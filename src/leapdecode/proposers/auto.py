@@ -71,6 +71,7 @@ from typing import Any
 
 from ..core.tree import TokenTree
 from ..core.proposer import DecodeContext, MemoryKey, Proposer
+from ..core.running_mean import discounted_mean
 from .sam import MATCH_BUCKETS, SuffixAutomatonProposer, match_bucket
 from .suffix import SuffixDecodingProposer
 from .configs import AutoConfig
@@ -135,10 +136,8 @@ class BanditStats:
             if (ctx, a) in self.n:
                 self.n[(ctx, a)] *= self.discount
         key = (ctx, arm)
-        n = self.n.get(key, 0.0) + 1.0
-        m = self.mean.get(key, 0.0)
-        self.n[key] = n
-        self.mean[key] = m + (reward - m) / n
+        self.n[key] = n = self.n.get(key, 0.0) + 1.0
+        self.mean[key] = discounted_mean(self.mean.get(key, 0.0), reward, 0.0, n)  # weight 1 / n
 
     def snapshot(self) -> dict[str, Any]:
         return {f"{a}@{MATCH_BUCKETS[c]}+": [round(self.mean[(c, a)], 2), round(self.n[(c, a)], 1)]
