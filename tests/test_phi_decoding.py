@@ -230,7 +230,7 @@ def test_each_step_of_the_search_runs_at_most_one_forward(tiny, monkeypatch):
     steps = 1
     while True:
         before = len(calls)
-        done = gen.step()
+        done = gen.step().finished
         steps += 1
         assert len(calls) - before <= 1
         if done:
@@ -315,7 +315,7 @@ def test_cancel_close_and_a_failing_scorer_give_the_cache_back(tiny):
         gen.step()
     assert runner_for(lm).caches_in_use == 1
     gen.cancel()
-    assert gen.step() and gen.result.finish_reason == "cancelled" and runner_for(lm).caches_in_use == 0
+    assert gen.step().finished and gen.result.finish_reason == "cancelled" and runner_for(lm).caches_in_use == 0
     gen = leapdecode.start_generation(lm, PROMPT, strategy="phi-decoding", temperature=1.0, seed=0, max_new_tokens=12,
                                       strategy_options={"max_step_tokens": 2, "max_steps": 4})
     gen.step()

@@ -337,7 +337,7 @@ def test_the_runner_gets_the_cache_back_after_a_search_and_after_errors(monkeypa
     s = leapdecode.stream(runner, prompt_ids=ids, strategy="beam", max_new_tokens=5)
     s.step()
     s.cancel()
-    assert s.step() and s.result.finish_reason == "cancelled" and runner.caches_in_use == 0
+    assert s.step().finished and s.result.finish_reason == "cancelled" and runner.caches_in_use == 0
     # a failure inside a round
     calls = []
     original = search_mod.TreeKV.expand_co

@@ -181,14 +181,16 @@ class Task:
     def __iter__(self) -> "Task":
         return self
 
+    _text_given: bool = False  # a task that decides its text at its end handed it to ``next()``
+
     def step(self) -> StepOutput:
-        """One step alone (a streaming task's: its text is final as it is decided)."""
+        """One step alone, its forwards run on their own (the first one starts the task)."""
         raise NotImplementedError
 
     def __next__(self) -> str:
         """The next text piece: steps until one decides text (``StopIteration`` once the task is over);
         a step that fails ends the task where it stood (``close``).  A task that decides its text at
-        its end (``streams`` False: a search) gives it otherwise."""
+        its end (``streams`` False: a search, its best hypothesis) gives it whole, once, at its end."""
         try:
             while not self.done:
                 if text := self.step().text:
@@ -196,6 +198,10 @@ class Task:
         except BaseException:
             self.close()
             raise
+        if not self.streams and not self._text_given:
+            self._text_given = True
+            if self.result.text:
+                return self.result.text
         raise StopIteration
 
     def run(self) -> Any:

@@ -346,7 +346,6 @@ class TreeSearch(Task):
         self.result: SearchResult | None = None
         self.rounds = 0
         self._t0 = 0.0
-        self._text_given = False  # its text handed to an iterating consumer (__next__)
         self._suspended: Generator | None = None  # a round waiting for its forward's logits
 
     # ------------------------------------------------------------ subclass API
@@ -377,16 +376,12 @@ class TreeSearch(Task):
                           "stop" if stop else "length", info)
 
     # ------------------------------------------------------------ life cycle
-    @property
-    def done(self) -> bool:
-        return self.result is not None
-
-    def step(self) -> bool:
-        """One round alone (the first one prefills the prompt); True once the search is over."""
+    def step(self) -> StepOutput:
+        """One round alone (the first one prefills the prompt); ``finished`` once the search is over."""
         out = self.next_forwards()
         if not isinstance(out, StepOutput):
             out = self.finish_forwards(out, run_forwards(self.model, out))
-        return out.finished
+        return out
 
     # ------------------------------------------------------------ the task protocol (core/task.py)
     @property
@@ -464,26 +459,6 @@ class TreeSearch(Task):
 
     def choice_results(self, n: int) -> list[GenerationResult]:
         return self.result.as_results(n)
-
-    def run(self) -> SearchResult:
-        while not self.step():
-            pass
-        assert self.result is not None
-        return self.result
-
-    def __next__(self) -> str:
-        """The best hypothesis's text, once, at the end (a search decides its output last)."""
-        if self._text_given:
-            raise StopIteration
-        try:
-            self.run()
-        finally:
-            if self.result is None:
-                self._finish("cancelled")
-        self._text_given = True
-        if not self.result.text:
-            raise StopIteration
-        return self.result.text
 
     def _drop_round(self) -> None:
         if self._suspended is not None:  # a round abandoned while it waited for its forward
