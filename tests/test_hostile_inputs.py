@@ -69,6 +69,35 @@ def test_a_deeply_nested_schema_is_a_grammar_error():
         check_json_schema(nested)
 
 
+def test_a_schema_checks_budget_counts_the_check_not_the_childs_start(tmp_path, monkeypatch):
+    """The schema checker's child (``constraints/isolated.py``) says when it is ready, and a check's
+    time budget starts after that: a child slow to start (a loaded machine of few cores) does not fail
+    the first request with "took more than ... to check"; a child that never starts is an error that
+    says so."""
+    pytest.importorskip("jsonschema")
+    import uuid
+
+    from leapdecode.constraints import isolated
+
+    slow = tmp_path / "slow_child.py"  # starts in 1.5 s, then checks at once
+    slow.write_text("import json, sys, time\ntime.sleep(1.5)\nprint(json.dumps({'ready': True}), flush=True)\n"
+                    "for line in sys.stdin:\n    print(json.dumps({'ok': True}), flush=True)\n")
+    monkeypatch.setattr(isolated, "CHILD", slow)
+    checker = isolated.SchemaChecker(timeout_s=1.0)
+    try:
+        schema = {"type": "object", "title": f"startup {uuid.uuid4()}"}  # never checked before
+        assert checker.check(schema) == schema and checker.checks == 1
+    finally:
+        checker.close()
+    mute = tmp_path / "mute_child.py"
+    mute.write_text("import time\ntime.sleep(30)\n")
+    monkeypatch.setattr(isolated, "CHILD", mute)
+    monkeypatch.setattr(isolated, "STARTUP_S", 0.5)
+    checker = isolated.SchemaChecker(timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="did not start within 0.5 s"):
+        checker.check({"type": "object", "title": f"mute {uuid.uuid4()}"})
+
+
 def test_a_request_body_nested_too_deep_is_a_400():
     """Probe HS70: a body with arrays nested 10,000 deep was a 500 (RecursionError)."""
     from leapdecode.server.errors import ApiError

@@ -25,6 +25,10 @@ from ..errors import GrammarError
 from .grammar import COMPILE_TIMEOUT_S, check_json_schema
 
 CHILD = Path(__file__).with_name("schema_check.py")
+# seconds a new child may take to start (its interpreter and jsonschema imported, at a lower priority:
+# seconds on a loaded machine of few cores); not part of any check's budget.  A bound far above an idle
+# start (0.18 s to its ready line and exit, 2-core Xeon VM, 2026-12-07); the 60 s themselves not measured
+STARTUP_S = 60.0
 
 
 class SchemaChecker:
@@ -71,10 +75,16 @@ class SchemaChecker:
         return json.loads(answer)
 
     def _start(self) -> subprocess.Popen:
+        """The child, started if need be and waited for until it says it is ready (``STARTUP_S``), so
+        that a check's budget counts the check alone."""
         if self._child is None or self._child.poll() is not None:
             # -I: no user site, no PYTHONPATH, no script directory: jsonschema from this interpreter's own
-            self._child = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, bufsize=0)
+            self._child = child = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
+                                                   stdout=subprocess.PIPE, bufsize=0)
+            ready, _, _ = select.select([child.stdout], [], [], STARTUP_S)
+            if not ready or not json.loads(child.stdout.readline() or b"{}").get("ready"):
+                self.close()
+                raise RuntimeError(f"the JSON schema checker's process did not start within {STARTUP_S:g} s")
         return self._child
 
     def close(self) -> None:

@@ -5,10 +5,11 @@ interpreter lock all along, which slowed a server's decoding 2.8x (probe HR22; l
 server runs it in this process instead, which imports jsonschema and nothing of leapdecode (run as a
 script by its path, so the package, torch among it, is never imported: a light child).
 
-Protocol: one JSON object a line on stdin, ``{"schema": ...}``; one line back per request:
+Protocol: once started (jsonschema imported), ``{"ready": true}`` on stdout; then one JSON object a
+line on stdin, ``{"schema": ...}``, and one line back per request:
 ``{"ok": true}``, ``{"error": MESSAGE, "at": PATH}`` (the metaschema's complaint) or
-``{"deep": true}`` (nested too deeply to check).  The parent owns the time budget: it kills this
-process when a check runs past it.  It runs at a lower priority (``NICE``), so that on a machine of
+``{"deep": true}`` (nested too deeply to check).  The parent owns the time budget of a check (the
+start-up is not part of it): it kills this process when a check runs past it.  It runs at a lower priority (``NICE``), so that on a machine of
 few cores a check takes the CPU decoding leaves, not the other way round.  Keep the check itself in
 step with ``grammar.metaschema_check`` (this child cannot import it: that would import leapdecode).
 """
@@ -38,6 +39,10 @@ def main():
         os.nice(NICE)
     except OSError:
         pass
+    check({})  # jsonschema imported (and its check run once) before any request's budget starts
+
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             reply = check(json.loads(line)["schema"])
