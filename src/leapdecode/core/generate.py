@@ -73,7 +73,6 @@ class Generation(Task):
                  constraint: Constraint | None = None, memory_scope: str | None = None) -> None:
         model = runner.model
         self.runner, self.model, self.params, self.method = runner, model, params, method
-        self.memory_scope = memory_scope  # whose part of the runner's memory the proposer uses (DecodeContext)
         self.max_new_tokens = check_max_new_tokens(max_new_tokens)
         self.stop = check_stop(stop)
         self.prompt_ids = check_prompt_ids(prompt_ids, model)
@@ -83,7 +82,8 @@ class Generation(Task):
         self.out = OutputProcessor(model.tokenizer, self.stop)  # text pieces, stop strings, statistics
         self.planner = StepPlanner(proposer, constraint, budget, model.device, self.out)
         self.tokens, self.generated = list(self.prompt_ids), []  # decided (tokens: prompt first; its last: the root)
-        # its claim on the runner (KV-cache slot, generator, prompt prefill), taken at the first step
+        # its claim on the runner (KV-cache slot, generator, prompt prefill), taken at the first step;
+        # memory_scope: whose part of the runner's memory the proposer uses (DecodeContext)
         self.slot = Slot(runner, self.prompt_ids, params, self.max_new_tokens, self.kv_policy, memory_scope)
         self.committer: Committer | None = None  # from the prefill's end (the proposer began): DECODING
         self.result: GenerationResult | None = None
